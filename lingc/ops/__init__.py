@@ -1,0 +1,11 @@
+"""The lingc IR: `torch.ops.lingc.*` custom ops, each with a plain-torch reference and a fake (shape) impl.
+
+The reference model calls only these ops (plus a few aten view/shape ops), so tracing it yields them
+directly. `OPS` lists every lingc op by short name; `lingc.ir_json` resolves graph ops only through it.
+Importing this package registers the ops (the only import-time side effect lingc has).
+"""
+
+from lingc.ops import norm, linear, kda, mla, moe, sample  # noqa: F401  (registration)
+from lingc.ops.registry import OPS, op_name
+
+__all__ = ["OPS", "op_name"]

@@ -1,0 +1,134 @@
+"""KDA (Kimi Delta Attention) ops: the short causal conv with its state, and the gated delta rule.
+
+Letters: B batch, T tokens, H heads, D head dim (K = V = D), P = H * D, W conv width (4).
+`kda_recurrent` runs the recurrence token by token (decode, verify); `kda_chunk` is the chunked
+form (prefill). Both take the raw projections and do the safe gate, beta, q/k L2 norm and scale
+inside, in fp32, and update the fp32 state [B, H, D, D] ([heads, K, V]) in place.
+(shared/docs/architecture.md section 4; fla `naive_recurrent_kda` / `naive_chunk_kda`.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lingc.ops.norm import l2norm
+from lingc.ops.registry import register
+
+CHUNK = 64
+
+
+@torch.library.custom_op("lingc::kda_conv", mutates_args=("conv_state",))
+def kda_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """silu(depthwise causal conv) over time, continuing from conv_state; updates conv_state in place.
+
+    x [B, T, P] projections (pre-conv), weight [P, 1, W] fp32, conv_state [B, P, W-1] holding the last
+    W-1 pre-conv inputs (oldest first). Returns [B, T, P] in x.dtype.
+    """
+    width = weight.shape[-1]
+    window = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)   # [B, P, W-1+T]
+    y = F.conv1d(window.float(), weight.float(), groups=weight.shape[0])    # [B, P, T]
+    conv_state.copy_(window[..., window.shape[-1] - (width - 1):])
+    return F.silu(y).transpose(1, 2).to(x.dtype).contiguous()
+
+
+@kda_conv.register_fake
+def _(x, weight, conv_state):
+    return x.new_empty(x.shape)
+
+
+register("kda_conv")
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """Safe gate g = lower_bound * sigmoid(exp(A_log)[h] * (f + dt_bias)) in fp32; f [B, T, H, D] -> [B, T, H, D]."""
+    H, D = f.shape[-2:]
+    a = A_log.float().exp().view(H, 1)
+    return lower_bound * torch.sigmoid(a * (f.float() + dt_bias.float().view(H, D)))
+
+
+def _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound):
+    """fp32 [B, H, T, D] tensors: normalised+scaled q, normalised k, v, gate g, and beta [B, H, T]."""
+    D = q.shape[-1]
+    qf = l2norm(q.float()) * D ** -0.5
+    kf = l2norm(k.float())
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.float())
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  [B, T, H, ...] -> [B, H, T, ...]
+    return t(qf), t(kf), t(v.float()), t(g), t(beta)
+
+
+@torch.library.custom_op("lingc::kda_recurrent", mutates_args=("state",))
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                  lower_bound: float) -> torch.Tensor:
+    """Gated delta rule, one token at a time. q, k, v, f [B, T, H, D]; b [B, T, H]; state [B, H, D, D] fp32.
+
+    S = diag(exp(g_t)) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t  (read after the update).
+    """
+    qf, kf, vf, g, beta = _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound)
+    S = state.float().clone()
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, :, t].exp().unsqueeze(-1)                                   # decay rows (K index)
+        kt = kf[:, :, t]                                                          # [B, H, D]
+        err = beta[:, :, t, None] * (vf[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
+        S = S + kt.unsqueeze(-1) * err.unsqueeze(-2)
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, qf[:, :, t]))
+    state.copy_(S)
+    return torch.stack(outs, dim=1).to(q.dtype)                                  # [B, T, H, D]
+
+
+@kda_recurrent.register_fake
+def _(q, k, v, f, b, A_log, dt_bias, state, lower_bound):
+    return v.new_empty(v.shape)
+
+
+register("kda_recurrent")
+
+
+@torch.library.custom_op("lingc::kda_chunk", mutates_args=("state",))
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+              A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+              lower_bound: float) -> torch.Tensor:
+    """The same recurrence as kda_recurrent in chunks of 64 (WY form with per-channel decay); for prefill.
+
+    Inside a chunk with cumulative log-decay G_t, pseudo-values U solve
+    (I + diag(beta) A) U = diag(beta) (V - (exp(G) * K) S0), A[t, s] = sum_i k_t,i k_s,i exp(G_t,i - G_s,i), s < t.
+    """
+    qf, kf, vf, g, beta = _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound)
+    B, H, T, D = qf.shape
+    pad = (-T) % CHUNK
+    if pad:  # padded steps have k = v = beta = 0 and no decay, so they change nothing
+        qf, kf, vf, g = (F.pad(x, (0, 0, 0, pad)) for x in (qf, kf, vf, g))
+        beta = F.pad(beta, (0, pad))
+    n = qf.shape[2] // CHUNK
+    split = lambda x: x.reshape(B, H, n, CHUNK, *x.shape[3:])  # noqa: E731
+    qc, kc, vc, gc, bc = map(split, (qf, kf, vf, g, beta))
+    S = state.float().clone()
+    causal = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device))
+    outs = []
+    for c in range(n):
+        G = gc[:, :, c].cumsum(-2)                                                # [B, H, C, D]
+        diff = G.unsqueeze(-2) - G.unsqueeze(-3)                                  # [B, H, C(t), C(s), D]
+        decay = torch.where(causal[..., None], diff, torch.full_like(diff, -torch.inf)).exp()
+        kt, qt, vt, bt = kc[:, :, c], qc[:, :, c], vc[:, :, c], bc[:, :, c]
+        A = torch.einsum("bhti,bhsi,bhtsi->bhts", kt, kt, decay).tril(-1)
+        Bqk = torch.einsum("bhti,bhsi,bhtsi->bhts", qt, kt, decay)              # inclusive of s == t
+        eye = torch.eye(CHUNK, dtype=A.dtype, device=A.device)
+        rhs = bt.unsqueeze(-1) * (vt - torch.einsum("bhti,bhiv->bhtv", kt * G.exp(), S))
+        U = torch.linalg.solve_triangular(eye + bt.unsqueeze(-1) * A, rhs, upper=False, unitriangular=True)
+        outs.append(torch.einsum("bhti,bhiv->bhtv", qt * G.exp(), S) + Bqk @ U)
+        G_end = G[:, :, -1:]                                                      # [B, H, 1, D]
+        S = S * G_end.transpose(-1, -2).exp() + torch.einsum("bhsi,bhsv->bhiv", kt * (G_end - G).exp(), U)
+    state.copy_(S)
+    o = torch.cat(outs, dim=2)[:, :, :T]                                         # [B, H, T, D]
+    return o.transpose(1, 2).to(q.dtype).contiguous()
+
+
+@kda_chunk.register_fake
+def _(q, k, v, f, b, A_log, dt_bias, state, lower_bound):
+    return v.new_empty(v.shape)
+
+
+register("kda_chunk")

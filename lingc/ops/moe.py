@@ -1,0 +1,204 @@
+"""MoE ops: grouped sigmoid router, moe_align, expert up/down GEMMs, SwiGLU (+clamp) and the combine.
+
+Letters: N tokens, E experts, k experts per token, NP = N * k (token, expert) pairs, h hidden,
+I expert intermediate size, BM the GEMM block (rows of one expert per block).
+Expert weights are stacked: w13 [E, 2I, h] (gate rows then up rows, or interleaved gate/up pairs after
+`fuse_swiglu`), w2 [E, h, I]. (shared/docs/architecture.md section 6; techniques.md sections 6-7.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lingc.ops.registry import register
+
+
+@torch.library.custom_op("lingc::router_topk", mutates_args=())
+def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid group-limited top-k. logits [N, E] fp32 -> (weights [N, k] fp32, expert ids [N, k] int32).
+
+    The bias picks experts only; weights are the unbiased scores, renormalised (+1e-20) and scaled.
+    A group's score is the sum of its two best biased scores; the topk_group best groups stay eligible.
+    """
+    N, E = logits.shape
+    scores = torch.sigmoid(logits.float())
+    biased = scores + expert_bias.float()
+    group_scores = biased.view(N, n_group, -1).topk(2, dim=-1).values.sum(-1)           # [N, n_group]
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    expert_mask = group_mask.unsqueeze(-1).expand(N, n_group, E // n_group).reshape(N, E)
+    masked = biased.masked_fill(expert_mask == 0, float("-inf"))
+    ids = masked.topk(top_k, dim=-1, sorted=False).indices                              # [N, k]
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+@router_topk.register_fake
+def _(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor):
+    N = logits.shape[0]
+    return logits.new_empty((N, top_k), dtype=torch.float32), logits.new_empty((N, top_k), dtype=torch.int32)
+
+
+register("router_topk")
+
+
+def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(max padded rows, blocks) of moe_align's outputs for NP pairs."""
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    return max_padded, -(-max_padded // block_m)
+
+
+@torch.library.custom_op("lingc::moe_align", mutates_args=())
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the NP pairs by expert in blocks of BM rows.
+
+    Returns sorted_pairs int32 [NP + E*(BM-1)] (pair indices by expert, stable, each expert padded to a
+    multiple of BM with the sentinel NP; the tail past the total is NP too), block_expert int32
+    [blocks] (the expert of each block, -1 past the total) and total int32 [1] (padded rows in use).
+    """
+    flat = expert_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    max_padded, blocks = align_sizes(num_pairs, num_experts, block_m)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    order = torch.sort(flat, stable=True).indices                                      # pairs by expert
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[starts[flat[order]] + rank] = order.to(torch.int32)
+    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=flat.device)
+    block_expert[: int(padded.sum()) // block_m] = torch.repeat_interleave(
+        torch.arange(num_experts, device=flat.device), padded // block_m).to(torch.int32)
+    total = padded.sum().view(1).to(torch.int32)
+    return sorted_pairs, block_expert, total
+
+
+@moe_align.register_fake
+def _(expert_ids, num_experts, block_m):
+    max_padded, blocks = align_sizes(expert_ids.numel(), num_experts, block_m)
+    new = lambda n: expert_ids.new_empty((n,), dtype=torch.int32)  # noqa: E731
+    return new(max_padded), new(blocks), new(1)
+
+
+register("moe_align")
+
+
+def pair_experts(sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
+                 num_pairs: int, block_m: int) -> torch.Tensor:
+    """Expert of each pair [NP], recovered from moe_align's outputs (what a GEMM block would read)."""
+    rows = torch.arange(sorted_pairs.numel(), device=sorted_pairs.device)
+    valid = (sorted_pairs < num_pairs) & (rows < total.long())
+    out = torch.empty(num_pairs, dtype=torch.long, device=sorted_pairs.device)
+    out[sorted_pairs[valid].long()] = block_expert[rows[valid] // block_m].long()
+    return out
+
+
+def _grouped_gemm(x_rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """out[p] = x_rows[p] @ weights[experts[p]].T, one matmul per expert present. x_rows [NP, K], weights [E, N, K]."""
+    out = x_rows.new_empty((x_rows.shape[0], weights.shape[1]))
+    for e in torch.unique(experts).tolist():
+        sel = (experts == e).nonzero().squeeze(-1)
+        out[sel] = F.linear(x_rows[sel], weights[e])
+    return out
+
+
+@torch.library.custom_op("lingc::moe_up", mutates_args=())
+def moe_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+           total: torch.Tensor, top_k: int, block_m: int) -> torch.Tensor:
+    """Up-GEMM of every pair: x [N, h], w13 [E, 2I, h] -> [NP, 2I] in x.dtype (row p reads token p // k)."""
+    num_pairs = x.shape[0] * top_k
+    experts = pair_experts(sorted_pairs, block_expert, total, num_pairs, block_m)
+    tokens = torch.arange(num_pairs, device=x.device) // top_k
+    return _grouped_gemm(x[tokens], w13, experts)
+
+
+@moe_up.register_fake
+def _(x, w13, sorted_pairs, block_expert, total, top_k, block_m):
+    return x.new_empty((x.shape[0] * top_k, w13.shape[1]))
+
+
+register("moe_up")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up in fp32 (clamped when limit > 0: min(silu(g), L) * clamp(u, -L, L)), rounded once."""
+    act = F.silu(gate.float())
+    upf = up.float()
+    if limit > 0:
+        act = act.clamp(max=limit)
+        upf = upf.clamp(-limit, limit)
+    return (act * upf).to(out_dtype)
+
+
+@torch.library.custom_op("lingc::silu_and_mul", mutates_args=())
+def silu_and_mul(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """SwiGLU on concatenated [gate | up] rows: h [..., 2I] -> [..., I]; limit 0 means no clamp."""
+    inter = h.shape[-1] // 2
+    return swiglu(h[..., :inter], h[..., inter:], limit, h.dtype)
+
+
+@silu_and_mul.register_fake
+def _(h, limit):
+    return h.new_empty((*h.shape[:-1], h.shape[-1] // 2))
+
+
+register("silu_and_mul")
+
+
+@torch.library.custom_op("lingc::moe_up_act", mutates_args=())
+def moe_up_act(x: torch.Tensor, w13_interleaved: torch.Tensor, sorted_pairs: torch.Tensor,
+               block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int,
+               limit: float) -> torch.Tensor:
+    """moe_up + silu_and_mul in one op on gate/up-interleaved w13 (row 2j = gate_j, 2j+1 = up_j): [NP, I].
+
+    Each output column is an independent dot product, so the interleave leaves every value's bits as
+    they were; the activation then reads even columns as gate and odd columns as up.
+    """
+    h = moe_up(x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m)   # [NP, 2I] interleaved
+    return swiglu(h[:, 0::2], h[:, 1::2], limit, h.dtype)
+
+
+@moe_up_act.register_fake
+def _(x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m, limit):
+    return x.new_empty((x.shape[0] * top_k, w13_interleaved.shape[1] // 2))
+
+
+register("moe_up_act")
+
+
+@torch.library.custom_op("lingc::moe_down", mutates_args=())
+def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+             total: torch.Tensor, block_m: int) -> torch.Tensor:
+    """Down-GEMM of every pair, unweighted: act [NP, I], w2 [E, h, I] -> [NP, h] in act.dtype."""
+    experts = pair_experts(sorted_pairs, block_expert, total, act.shape[0], block_m)
+    return _grouped_gemm(act, w2, experts)
+
+
+@moe_down.register_fake
+def _(act, w2, sorted_pairs, block_expert, total, block_m):
+    return act.new_empty((act.shape[0], w2.shape[1]))
+
+
+register("moe_down")
+
+
+@torch.library.custom_op("lingc::moe_combine", mutates_args=())
+def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: torch.Tensor) -> torch.Tensor:
+    """sum_k w[n, k] * expert_out[n*k + j] in fp32, cast to the activation dtype, plus the (unscaled) shared expert.
+
+    expert_out [NP, h], topk_weights [N, k] fp32, shared_out [N, h] -> [N, h].
+    """
+    N, k = topk_weights.shape
+    routed = (expert_out.view(N, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)
+    return routed.to(shared_out.dtype) + shared_out
+
+
+@moe_combine.register_fake
+def _(expert_out, topk_weights, shared_out):
+    return shared_out.new_empty(shared_out.shape)
+
+
+register("moe_combine")

@@ -1,0 +1,66 @@
+"""Norm and gate ops: rmsnorm, gated_rmsnorm (KDA o_norm), sigmoid_gate (MLA head gate), l2norm helper.
+
+All compute in fp32 and round once to the input dtype, Llama style: normalise, cast back, then scale
+by the weight (shared/docs/architecture.md section 3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lingc.ops.registry import register
+
+
+@torch.library.custom_op("lingc::rmsnorm", mutates_args=())
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) in fp32, cast to x.dtype, times weight. x [..., N], weight [N]."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed).to(x.dtype).contiguous()
+
+
+@rmsnorm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+register("rmsnorm")
+
+
+@torch.library.custom_op("lingc::gated_rmsnorm", mutates_args=())
+def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA output norm: rmsnorm over the last dim, times weight, times sigmoid(gate); fp32 inside.
+
+    x [B, T, H, D] (recurrence output), weight [D] shared by all heads, gate [B, T, H, D].
+    """
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float() * torch.sigmoid(gate.float())).to(x.dtype).contiguous()
+
+
+@gated_rmsnorm.register_fake
+def _(x, weight, gate, eps):
+    return x.new_empty(x.shape)
+
+
+register("gated_rmsnorm")
+
+
+@torch.library.custom_op("lingc::sigmoid_gate", mutates_args=())
+def sigmoid_gate(x: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
+    """Gated MLA: x [B, T, H, V] * sigmoid(gate_logits [B, T, H]) computed in fp32, cast back, multiplied in x.dtype."""
+    gate = torch.sigmoid(gate_logits.float()).to(x.dtype)
+    return (x * gate.unsqueeze(-1)).contiguous()
+
+
+@sigmoid_gate.register_fake
+def _(x, gate_logits):
+    return x.new_empty(x.shape)
+
+
+register("sigmoid_gate")
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm: x / sqrt(sum(x^2) + eps), eps inside the root (not F.normalize). fp32 in, fp32 out."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

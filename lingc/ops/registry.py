@@ -1,0 +1,34 @@
+"""The allowlist of lingc ops: name -> OpOverload, filled as each op module registers its ops."""
+
+from __future__ import annotations
+
+import torch
+
+LIB = "lingc"
+
+
+def op_name(target: object) -> str:
+    """'lingc.rmsnorm' for torch.ops.lingc.rmsnorm.default, 'aten.view' for aten.view.default."""
+    if isinstance(target, torch._ops.OpOverload):
+        ns, name = target.name().split("::")
+        overload = target._overloadname
+        return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
+    return getattr(target, "__name__", str(target))
+
+
+class _Ops(dict):
+    """Short name ('rmsnorm') -> torch.ops.lingc.<name>.default, for every registered lingc op."""
+
+    def __getattr__(self, name: str) -> torch._ops.OpOverload:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no lingc op named {name!r}; known: {sorted(self)}") from None
+
+
+OPS = _Ops()
+
+
+def register(name: str) -> None:
+    """Record torch.ops.lingc.<name>.default in OPS (called right after torch.library.custom_op)."""
+    OPS[name] = getattr(getattr(torch.ops, LIB), name).default

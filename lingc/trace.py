@@ -1,0 +1,1 @@
+def trace(*a, **k): raise NotImplementedError
