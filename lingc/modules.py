@@ -145,6 +145,9 @@ class Router(nn.Module):
         self.weight = _param(c.num_experts, c.hidden_size, dtype=torch.float32)
         self.expert_bias = _param(c.num_experts, dtype=torch.float32)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, torch.float32)                           # [N, E] fp32 logits
+
 
 class Experts(nn.Module):
     """Stacked routed-expert weights: w13 [E, 2I, h] ([gate; up] rows per expert), w2 [E, h, I]."""
@@ -172,8 +175,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, h = x.shape
         x = x.view(B * T, h)                                                       # [N, h]
-        logits = ops.linear(x, self.gate.weight, torch.float32)                    # [N, E] fp32
-        weights, expert_ids = ops.router_topk(logits, self.gate.expert_bias, *self.routing)
+        weights, expert_ids = ops.router_topk(self.gate(x), self.gate.expert_bias, *self.routing)
         top_k = self.routing[2]
         sorted_pairs, block_expert, total = ops.moe_align(expert_ids, self.num_experts, MOE_BLOCK_M)
         up = ops.moe_up(x, self.experts.w13, sorted_pairs, block_expert, total, top_k, MOE_BLOCK_M)
