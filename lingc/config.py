@@ -87,6 +87,9 @@ class LingConfig:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "eos_token_id"):
+            if isinstance(getattr(self, name), list):                  # lists from JSON -> hashable tuples
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         _validate(self)
 
     # ---- derived quantities -------------------------------------------------------------
@@ -155,6 +158,8 @@ class LingConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "LingConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: top level must be a JSON object, got {type(d).__name__}")
         _check_architecture(d, source)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
@@ -166,6 +171,11 @@ class LingConfig:
                 extra[k] = v
         if "score_function" not in d and "scoring_func" in d:
             kwargs["score_function"] = d["scoring_func"]
+        rope_params = d.get("rope_parameters")
+        rope_type = rope_params.get("rope_type", "default") if isinstance(rope_params, dict) else "default"
+        if rope_type != "default":                                    # transformers 5 spelling of rope_scaling
+            raise ConfigError(f"{source}: field 'rope_parameters' has rope_type {rope_type!r}, want 'default' "
+                              "(Ling-3 uses no RoPE scaling)")
         if "torch_dtype" not in d and isinstance(d.get("dtype"), str):
             kwargs["torch_dtype"] = d["dtype"]
         try:
@@ -174,9 +184,12 @@ class LingConfig:
             raise ConfigError(f"{source}: {e}") from None
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
-        for k, want in (("qk_head_dim", cfg.qk_head_dim), ("rotary_dim", cfg.qk_rope_head_dim)):
+        derived = (("qk_head_dim", cfg.qk_head_dim), ("rotary_dim", cfg.qk_rope_head_dim),
+                   ("use_kda_lora", not cfg.no_kda_lora), ("scoring_func", cfg.score_function),
+                   ("n_shared_experts", cfg.num_shared_experts), ("hidden_act", "silu"))
+        for k, want in derived:
             if k in d and d[k] != want:
-                raise ConfigError(f"{source}: field '{k}' is {d[k]!r}, want {want} (derived from the other fields)")
+                raise ConfigError(f"{source}: field '{k}' is {d[k]!r}, want {want!r} (must agree with the other fields)")
         return cfg
 
     @classmethod
@@ -223,6 +236,10 @@ def _check_architecture(d: dict[str, Any], source: str) -> None:
                               "Is this a Ling 2.x bailing_hybrid checkpoint?")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _need(cond: bool, name: str, value: Any, want: str) -> None:
     if not cond:
         raise ConfigError(f"field '{name}' is {value!r}, want {want}")
@@ -232,15 +249,15 @@ def _validate(c: LingConfig) -> None:
     ints = ["vocab_size", "hidden_size", "num_hidden_layers", "layer_group_size", "intermediate_size",
             "num_attention_heads", "head_dim", "short_conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-            "n_group", "topk_group", "max_position_embeddings"]
+            "n_group", "topk_group", "max_position_embeddings", "num_shared_experts",
+            "moe_shared_expert_intermediate_size"]
     for name in ints:
         v = getattr(c, name)
-        _need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, v, "a positive integer")
-    for name in ("first_k_dense_replace", "num_nextn_predict_layers", "num_shared_experts",
-                 "moe_shared_expert_intermediate_size", "num_kv_heads_for_linear_attn"):
+        _need(_is_int(v) and v > 0, name, v, "a positive integer")
+    for name in ("first_k_dense_replace", "num_nextn_predict_layers", "num_kv_heads_for_linear_attn"):
         v = getattr(c, name)
-        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, v, "an integer >= 0")
-    _need(c.q_lora_rank is None or (isinstance(c.q_lora_rank, int) and c.q_lora_rank > 0),
+        _need(_is_int(v) and v >= 0, name, v, "an integer >= 0")
+    _need(c.q_lora_rank is None or (_is_int(c.q_lora_rank) and c.q_lora_rank > 0),
           "q_lora_rank", c.q_lora_rank, "null or a positive integer")
     _need(c.no_kda_lora is True, "no_kda_lora", c.no_kda_lora, "true (Ling-3 uses full-rank f_proj/g_proj)")
     _need(c.kda_safe_gate is True, "kda_safe_gate", c.kda_safe_gate, "true (Ling-3 uses the bounded gate)")
@@ -249,12 +266,17 @@ def _validate(c: LingConfig) -> None:
     _need(c.gated_attention_proj_granularity_type == "head_wise", "gated_attention_proj_granularity_type",
           c.gated_attention_proj_granularity_type, "'head_wise'")
     _need(c.score_function == "sigmoid", "score_function", c.score_function, "'sigmoid'")
+    _need(c.topk_method == "noaux_tc", "topk_method", c.topk_method, "'noaux_tc' (grouped, bias-for-selection routing)")
+    # the reference model always does these; a config that turns one off describes another model
+    for name in ("moe_router_enable_expert_bias", "norm_topk_prob", "linear_silu", "use_qk_norm"):
+        _need(getattr(c, name) is True, name, getattr(c, name), "true (lingc implements only that)")
     _need(c.router_dtype in ("fp32", "float32"), "router_dtype", c.router_dtype, "'fp32'")
     _need(c.rope_interleave is True, "rope_interleave", c.rope_interleave, "true")
     _need(c.rope_scaling is None, "rope_scaling", c.rope_scaling, "null (Ling-3 uses no RoPE scaling)")
     _need(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", c.qk_rope_head_dim, "an even number")
     _need(c.tie_word_embeddings is False, "tie_word_embeddings", c.tie_word_embeddings, "false")
-    _need(not c.use_qkv_bias and not c.use_bias, "use_qkv_bias", c.use_qkv_bias, "false (no biases)")
+    _need(c.use_qkv_bias is False, "use_qkv_bias", c.use_qkv_bias, "false (no biases)")
+    _need(c.use_bias is False, "use_bias", c.use_bias, "false (no biases)")
     _need(c.mtp_use_kda is False, "mtp_use_kda", c.mtp_use_kda, "false (the MTP mixer is MLA)")
     _need(c.num_experts % c.n_group == 0, "n_group", c.n_group, f"a divisor of num_experts={c.num_experts}")
     _need(c.num_experts // c.n_group >= 2, "n_group", c.n_group, "groups of at least 2 experts (group score = top-2 sum)")
@@ -269,10 +291,15 @@ def _validate(c: LingConfig) -> None:
           "routed_scaling_factor", c.routed_scaling_factor, "a finite number")
     _need(c.torch_dtype in ("bfloat16", "float16", "float32"), "torch_dtype", c.torch_dtype,
           "'bfloat16', 'float16' or 'float32'")
+    eos = c.eos_token_id
+    _need(eos is None or _is_int(eos) or (isinstance(eos, tuple) and all(_is_int(x) for x in eos)),
+          "eos_token_id", eos, "an integer, a list of integers or null")
+    _need(c.pad_token_id is None or _is_int(c.pad_token_id), "pad_token_id", c.pad_token_id, "an integer or null")
     for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
         v = getattr(c, name)
         if v is None:
             continue
+        _need(isinstance(v, tuple), name, v, "a list of numbers or null")
         _need(all(isinstance(x, (int, float)) and x >= 0 for x in v), name, v, "a list of numbers >= 0")
         n = c.num_hidden_layers + c.num_nextn_predict_layers
         _need(len(v) <= n, name, f"<{len(v)} entries>", f"at most {n} entries (one per layer, MTP included)")

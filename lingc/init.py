@@ -100,5 +100,14 @@ def write_random_checkpoint(config: LingConfig, out: str | Path, seed: int = 0, 
     if shard_bytes > 0:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _remove_stale(out, set(names) | ({INDEX_FILE} if shard_bytes > 0 else set()))
     config.to_json(out / "config.json")
     return out
+
+
+def _remove_stale(out: Path, keep: set[str]) -> None:
+    """Delete weight files an earlier write left in `out` (another shard count, or index vs single file),
+    which would otherwise be loaded instead of, or mixed with, the new ones."""
+    for p in [out / INDEX_FILE, out / SINGLE_FILE, *out.glob("model-*-of-*.safetensors")]:
+        if p.name not in keep and p.is_file():
+            p.unlink()

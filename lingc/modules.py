@@ -51,6 +51,9 @@ class ShortConv(nn.Module):
         super().__init__()
         self.weight = _param(channels, 1, width, dtype=torch.float32)
 
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        return ops.kda_conv(x, self.weight, conv_state)
+
 
 class KDA(nn.Module):
     """Kimi Delta Attention with the safe gate (architecture.md section 4)."""
@@ -71,9 +74,9 @@ class KDA(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         heads = (B, T, self.heads, self.head_dim)
-        q = ops.kda_conv(self.q_proj(x), self.q_conv1d.weight, state["conv_q"]).view(heads)
-        k = ops.kda_conv(self.k_proj(x), self.k_conv1d.weight, state["conv_k"]).view(heads)
-        v = ops.kda_conv(self.v_proj(x), self.v_conv1d.weight, state["conv_v"]).view(heads)
+        q = self.q_conv1d(self.q_proj(x), state["conv_q"]).view(heads)
+        k = self.k_conv1d(self.k_proj(x), state["conv_k"]).view(heads)
+        v = self.v_conv1d(self.v_proj(x), state["conv_v"]).view(heads)
         f = self.f_proj(x).view(heads)
         b = self.b_proj(x)                                                         # [B, T, H]
         # chunked form for prompts, token-by-token for decode and short verify chains

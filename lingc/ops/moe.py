@@ -125,8 +125,9 @@ register("moe_up")
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype) -> torch.Tensor:
     """silu(gate) * up in fp32 (clamped when limit > 0: min(silu(g), L) * clamp(u, -L, L)), rounded once."""
-    act = F.silu(gate.float())
-    upf = up.float()
+    # dense copies: torch's CPU kernels pick vectorised or scalar paths by layout, and the bits differ
+    act = F.silu(gate.float().contiguous())
+    upf = up.float().contiguous()
     if limit > 0:
         act = act.clamp(max=limit)
         upf = upf.clamp(-limit, limit)

@@ -1,0 +1,10 @@
+"""lingc passes: one file per pass, registered here by the name users type (`--passes fuse_swiglu,pdl`)."""
+
+from lingc.passes.base import Pass, PassRecord
+from lingc.passes.bf16_router import Bf16Router
+from lingc.passes.fuse_swiglu import FuseSwiglu
+from lingc.passes.pdl import Pdl
+
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (FuseSwiglu, Bf16Router, Pdl)}
+
+__all__ = ["PASSES", "Pass", "PassRecord"]

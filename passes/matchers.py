@@ -1,0 +1,73 @@
+"""Graph helpers shared by the passes: find ops, follow producers through view ops, move and erase nodes."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.fx as fx
+
+from lingc.ops import OPS
+from lingc.program import Program
+
+aten = torch.ops.aten
+# ops that launch no kernel: a chain of kernels stays a chain across them
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.split_with_sizes.default,
+            aten.split.Tensor, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int,
+            aten.permute.default, aten.transpose.int, aten.expand.default}
+
+
+def is_free(node: fx.Node) -> bool:
+    """True for nodes that cost no kernel launch: inputs, weights, views, tuple element reads."""
+    import operator
+    return node.op in ("placeholder", "get_attr") or node.target in VIEW_OPS or node.target is operator.getitem
+
+
+def calls(graph: fx.Graph, op_short: str) -> list[fx.Node]:
+    """Every call of torch.ops.lingc.<op_short> in graph order."""
+    target = OPS[op_short]
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def producer(node: fx.Node) -> fx.Node:
+    """The kernel node that made `node`'s value, looking through views and getitems."""
+    while node.op == "call_function" and is_free(node):
+        node = node.args[0]
+    return node
+
+
+def consumers(node: fx.Node) -> Iterator[fx.Node]:
+    """Kernel nodes that read `node`'s value, looking through views and getitems."""
+    for user in node.users:
+        if user.op == "call_function" and is_free(user):
+            yield from consumers(user)
+        else:
+            yield user
+
+
+def weight_users(program: Program, name: str) -> int:
+    return sum(1 for g in program.graphs.values() for n in g.nodes if n.op == "get_attr" and n.target == name)
+
+
+def get_weight_node(graph: fx.Graph, name: str, before: fx.Node) -> fx.Node:
+    """The get_attr node of weight `name` in graph, created before `before` if the graph has none."""
+    for n in graph.nodes:
+        if n.op == "get_attr" and n.target == name:
+            return n
+    with graph.inserting_before(before):
+        node = graph.get_attr(name)
+    node._rename("w_" + name.replace(".", "_").replace("model_layers_", "L"))
+    return node
+
+
+def drop_unused_weights(program: Program) -> list[str]:
+    """Erase get_attr nodes nobody reads and weights no graph reads; returns the dropped weight names."""
+    for graph in program.graphs.values():
+        for n in list(graph.nodes):
+            if n.op == "get_attr" and not n.users:
+                graph.erase_node(n)
+    dropped = [k for k in program.weights if weight_users(program, k) == 0]
+    for k in dropped:
+        del program.weights[k]
+        program.weight_info.pop(k, None)
+    return dropped

@@ -1,0 +1,120 @@
+"""pdl: find the maximal kernel chains that programmatic dependent launch can overlap, and annotate them.
+
+Chains (techniques.md section 5), per layer:
+    router  rmsnorm -> linear (gate) -> router_topk
+    moe     moe_align -> moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
+    kda     kda_conv (q, k, v) -> kda_recurrent | kda_chunk -> gated_rmsnorm
+A chain only overlaps if its kernels are adjacent on the stream, so kernels that sit between two chain
+members but need nothing from the chain (KDA's k/v/f/b/g projections, the shared expert) move to just
+before the chain's first kernel. A kernel that needs a chain member ends the chain there.
+Each member gets node.meta['lingc.pdl'] = {chain, index, length, early_launch}; early_launch is false
+for the first member (its predecessor does not trigger it). Scheduling only: numerics unchanged.
+
+Before:  L1_attention_q_conv1d_kda_conv, L1_attention_k_proj_linear, L1_attention_k_conv1d_kda_conv, ...
+After:   L1_attention_k_proj_linear, ..., L1_attention_q_conv1d_kda_conv  # pdl=kda@L1 1/5
+         L1_attention_k_conv1d_kda_conv  # pdl=kda@L1 2/5 early ...
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch.fx as fx
+
+from lingc.ops import OPS
+from lingc.program import Program
+from lingc.passes.base import Pass
+from lingc.passes.matchers import calls, consumers, is_free, producer
+
+
+def _only(nodes: list[fx.Node], target: object) -> fx.Node | None:
+    found = [n for n in nodes if n.target is target]
+    return found[0] if len(found) == 1 else None
+
+
+def _router_chain(topk: fx.Node) -> list[fx.Node]:
+    gate = producer(topk.args[0])
+    if gate.target is not OPS.linear:
+        return [topk]
+    norm = producer(gate.args[0])
+    return ([norm] if norm.target is OPS.rmsnorm else []) + [gate, topk]
+
+
+def _moe_chain(align: fx.Node) -> list[fx.Node]:
+    chain = [align]
+    node = align
+    for wanted in ((OPS.moe_up, OPS.moe_up_act), (OPS.silu_and_mul,), (OPS.moe_down,), (OPS.moe_combine,)):
+        nxt = next((c for c in consumers(node) if c.target in wanted), None)
+        if nxt is None:
+            if wanted == (OPS.silu_and_mul,):
+                continue          # fused into moe_up_act
+            break
+        chain.append(nxt)
+        node = nxt
+    tail = next((c for c in consumers(node) if getattr(OPS, "all_reduce", None) is c.target), None) \
+        if "all_reduce" in OPS else None
+    return chain + ([tail] if tail is not None else [])
+
+
+def _kda_chain(rec: fx.Node) -> list[fx.Node]:
+    convs = [producer(a) for a in rec.args[:3]]
+    convs = [c for c in convs if c.target is OPS.kda_conv]
+    norm = _only(list(consumers(rec)), OPS.gated_rmsnorm)
+    return convs + [rec] + ([norm] if norm is not None else [])
+
+
+def _layer_tag(node: fx.Node) -> str:
+    m = re.match(r"model\.layers\.(\d+)", node.meta.get("lingc.scope", ""))
+    return f"L{m.group(1)}" if m else "top"
+
+
+def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.Node]], list[str]]:
+    """Move independent kernels out from between chain members; split where a kernel depends on the chain."""
+    order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
+    chain = sorted(set(chain), key=order.__getitem__)
+    members, moved = set(chain), []
+    between = [n for n in graph.nodes if order[chain[0]] < order[n] < order[chain[-1]]]
+    pieces, current = [], [chain[0]]
+    for node in between:
+        if node in members:
+            current.append(node)
+        elif is_free(node) or not current:
+            continue
+        elif all(order[i] < order[current[0]] for i in node.all_input_nodes):
+            current[0].prepend(node)                 # independent of the chain: run it before the chain
+            order[node] = order[current[0]] - 0.5
+            moved.append(node.name)
+        else:
+            pieces.append(current)                   # needs a chain member: the chain ends here
+            current = []
+    if len(chain) > 1:
+        current.append(chain[-1])
+    pieces.append(current)
+    return [p for p in pieces if len(p) > 1], moved
+
+
+class Pdl(Pass):
+    name = "pdl"
+    summary = "annotate maximal PDL chains (router, MoE, KDA); move independent kernels out of them"
+    after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp")
+    changes_numerics = False
+
+    def apply(self, program: Program) -> dict[str, Any]:
+        chains: list[dict[str, Any]] = []
+        moved_all: list[str] = []
+        for gname, graph in program.graphs.items():
+            found: list[tuple[str, list[fx.Node]]] = []
+            found += [("router", _router_chain(n)) for n in calls(graph, "router_topk")]
+            found += [("moe", _moe_chain(n)) for n in calls(graph, "moe_align")]
+            found += [("kda", _kda_chain(n)) for n in calls(graph, "kda_recurrent") + calls(graph, "kda_chunk")]
+            for kind, chain in found:
+                pieces, moved = _make_adjacent(graph, chain)
+                moved_all += [f"{gname}:{m}" for m in moved]
+                for k, piece in enumerate(pieces):
+                    label = f"{kind}@{_layer_tag(piece[0])}" + (f".{k}" if len(pieces) > 1 else "")
+                    for i, node in enumerate(piece):
+                        node.meta["lingc.pdl"] = {"chain": label, "index": i, "length": len(piece),
+                                                  "early_launch": i > 0}
+                    chains.append({"graph": gname, "chain": label, "nodes": [n.name for n in piece]})
+        return {"matches": len(chains), "chains": chains, "moved": moved_all}
