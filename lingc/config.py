@@ -189,7 +189,8 @@ class LingConfig:
                    ("n_shared_experts", cfg.num_shared_experts), ("hidden_act", "silu"))
         for k, want in derived:
             if k in d and d[k] != want:
-                raise ConfigError(f"{source}: field '{k}' is {d[k]!r}, want {want!r} (must agree with the other fields)")
+                raise ConfigError(f"{source}: field '{k}' is {d[k]!r}, want {want!r} "
+                                  "(must agree with the other fields)")
         return cfg
 
     @classmethod
@@ -279,7 +280,8 @@ def _validate(c: LingConfig) -> None:
     _need(c.use_bias is False, "use_bias", c.use_bias, "false (no biases)")
     _need(c.mtp_use_kda is False, "mtp_use_kda", c.mtp_use_kda, "false (the MTP mixer is MLA)")
     _need(c.num_experts % c.n_group == 0, "n_group", c.n_group, f"a divisor of num_experts={c.num_experts}")
-    _need(c.num_experts // c.n_group >= 2, "n_group", c.n_group, "groups of at least 2 experts (group score = top-2 sum)")
+    _need(c.num_experts // c.n_group >= 2, "n_group", c.n_group,
+          "groups of at least 2 experts (group score = top-2 sum)")
     _need(c.topk_group <= c.n_group, "topk_group", c.topk_group, f"<= n_group={c.n_group}")
     _need(c.num_experts_per_tok <= c.topk_group * (c.num_experts // c.n_group), "num_experts_per_tok",
           c.num_experts_per_tok, "at most topk_group * experts per group")

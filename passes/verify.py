@@ -1,8 +1,10 @@
 """--verify: run two stages of a Program on the same random inputs (CPU) and compare every output and state.
 
-Bit-exact where the pass declares numerics unchanged; otherwise |delta| <= the pass's tolerance on
-float outputs and states (relative above 1: |delta| <= tol * (1 + |x|)), plus greedy parity: every logits output picks the same token, except at
-near-ties whose old margin is within the tolerance; token outputs (draft ids) must be equal.
+Bit-exact where the pass declares numerics unchanged. Otherwise the gate is on logits, the way the seed
+gates rounding changes on tokens and not bits: |delta logits| <= tol * (1 + |logit|), plus greedy parity: every logits output picks the same token, except at
+near-ties whose old margin is within the tolerance; token outputs (draft ids) must be equal. Hidden
+states and caches are reported (max |delta|) but not gated: a router tie that flips one expert moves
+them legitimately.
 """
 
 from __future__ import annotations
@@ -71,14 +73,16 @@ def compare_stages(before: Program, after: Program, exact: bool, tolerance: floa
             if x.shape != y.shape or x.dtype != y.dtype:
                 problems.append(f"{label}: {list(x.shape)} {x.dtype} became {list(y.shape)} {y.dtype}")
                 continue
+            is_logits = label.startswith("output") and x.shape[-1] == before.config.vocab_size
             if x.is_floating_point():
                 diff = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
                 worst = max(worst, diff)
                 if exact and not torch.equal(x, y):
                     problems.append(f"{label}: not bit-identical (max |delta| {diff:.3g})")
-                elif not exact and ((x.double() - y.double()).abs() > (tolerance or 0.0) * (1 + x.double().abs())).any():
+                elif not exact and is_logits and \
+                        ((x.double() - y.double()).abs() > (tolerance or 0.0) * (1 + x.double().abs())).any():
                     problems.append(f"{label}: |delta| {diff:.3g} above tolerance {tolerance} x (1 + |value|)")
-                if not exact and x.shape[-1] == before.config.vocab_size:
+                if not exact and is_logits:
                     flips = _greedy_flips(x, y, tolerance or 0.0)
                     if flips:
                         problems.append(f"{label}: greedy token changed at {flips} position(s) with a margin "

@@ -1,4 +1,4 @@
-"""Checkpoints: the random writer matches checkpoint_layout, load maps every tensor, bad checkpoints fail by key/file/shape."""
+"""Checkpoints: the writer matches checkpoint_layout, load maps every tensor, bad ones fail naming key/file/shape."""
 
 from __future__ import annotations
 

@@ -1,0 +1,190 @@
+"""Artifacts: a compiled Program on disk as JSON + safetensors, with a manifest of hashes.
+
+    art/manifest.json          config, options, programs, pass records, stages, sha256 of every file
+    art/graphs/<program>.json  the JSON IR (lingc.ir.serialize)
+    art/weights/*.safetensors  weights (one file set per TP rank later; rank 0 today)
+    art/trace/NN-<pass>.txt    the readable program after each stage (00 = traced)
+
+Writing goes to a temporary sibling directory renamed into place at the end, so a failed compile
+never leaves a half-written or mixed artifact. Reading checks the format, every file's hash and every
+op against the allowlist; it never unpickles or executes anything from the artifact.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lingc.config import LingConfig
+from lingc.ir.lint import LintError, lint
+from lingc.ir.serialize import IRError, graph_from_json, graph_to_json
+from lingc.program import Program
+
+FORMAT = "lingc-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHT_SHARD_BYTES = 2 * 2**30
+
+
+class ArtifactError(ValueError):
+    """An artifact lingc refuses to read: missing file, bad hash, unknown op, wrong format."""
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: dict[str, Any]
+    program: Program | None = None
+
+    def stage_text(self, index: int) -> str:
+        stage = self.manifest["stages"][index]
+        return (self.path / stage["file"]).read_text()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_weights(program: Program, root: Path) -> list[str]:
+    (root / "weights").mkdir()
+    files, shard, size = [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        name = f"weights/rank0-{len(files):05d}.safetensors"
+        save_file(shard, root / name, metadata={"format": "pt"})
+        files.append(name)
+        shard, size = {}, 0
+
+    for key in sorted(program.weights):
+        t = program.weights[key].detach().to("cpu").contiguous()
+        if shard and size + t.numel() * t.element_size() > WEIGHT_SHARD_BYTES:
+            flush()
+        shard[key] = t.clone() if any(t.data_ptr() == s.data_ptr() for s in shard.values()) else t
+        size += t.numel() * t.element_size()
+    if shard or not files:
+        flush()
+    return files
+
+
+def write_artifact(result: Any, out: str | Path, source: str = "", force: bool = True) -> Path:
+    """Write a CompileResult (program + stages) to `out` atomically; returns the path."""
+    out = Path(out)
+    if out.exists() and not (out / MANIFEST).exists() and any(out.iterdir()):
+        raise ArtifactError(f"{out}: exists, is not empty and is not a lingc artifact; refusing to overwrite it")
+    if out.exists() and not force:
+        raise ArtifactError(f"{out}: already exists")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    program: Program = result.program
+    (tmp / "graphs").mkdir()
+    programs = {}
+    for name, graph in program.graphs.items():
+        rel = f"graphs/{name}.json"
+        (tmp / rel).write_text(json.dumps({"name": name, "nodes": graph_to_json(graph)}, indent=1))
+        programs[name] = {"file": rel}
+    (tmp / "trace").mkdir()
+    stages = []
+    for stage in result.stages:
+        rel = f"trace/{stage.index:02d}-{stage.name}.txt"
+        (tmp / rel).write_text(stage.text)
+        stages.append({"index": stage.index, "name": stage.name, "file": rel})
+    weight_files = _write_weights(program, tmp)
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": source, "command": " ".join(sys.argv[1:]) if sys.argv else "",
+        "config": program.config.to_dict(), "options": program.options, "tp": 1,
+        "programs": programs,
+        "weights": {"files": weight_files, "info": program.weight_info,
+                    "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                                for k, v in sorted(program.weights.items())}},
+        "passes": [r.to_json() for r in result.records],
+        "stages": stages,
+        "files": {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()},
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def read_manifest(path: str | Path, check_hashes: bool = True) -> Artifact:
+    """Read and check manifest.json (format, files present, hashes); loads no graph or weight."""
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.exists():
+        raise ArtifactError(f"{path}: no {MANIFEST}; not a lingc artifact (make one with `lingc compile`)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{mf}: not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{mf}: format is {manifest.get('format')!r}, want {FORMAT!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{mf}: format_version {manifest.get('format_version')}, this lingc reads {FORMAT_VERSION}")
+    for rel, digest in manifest.get("files", {}).items():
+        f = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise ArtifactError(f"{mf}: file entry {rel!r} points outside the artifact")
+        if not f.exists():
+            raise ArtifactError(f"{path}: file {rel} listed in the manifest is missing")
+        if check_hashes and sha256_file(f) != digest:
+            raise ArtifactError(f"{path}: file {rel} does not match its sha256 in the manifest (modified or corrupt)")
+    return Artifact(path, manifest)
+
+
+def load_artifact(path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True) -> Artifact:
+    """Read an artifact fully: manifest, graphs (allowlisted ops only) and weights."""
+    art = read_manifest(path, check_hashes)
+    m = art.manifest
+    listed = set(m.get("files", {}))
+    config = LingConfig.from_dict(m["config"], source=str(art.path / MANIFEST))
+    graphs = {}
+    for name, entry in m["programs"].items():
+        if entry["file"] not in listed:
+            raise ArtifactError(f"{art.path}: graph file {entry['file']} is not covered by the manifest's hashes")
+        data = json.loads((art.path / entry["file"]).read_text())
+        try:
+            graphs[name] = graph_from_json(data["nodes"], name)
+        except IRError as e:
+            raise ArtifactError(f"{art.path / entry['file']}: {e}") from None
+    weights: dict[str, torch.Tensor] = {}
+    for rel in m["weights"]["files"]:
+        if rel not in listed:
+            raise ArtifactError(f"{art.path}: weight file {rel} is not covered by the manifest's hashes")
+        with safe_open(art.path / rel, framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                weights[key] = f.get_tensor(key)
+    wanted = m["weights"]["tensors"]
+    if set(wanted) != set(weights):
+        raise ArtifactError(f"{art.path}: weights on disk {sorted(set(weights) ^ set(wanted))[:5]} "
+                            "disagree with the manifest")
+    art.program = Program(config, graphs, weights, m["weights"].get("info", {}), m.get("options", {}))
+    try:
+        lint(art.program)
+    except LintError as e:
+        raise ArtifactError(f"{art.path}: {e}") from None
+    return art

@@ -1,0 +1,37 @@
+"""lingc compile: checkpoint -> reference model -> traced step programs -> passes -> artifact."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from lingc.artifact import write_artifact
+from lingc.checkpoint import load
+from lingc.passes.manager import CompileResult, PassManager
+from lingc.trace import TraceOptions, trace
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def default_programs(num_mtp_layers: int) -> list[str]:
+    """Every program the checkpoint supports: the MTP programs only when it has an MTP layer."""
+    return ["prefill", "decode", "verify"] + (["extend", "draft"] if num_mtp_layers else [])
+
+
+def compile_checkpoint(checkpoint: str | Path, out: str | Path, passes: list[str], programs: list[str] | None = None,
+                       dtype: str = "bf16", verify: bool = False, options: TraceOptions | None = None,
+                       progress: bool = False) -> CompileResult:
+    """Compile `checkpoint` with `passes` and write the artifact to `out`; returns the CompileResult."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    manager = PassManager(passes, verify=verify)          # validates pass names before any heavy work
+    model = load(checkpoint, dtype=DTYPES[dtype], progress=progress)
+    programs = programs or default_programs(model.config.num_nextn_predict_layers)
+    program = trace(model, programs, options)
+    result = manager.run(program)
+    write_artifact(result, out, source=str(checkpoint))
+    return result

@@ -1,0 +1,1 @@
+"""lingc runtime: run compiled artifacts (eager on CPU today; CUDA graphs, caches and the scheduler come next)."""
