@@ -122,7 +122,7 @@ def _trace_one(model: LingForCausalLM, program: str, options: TraceOptions,
     max_len = options.max_len
 
     def fn(weight_list, plain_list, state_list):
-        state = ModelState({_state_key(k): t for k, t in zip(state_keys, state_list)}, max_len)
+        state = ModelState({state_key(k): t for k, t in zip(state_keys, state_list)}, max_len)
         with torch.nn.utils.stateless._reparametrize_module(model, dict(zip(names, weight_list))):
             return step(*plain_list, state)
 
@@ -138,7 +138,8 @@ def _trace_one(model: LingForCausalLM, program: str, options: TraceOptions,
     return _clean(graph, names, plain_keys, state_keys, program)
 
 
-def _state_key(name: str) -> str:
+def state_key(name: str) -> str:
+    """Inverse of state_input_name: 'state_layers_3_kv_cache' -> 'layers.3.kv_cache'."""
     m = re.fullmatch(r"state_layers_(\d+)_(.+)", name)
     assert m, name
     return f"layers.{m.group(1)}.{m.group(2)}"
@@ -213,7 +214,7 @@ def _clean(graph: fx.Graph, weight_names: list[str], plain_keys: list[str], stat
             graph.erase_node(ph)
             continue
         key = plain_keys[i - n_w] if i < n_w + n_p else state_keys[i - n_w - n_p]
-        ph.meta = {"lingc.input": key if i < n_w + n_p else "state:" + _state_key(key),
+        ph.meta = {"lingc.input": key if i < n_w + n_p else "state:" + state_key(key),
                    "lingc.tensor": _to_meta(ph.meta.get("val"))}
         ph.target = key
         ph._rename(key)
