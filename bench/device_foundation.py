@@ -86,9 +86,10 @@ def main() -> None:
     torch.cuda.synchronize()
     rows["reference_decode_step_ms_eager"] = (time.perf_counter() - t0) / 3 * 1e3
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("LINGC_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-              "commit": commit or os.environ.get("LINGC_COMMIT", "unknown"), "command": " ".join(sys.argv),
+              "commit": commit or "unknown", "command": " ".join(sys.argv),
               "results": rows}
     for k, v in rows.items():
         print(f"{k:34s} {v:.3f}" if isinstance(v, float) else f"{k:34s} {v}")

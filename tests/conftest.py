@@ -1,4 +1,5 @@
-"""Shared fixtures: one test-tiny random checkpoint per session (seed 0) and its fp32 reference model."""
+"""Shared fixtures: one test-tiny random checkpoint per session (seed 0), its fp32 and bf16 reference models
+and their five traced step programs (small shapes: `tiny_options`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 import lingc
 from lingc.init import write_random_checkpoint
 from lingc.presets import preset
+from lingc.program import Program
+from lingc.trace import PROGRAMS, TraceOptions
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +25,27 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_fp32(tiny_ckpt: Path) -> lingc.LingForCausalLM:
     """The reference model loaded from `tiny_ckpt` in fp32 (eval mode). Shared: do not modify it."""
     return lingc.load(tiny_ckpt, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_bf16(tiny_ckpt: Path) -> lingc.LingForCausalLM:
+    """The reference model loaded from `tiny_ckpt` in bf16 (the serving dtype). Shared: do not modify it."""
+    return lingc.load(tiny_ckpt, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def tiny_options() -> TraceOptions:
+    """Small trace shapes for CPU tests: 32-token prefill chunks, 48 cache slots, verify/extend width 6."""
+    return TraceOptions(batch=1, prefill_tokens=32, max_len=48, draft_tokens=6, extend_tokens=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_program(tiny_model_fp32: lingc.LingForCausalLM, tiny_options: TraceOptions) -> Program:
+    """All five step programs of the fp32 test-tiny model. Shared: passes copy it; never edit it in place."""
+    return lingc.trace(tiny_model_fp32, PROGRAMS, tiny_options)
+
+
+@pytest.fixture(scope="session")
+def tiny_program_bf16(tiny_model_bf16: lingc.LingForCausalLM, tiny_options: TraceOptions) -> Program:
+    """All five step programs of the bf16 test-tiny model. Shared: never edit it in place."""
+    return lingc.trace(tiny_model_bf16, PROGRAMS, tiny_options)
