@@ -82,16 +82,41 @@ def _write_weights(program: Program, root: Path) -> list[str]:
     return files
 
 
+def _is_artifact(path: Path) -> bool:
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def write_artifact(result: Any, out: str | Path, source: str = "", force: bool = True) -> Path:
     """Write a CompileResult (program + stages) to `out` atomically; returns the path."""
     out = Path(out)
-    if out.exists() and not (out / MANIFEST).exists() and any(out.iterdir()):
+    if out.exists() and any(out.iterdir()) and not _is_artifact(out):
         raise ArtifactError(f"{out}: exists, is not empty and is not a lingc artifact; refusing to overwrite it")
     if out.exists() and not force:
         raise ArtifactError(f"{out}: already exists")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_into(result, tmp, source)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)       # a failed write leaves nothing behind, not even the .partial
+        raise
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def _write_into(result: Any, tmp: Path, source: str) -> None:
+    """Write graphs, trace snapshots, weights and the manifest into the (empty) directory `tmp`."""
     program: Program = result.program
     (tmp / "graphs").mkdir()
     programs = {}
@@ -120,15 +145,6 @@ def write_artifact(result: Any, out: str | Path, source: str = "", force: bool =
         "files": {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()},
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-    return out
 
 
 def read_manifest(path: str | Path, check_hashes: bool = True) -> Artifact:
@@ -166,9 +182,13 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", check_ha
     for name, entry in m["programs"].items():
         if entry["file"] not in listed:
             raise ArtifactError(f"{art.path}: graph file {entry['file']} is not covered by the manifest's hashes")
-        data = json.loads((art.path / entry["file"]).read_text())
         try:
-            graphs[name] = graph_from_json(data["nodes"], name)
+            nodes = json.loads((art.path / entry["file"]).read_text())["nodes"]
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise ArtifactError(f"{art.path / entry['file']}: not a lingc graph file (want a JSON object with "
+                                f"'nodes'; {type(e).__name__}: {e})") from None
+        try:
+            graphs[name] = graph_from_json(nodes, name)
         except IRError as e:
             raise ArtifactError(f"{art.path / entry['file']}: {e}") from None
     weights: dict[str, torch.Tensor] = {}

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
@@ -22,7 +23,7 @@ err = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/bold red] {message}")
+    err.print(f"[bold red]error:[/bold red] {escape(message)}")   # paths and names are not markup
     raise typer.Exit(2)
 
 
@@ -53,8 +54,11 @@ def init(preset: str = typer.Option(..., help="ling-3.0-flash, ling-3.0-tiny, te
         _fail(str(e).strip("'\""))
     shard = None if shard_mb is None else shard_mb * 2**20
     t0 = time.perf_counter()
-    write_random_checkpoint(config, out, seed=seed, device=device, shard_bytes=shard, progress=True)
-    console.print(f"wrote {preset} (seed {seed}) to [bold]{out}[/bold] in {time.perf_counter() - t0:.1f} s")
+    try:
+        write_random_checkpoint(config, out, seed=seed, device=device, shard_bytes=shard, progress=True)
+    except OSError as e:
+        _fail(f"cannot write the checkpoint to {out}: {e}")
+    console.print(f"wrote {preset} (seed {seed}) to [bold]{escape(str(out))}[/bold] in {time.perf_counter() - t0:.1f} s")
 
 
 @app.command("compile")
@@ -80,11 +84,11 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
     try:
         result = compile_checkpoint(checkpoint, out, _split(passes), _split(programs) or None, dtype, verify,
                                     options, progress=True)
-    except (PassOrderError, ConfigError, CheckpointError, ArtifactError, ValueError) as e:
+    except (PassOrderError, ConfigError, CheckpointError, ArtifactError, ValueError, OSError) as e:
         _fail(str(e))
     except VerifyError as e:
         _fail(str(e))
-    table = Table(title=f"lingc compile -> {out}")
+    table = Table(title=f"lingc compile -> {escape(str(out))}")
     for col in ("#", "pass", "numerics", "matches", "nodes +/-/~", "weights", "ms", "verify"):
         table.add_column(col)
     for i, r in enumerate(result.records, start=1):
@@ -94,8 +98,9 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
                       f"+{len(r.nodes_added)}/-{len(r.nodes_removed)}/~{len(r.nodes_rewritten)}",
                       str(len(r.weights_added) + len(r.weights_changed)), f"{r.ms:.1f}", v)
     console.print(table)
-    console.print(f"programs: {', '.join(result.program.graphs)}; wrote [bold]{out}[/bold] "
-                  f"in {time.perf_counter() - t0:.1f} s. Inspect: lingc diff {out} --pass NAME, lingc report {out}")
+    shown = escape(str(out))
+    console.print(f"programs: {', '.join(result.program.graphs)}; wrote [bold]{shown}[/bold] "
+                  f"in {time.perf_counter() - t0:.1f} s. Inspect: lingc diff {shown} --pass NAME, lingc report {shown}")
 
 
 @app.command("passes")
@@ -147,10 +152,14 @@ def report(artifact: Path = typer.Argument(..., help="artifact directory"),
     from lingc.artifact import ArtifactError, read_manifest
     from lingc.report import write_report
     try:
-        path = write_report(read_manifest(artifact), out)
+        art = read_manifest(artifact)
     except ArtifactError as e:
         _fail(str(e))
-    console.print(f"wrote [bold]{path}[/bold]")
+    try:
+        path = write_report(art, out)
+    except OSError as e:
+        _fail(f"cannot write the report to {out}: {e}")
+    console.print(f"wrote [bold]{escape(str(path))}[/bold]")
 
 
 @app.command()

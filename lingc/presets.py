@@ -40,8 +40,30 @@ PRESETS: dict[str, dict] = {
 }
 
 
+LAYER_LISTS = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")   # one entry per layer, MTP last
+
+
+def _resize(values: tuple[float, ...] | None, layers: int, mtp: int, new_layers: int,
+            new_mtp: int) -> tuple[float, ...] | None:
+    """A per-layer list for new_layers target + new_mtp MTP layers: layer i keeps its entry, MTP layers theirs."""
+    if values is None:
+        return None
+    target, mtp_part = tuple(values[:layers])[:new_layers], tuple(values[layers:layers + mtp])[:new_mtp]
+    return target + (0.0,) * (new_layers - len(target)) + mtp_part if mtp_part else target
+
+
 def preset(name: str, **overrides) -> LingConfig:
-    """The config of a named preset, with field overrides (e.g. num_hidden_layers=4)."""
+    """The config of a named preset, with field overrides (e.g. num_hidden_layers=4).
+
+    Overriding the layer counts resizes the preset's per-layer lists to match, unless they are overridden too.
+    """
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
-    return LingConfig(**{**PRESETS[name], **overrides})
+    fields = {**PRESETS[name], **overrides}
+    base = LingConfig(**PRESETS[name]) if {"num_hidden_layers", "num_nextn_predict_layers"} & overrides.keys() else None
+    for key in LAYER_LISTS:
+        if base is not None and key not in overrides:
+            fields[key] = _resize(getattr(base, key), base.num_hidden_layers, base.num_nextn_predict_layers,
+                                  fields.get("num_hidden_layers", base.num_hidden_layers),
+                                  fields.get("num_nextn_predict_layers", base.num_nextn_predict_layers))
+    return LingConfig(**fields)

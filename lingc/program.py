@@ -68,6 +68,8 @@ class Program:
     weights: dict[str, torch.Tensor]
     weight_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    # GraphModules built by module(); passes work on copies, so a graph is never edited after it is built
+    _modules: dict[str, fx.GraphModule] = field(default_factory=dict, repr=False, compare=False)
 
     def copy(self) -> "Program":
         """New graphs (deep-copied, meta included) and dicts; tensors shared until replaced."""
@@ -84,13 +86,17 @@ class Program:
         return Program(self.config, graphs, dict(self.weights), copy.deepcopy(self.weight_info), dict(self.options))
 
     def module(self, name: str) -> fx.GraphModule:
-        """A runnable GraphModule of graph `name` over this program's weights."""
+        """A runnable GraphModule of graph `name` over this program's weights (built once, then cached)."""
+        if name in self._modules:
+            return self._modules[name]
         graph = self.graphs[name]
         used = {n.target for n in graph.nodes if n.op == "get_attr"}
         missing = used - self.weights.keys()
         if missing:
             raise KeyError(f"graph {name!r} reads weights that the program lacks: {sorted(missing)[:5]}")
-        return fx.GraphModule({k: self.weights[k] for k in used}, graph, class_name=f"lingc_{name}")
+        gm = fx.GraphModule({k: self.weights[k] for k in used}, graph, class_name=f"lingc_{name}")
+        self._modules[name] = gm
+        return gm
 
     def inputs(self, name: str) -> list[fx.Node]:
         return [n for n in self.graphs[name].nodes if n.op == "placeholder"]

@@ -8,7 +8,9 @@ A chain only overlaps if its kernels are adjacent on the stream, so kernels that
 members but need nothing from the chain (KDA's k/v/f/b/g projections, the shared expert) move to just
 before the chain's first kernel. A kernel that needs a chain member ends the chain there.
 Each member gets node.meta['lingc.pdl'] = {chain, index, length, early_launch}; early_launch is false
-for the first member (its predecessor does not trigger it). Scheduling only: numerics unchanged.
+for the first member (its predecessor does not trigger it). Labels are unique per graph: a layer that a
+graph runs again (the draft chain's MTP forwards) labels its chains moe@L6, moe@L6#2, ...
+Scheduling only: numerics unchanged.
 
 Before:  L1_attention_q_conv1d_kda_conv, L1_attention_k_proj_linear, L1_attention_k_conv1d_kda_conv, ...
 After:   L1_attention_k_proj_linear, ..., L1_attention_q_conv1d_kda_conv  # pdl=kda@L1 1/5
@@ -18,6 +20,7 @@ After:   L1_attention_k_proj_linear, ..., L1_attention_q_conv1d_kda_conv  # pdl=
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
 import torch.fx as fx
@@ -69,6 +72,24 @@ def _layer_tag(node: fx.Node) -> str:
     return f"L{m.group(1)}" if m else "top"
 
 
+def _mutated(node: fx.Node) -> set[fx.Node]:
+    """Inputs an op updates in place (schema arguments marked as written)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return set()
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    args = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
+    return {v for k, v in args.items() if k in written and isinstance(v, fx.Node)}
+
+
+def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
+    """A kernel may move before the chain unless it writes state or reads state a chain member writes."""
+    if _mutated(node):
+        return False
+    written_by_chain = set().union(*(_mutated(m) for m in members))
+    return not (set(node.all_input_nodes) & written_by_chain)
+
+
 def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.Node]], list[str]]:
     """Move independent kernels out from between chain members; split where a kernel depends on the chain."""
     order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
@@ -81,7 +102,7 @@ def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.
             current.append(node)
         elif is_free(node) or not current:
             continue
-        elif all(order[i] < order[current[0]] for i in node.all_input_nodes):
+        elif all(order[i] < order[current[0]] for i in node.all_input_nodes) and _safe_to_hoist(node, members):
             current[0].prepend(node)                 # independent of the chain: run it before the chain
             order[node] = order[current[0]] - 0.5
             moved.append(node.name)
@@ -108,11 +129,17 @@ class Pdl(Pass):
             found += [("router", _router_chain(n)) for n in calls(graph, "router_topk")]
             found += [("moe", _moe_chain(n)) for n in calls(graph, "moe_align")]
             found += [("kda", _kda_chain(n)) for n in calls(graph, "kda_recurrent") + calls(graph, "kda_chunk")]
+            seen: Counter[str] = Counter()    # the draft graph runs the MTP layer several times
             for kind, chain in found:
                 pieces, moved = _make_adjacent(graph, chain)
                 moved_all += [f"{gname}:{m}" for m in moved]
+                if not pieces:
+                    continue
+                tag = f"{kind}@{_layer_tag(pieces[0][0])}"
+                seen[tag] += 1
+                tag += f"#{seen[tag]}" if seen[tag] > 1 else ""      # labels stay unique within a graph
                 for k, piece in enumerate(pieces):
-                    label = f"{kind}@{_layer_tag(piece[0])}" + (f".{k}" if len(pieces) > 1 else "")
+                    label = tag + (f".{k}" if len(pieces) > 1 else "")
                     for i, node in enumerate(piece):
                         node.meta["lingc.pdl"] = {"chain": label, "index": i, "length": len(piece),
                                                   "early_launch": i > 0}

@@ -230,6 +230,7 @@ def test_manifest_that_is_not_json_is_refused(compiled, tmp_path):
 
 
 def test_failed_write_leaves_the_old_artifact_intact(compiled, tmp_path, monkeypatch):
+    """Regression (the .partial part): a failed write left `<out>.partial` behind, as big as the artifact."""
     art = _copy(compiled, tmp_path)
     before = _snapshot(art)
 

@@ -28,7 +28,8 @@ def lint(program: Program) -> None:
         try:
             graph.lint()
         except Exception as e:  # fx raises RuntimeError / AssertionError with its own message
-            raise LintError(f"graph '{name}': {e}") from None
+            first = str(e).strip().splitlines()[0][:500]      # fx appends the whole graph; keep its verdict
+            raise LintError(f"graph '{name}': {first}") from None
         outputs = [n for n in graph.nodes if n.op == "output"]
         if len(outputs) != 1:
             raise LintError(f"graph '{name}': has {len(outputs)} output nodes, want 1")

@@ -60,10 +60,13 @@ def _dec(a: Any, env: dict[str, fx.Node], where: str) -> Any:
             if a["node"] not in env:
                 raise IRError(f"{where}: uses '{a['node']}' before it is defined")
             return env[a["node"]]
-        if "dtype" in a:
-            return dtype_from_name(a["dtype"])
-        if "float" in a:
-            return float(a["float"])
+        try:
+            if "dtype" in a:
+                return dtype_from_name(a["dtype"])
+            if "float" in a:
+                return float(a["float"])
+        except (ValueError, TypeError) as e:    # a bad dtype name or float text: say where
+            raise IRError(f"{where}: {e}") from None
         raise IRError(f"{where}: unknown argument object {a}")
     return a
 
@@ -136,5 +139,8 @@ def graph_from_json(nodes: list[dict[str, Any]], name: str = "graph") -> fx.Grap
             if node.name != node_name:
                 raise IRError(f"{where}: duplicate node name")
             env[node_name] = node
-        node.meta = _meta_dec(entry.get("meta", {}))
+        try:
+            node.meta = _meta_dec(entry.get("meta", {}))
+        except (ValueError, TypeError, KeyError) as e:
+            raise IRError(f"{where}: bad meta ({type(e).__name__}: {e})") from None
     return graph

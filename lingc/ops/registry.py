@@ -10,7 +10,7 @@ LIB = "lingc"
 def op_name(target: object) -> str:
     """'lingc.rmsnorm' for torch.ops.lingc.rmsnorm.default, 'aten.view' for aten.view.default."""
     if isinstance(target, torch._ops.OpOverload):
-        ns, name = target.name().split("::")
+        ns, name = target._schema.name.split("::")      # name() would already carry the overload
         overload = target._overloadname
         return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
     return getattr(target, "__name__", str(target))

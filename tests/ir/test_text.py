@@ -1,0 +1,43 @@
+"""lingc.ir.text: graphs print as Python, one node per line, with dtype[shape] and pass annotations in comments."""
+
+from __future__ import annotations
+
+from lingc.ir.text import graph_text, program_text
+from lingc.passes.manager import PassManager
+
+
+def line_of(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.strip().startswith(f"{name} ="))
+
+
+def test_graph_text_shows_shapes_and_dtypes(tiny_program, tiny_program_bf16):
+    text = graph_text("decode", tiny_program.graphs["decode"])
+    assert text.startswith("def decode(\n    input_ids: i64[1,1],\n    positions: i64[1,1],\n")
+    assert "    state_layers_3_kv_cache: f32[1,48,80],\n" in text
+    assert line_of(text, "model_embedding") == \
+        "    model_embedding = lingc.embedding(input_ids, w_model_word_embeddings_weight)  # f32[1,1,128]"
+    assert line_of(text, "L1_mlp_router_topk").endswith("# (f32[1,4], i32[1,4])")      # multi-output op
+    assert line_of(text, "L1_mlp_moe_up").endswith("4, 16)  # f32[4,128]")
+    assert line_of(text, "L3_attention_squeeze").startswith("    L3_attention_squeeze = aten.squeeze.dim(")
+    assert line_of(text, "w_lm_head_weight") == "    w_lm_head_weight = weight['lm_head.weight']  # f32[512,128]"
+    assert text.rstrip().endswith("return [lm_head_linear, norm_rmsnorm]")
+    bf16 = graph_text("decode", tiny_program_bf16.graphs["decode"])
+    assert line_of(bf16, "model_embedding").endswith("# bf16[1,1,128]")
+    assert line_of(bf16, "lm_head_linear").endswith("# f32[1,1,512]")             # the head returns fp32 logits
+
+
+def test_pass_annotations_and_weight_info_print(tiny_program):
+    program = PassManager(["all"]).run(tiny_program).program
+    text = graph_text("decode", program.graphs["decode"], program.weight_info)
+    assert line_of(text, "L1_mlp_moe_up_act").endswith("# f32[4,64]  pdl=moe@L1 2/4 early layout=gu_interleaved")
+    assert line_of(text, "L1_mlp_moe_align").endswith("pdl=moe@L1 1/4")
+    assert line_of(text, "L1_mlp_gate_linear").endswith("# f32[1,16]  pdl=router@L1 2/3 early dtype=bf16")
+    assert line_of(text, "w_L1_mlp_experts_w13_interleaved").endswith("# f32[16,128,128] layout=gu_interleaved")
+
+
+def test_program_text_orders_graphs_under_the_header(tiny_program):
+    text = program_text(tiny_program, "# stage 00: traced")
+    assert text.startswith("# stage 00: traced\n\ndef decode(")
+    defs = [line.split("(")[0] for line in text.splitlines() if line.startswith("def ")]
+    assert defs == ["def decode", "def draft", "def extend", "def prefill", "def verify"]
+    assert program_text(tiny_program) == program_text(tiny_program.copy())      # copy() keeps names and meta

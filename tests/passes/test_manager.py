@@ -1,0 +1,200 @@
+"""PassManager: pass order from declared constraints, stages with provenance headers, lint and --verify gates.
+
+Dummy passes defined here exercise what the real ones never do: a constraint cycle, a pass that pulls in
+another, one that perturbs a weight while declaring numerics unchanged, one that leaves a dead node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from lingc.ir.lint import LintError
+from lingc.ir.text import program_text
+from lingc.ops import OPS
+from lingc.passes import PASSES
+from lingc.passes.base import Pass
+from lingc.passes.manager import PassManager, PassOrderError, VerifyError, resolve
+from lingc.program import Program
+
+
+def names(passes: list[type[Pass]]) -> list[str]:
+    return [p.name for p in passes]
+
+
+class _Noop(Pass):
+    def apply(self, program: Program) -> dict[str, Any]:
+        return {"matches": 0}
+
+
+class CycleA(_Noop):
+    name = "cycle_a"
+    after = ("cycle_b",)
+
+
+class CycleB(_Noop):
+    name = "cycle_b"
+    after = ("cycle_a",)
+
+
+class NeedsSwiglu(_Noop):
+    name = "needs_swiglu"
+    requires = ("fuse_swiglu",)
+
+
+class NeedsMissing(_Noop):
+    name = "needs_missing"
+    requires = ("no_such_pass",)
+
+
+class PerturbNorm(Pass):
+    """Broken on purpose: scales the final norm weight by 1.001 yet declares numerics unchanged."""
+
+    name = "perturb_norm"
+    changes_numerics = False
+
+    def apply(self, program: Program) -> dict[str, Any]:
+        program.weights["model.norm.weight"] = program.weights["model.norm.weight"] * 1.001   # copy on write
+        return {"matches": 1}
+
+
+class LeaveDeadNode(Pass):
+    """Broken on purpose: adds a silu_and_mul that nobody reads to the decode graph."""
+
+    name = "leave_dead"
+
+    def apply(self, program: Program) -> dict[str, Any]:
+        graph = program.graphs["decode"]
+        up = next(n for n in graph.nodes if n.name == "L1_mlp_moe_up")
+        with graph.inserting_after(up):
+            graph.call_function(OPS.silu_and_mul, (up, 0.0))
+        return {"matches": 1}
+
+
+# ---- order -----------------------------------------------------------------------------------------------
+
+ORDERS = [
+    (["pdl", "fuse_swiglu"], ["fuse_swiglu", "pdl"]),
+    (["fuse_swiglu", "pdl"], ["fuse_swiglu", "pdl"]),
+    (["pdl", "bf16_router", "fuse_swiglu"], ["bf16_router", "fuse_swiglu", "pdl"]),   # ties keep the user's order
+    (["pdl", "fuse_swiglu", "bf16_router"], ["fuse_swiglu", "bf16_router", "pdl"]),
+    (["bf16_router", "fuse_swiglu"], ["bf16_router", "fuse_swiglu"]),
+    ([" pdl ", "", "pdl"], ["pdl"]),                                               # blanks and repeats
+]
+
+
+@pytest.mark.parametrize("requested, expected", ORDERS, ids=[",".join(x.strip() or "_" for x in r) for r, _ in ORDERS])
+def test_order_respects_after_regardless_of_user_order(requested, expected):
+    assert names(resolve(requested, PASSES)) == expected
+
+
+def test_all_expands_to_every_registered_pass():
+    assert set(names(resolve(["all"], PASSES))) == set(PASSES) == {"fuse_swiglu", "bf16_router", "pdl"}
+    assert names(resolve(["all"], PASSES))[-1] == "pdl"
+    assert names(resolve(["pdl", "all"], PASSES)) == names(resolve(["all"], PASSES))
+
+
+def test_unknown_pass_lists_the_known_ones():
+    with pytest.raises(PassOrderError, match=re.escape("unknown pass(es) ['fuse_swigl']; known passes: "
+                                                       "bf16_router, fuse_swiglu, pdl, all")):
+        resolve(["pdl", "fuse_swigl"], PASSES)
+    with pytest.raises(PassOrderError, match="unknown pass"):
+        PassManager(["nope"])                                                # checked before any heavy work
+
+
+def test_cycle_is_named():
+    registry = {"cycle_a": CycleA, "cycle_b": CycleB, **PASSES}
+    with pytest.raises(PassOrderError, match="constraints form a cycle: (cycle_a -> cycle_b|cycle_b -> cycle_a)"):
+        resolve(["cycle_a", "cycle_b"], registry)
+    assert names(resolve(["cycle_a"], registry)) == ["cycle_a"]               # an absent partner binds nothing
+
+
+def test_requires_pulls_in_a_missing_pass():
+    registry = {**PASSES, "needs_swiglu": NeedsSwiglu, "needs_missing": NeedsMissing}
+    assert names(resolve(["needs_swiglu"], registry)) == ["fuse_swiglu", "needs_swiglu"]
+    assert names(resolve(["needs_swiglu", "pdl"], registry)) == ["fuse_swiglu", "needs_swiglu", "pdl"]
+    with pytest.raises(PassOrderError, match="pass 'needs_missing' requires 'no_such_pass', which is not a known pass"):
+        resolve(["needs_missing"], registry)
+
+
+# ---- stages and records ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled(tiny_program):
+    return PassManager(["pdl", "fuse_swiglu"]).run(tiny_program)
+
+
+def test_stages_have_provenance_headers(tiny_program, compiled):
+    assert [(s.index, s.name) for s in compiled.stages] == [(0, "traced"), (1, "fuse_swiglu"), (2, "pdl")]
+    assert compiled.stages[0].record is None
+    assert compiled.stages[0].text == program_text(tiny_program, "# stage 00: traced")
+    header = re.compile(r"# stage (\d\d): (\w+) \(v[0-9a-f]{12}, \d+\.\d ms, \+(\d+) -(\d+) ~(\d+) nodes, "
+                        r"numerics (changed|unchanged)\)")
+    for stage in compiled.stages[1:]:
+        m = header.fullmatch(stage.text.splitlines()[0])
+        assert m, stage.text.splitlines()[0]
+        r = stage.record
+        assert int(m[1]) == stage.index and m[2] == stage.name == r.name
+        assert m.groups()[2:5] == tuple(str(len(x)) for x in (r.nodes_added, r.nodes_removed, r.nodes_rewritten))
+        assert m[6] == "unchanged" and f"v{r.version}" in stage.text.splitlines()[0]
+    assert compiled.stages[1].text.splitlines()[0].endswith("+37 -57 ~20 nodes, numerics unchanged)")
+    assert compiled.stages[-1].text == program_text(compiled.program, compiled.stages[-1].text.splitlines()[0])
+
+
+def test_records_hold_op_counts(tiny_program, compiled):
+    fuse, pdl = compiled.records
+    before, after = fuse.op_counts_before["decode"], fuse.op_counts_after["decode"]
+    assert before["lingc.moe_up"] == 5 and "lingc.moe_up_act" not in before
+    assert after["lingc.moe_up_act"] == 5 and "lingc.moe_up" not in after
+    assert after["lingc.silu_and_mul"] == before["lingc.silu_and_mul"] - 5
+    assert pdl.op_counts_before == pdl.op_counts_after == fuse.op_counts_after
+    assert set(fuse.op_counts_before) == set(tiny_program.graphs)
+    json.dumps([r.to_json() for r in compiled.records])                       # records are plain data
+    assert fuse.version == PASSES["fuse_swiglu"].version() and re.fullmatch(r"[0-9a-f]{12}", fuse.version)
+
+
+def test_manager_never_edits_its_input(tiny_program):
+    text, weights = program_text(tiny_program), dict(tiny_program.weights)
+    result = PassManager(["all"]).run(tiny_program)
+    assert program_text(tiny_program) == text and result.stages[0].text.endswith(text)
+    assert tiny_program.weights.keys() == weights.keys()
+    assert all(tiny_program.weights[k] is w and w.dtype == weights[k].dtype for k, w in tiny_program.weights.items())
+    assert result.program is not tiny_program
+
+
+# ---- gates -----------------------------------------------------------------------------------------------
+
+def test_verify_passes_for_the_real_passes(tiny_program):
+    result = PassManager(["all"], verify=True).run(tiny_program)
+    assert [r.name for r in result.records] == ["fuse_swiglu", "bf16_router", "pdl"]
+    for r in result.records:
+        assert r.verify["ok"] and r.verify["exact"] == (not r.changes_numerics), r.name
+
+
+def test_verify_catches_a_pass_that_changes_numerics_undeclared(tiny_program):
+    norm = tiny_program.weights["model.norm.weight"].clone()
+    manager = PassManager(["perturb_norm"], registry={"perturb_norm": PerturbNorm}, verify=True)
+    with pytest.raises(VerifyError, match=r"--verify failed after pass 'perturb_norm': .*'decode': "
+                                          r"\['output\[0\]: not bit-identical"):
+        manager.run(tiny_program)
+    assert torch.equal(tiny_program.weights["model.norm.weight"], norm)        # the shared weight is untouched
+    result = PassManager(["perturb_norm"], registry={"perturb_norm": PerturbNorm}).run(tiny_program)
+    assert result.records[0].weights_changed == ["model.norm.weight"]           # without --verify it goes through
+
+
+def test_lint_after_each_pass_names_the_pass(tiny_program):
+    manager = PassManager(["leave_dead"], registry={"leave_dead": LeaveDeadNode})
+    with pytest.raises(LintError, match=r"after pass 'leave_dead': graph 'decode', node '\w+': result unused and "
+                                        r"the op has no side effects \(dead code\)"):
+        manager.run(tiny_program)
+
+
+def test_the_input_is_linted_too(tiny_program):
+    broken = tiny_program.copy()
+    del broken.inputs("verify")[0].meta["lingc.input"]
+    with pytest.raises(LintError, match="graph 'verify', node 'input_ids': input has no 'lingc.input' role"):
+        PassManager(["pdl"]).run(broken)
