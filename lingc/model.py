@@ -14,7 +14,7 @@ from torch import nn
 from lingc.config import LingConfig
 from lingc.modules import KDA, MLA, MLP, Linear, MoE, RMSNorm
 from lingc.ops import OPS as ops
-from lingc.state import ModelState
+from lingc.state import ModelState, StepMeta
 
 
 class DecoderLayer(nn.Module):
@@ -25,8 +25,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = MoE(c, i, dtype) if c.is_moe_layer(i) else MLP(c.hidden_size, c.intermediate_size, dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = ops.add(x, self.attention(self.input_layernorm(x), positions, state))
+    def forward(self, x: torch.Tensor, meta: StepMeta, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = ops.add(x, self.attention(self.input_layernorm(x), meta, state))
         return ops.add(x, self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -40,10 +40,10 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, dtype)
         self.final_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, meta: StepMeta,
                 state: dict[str, torch.Tensor]) -> torch.Tensor:
         z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))   # embedding first
-        return self.final_layernorm(super().forward(z, positions, state))
+        return self.final_layernorm(super().forward(z, meta, state))
 
 
 class LingModel(nn.Module):
@@ -59,10 +59,17 @@ class LingModel(nn.Module):
         self.num_layers = L
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, state: ModelState) -> torch.Tensor:
+        meta = step_meta(positions, state)
         x = ops.embedding(input_ids, self.word_embeddings.weight)                        # [B, T, h]
         for i in range(self.num_layers):
-            x = self.layers[i](x, positions, state.layer(i))
+            x = self.layers[i](x, meta, state.layer(i))
         return self.norm(x)
+
+
+def step_meta(positions: torch.Tensor, state: ModelState) -> StepMeta:
+    """The step's page rows and cache rows, derived on the device from slots, page table and positions."""
+    page_rows = ops.gather_rows(state.page_table, state.slots)                          # [B, MP]
+    return StepMeta(positions, state.slots, page_rows, ops.cache_locs(page_rows, positions, state.page_size))
 
 
 class LingForCausalLM(nn.Module):
@@ -97,7 +104,7 @@ class LingForCausalLM(nn.Module):
         """
         i = self.config.num_hidden_layers + depth
         embeds = ops.embedding(next_ids, self.model.word_embeddings.weight)
-        z = self.model.layers[i](embeds, hidden, positions, state.layer(i))
+        z = self.model.layers[i](embeds, hidden, step_meta(positions, state), state.layer(i))
         return self.lm_head(z), z
 
     @torch.no_grad()

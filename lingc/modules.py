@@ -14,6 +14,7 @@ from torch import nn
 
 from lingc.config import LingConfig
 from lingc.ops import OPS as ops
+from lingc.state import StepMeta
 
 MOE_BLOCK_M = 16   # rows per expert block in moe_align / moe_up / moe_down (the GEMM's BLOCK_M)
 
@@ -51,8 +52,8 @@ class ShortConv(nn.Module):
         super().__init__()
         self.weight = _param(channels, 1, width, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        return ops.kda_conv(x, self.weight, conv_state)
+    def forward(self, x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return ops.kda_conv(x, self.weight, conv_pool, slots)
 
 
 class KDA(nn.Module):
@@ -71,17 +72,17 @@ class KDA(nn.Module):
         self.o_proj = Linear(P, h, dtype)
         self.heads, self.head_dim, self.lower_bound = H, D, float(c.kda_lower_bound)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMeta, state: dict[str, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         heads = (B, T, self.heads, self.head_dim)
-        q = self.q_conv1d(self.q_proj(x), state["conv_q"]).view(heads)
-        k = self.k_conv1d(self.k_proj(x), state["conv_k"]).view(heads)
-        v = self.v_conv1d(self.v_proj(x), state["conv_v"]).view(heads)
+        q = self.q_conv1d(self.q_proj(x), state["conv_q"], meta.slots).view(heads)
+        k = self.k_conv1d(self.k_proj(x), state["conv_k"], meta.slots).view(heads)
+        v = self.v_conv1d(self.v_proj(x), state["conv_v"], meta.slots).view(heads)
         f = self.f_proj(x).view(heads)
         b = self.b_proj(x)                                                         # [B, T, H]
         # chunked form for prompts, token-by-token for decode and short verify chains
         recurrence = ops.kda_chunk if T > 16 else ops.kda_recurrent
-        o = recurrence(q, k, v, f, b, self.A_log, self.dt_bias, state["recurrent"], self.lower_bound)
+        o = recurrence(q, k, v, f, b, self.A_log, self.dt_bias, state["recurrent"], meta.slots, self.lower_bound)
         o = ops.gated_rmsnorm(o, self.o_norm.weight, self.g_proj(x).view(heads), self.o_norm.eps)
         return self.o_proj(o.view(B, T, -1))
 
@@ -113,16 +114,18 @@ class MLA(nn.Module):
     def _q_lora(self, x: torch.Tensor) -> torch.Tensor:
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMeta, state: dict[str, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
+        positions = meta.positions
         q = self.query(x).view(B, T, self.heads, -1)                             # [B, T, H, nope + rope]
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         q_rope = ops.rope(q_rope, positions, self.theta)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         k_rope = ops.rope(k_rope.unsqueeze(2), positions, self.theta).squeeze(2)  # one k_rope per token
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)          # [B, T, 576]
-        ops.mla_cache_write(state["kv_cache"], latent, positions)
-        o = ops.mla_attention(q_nope, q_rope, state["kv_cache"], self.kv_b_proj.weight, positions, self.scale)
+        ops.mla_cache_write(state["kv_pages"], latent, meta.cache_locs)
+        o = ops.mla_attention(q_nope, q_rope, state["kv_pages"], self.kv_b_proj.weight, meta.page_rows, positions,
+                              self.scale)
         o = ops.sigmoid_gate(o, self.g_proj(x))                                    # [B, T, H, v]
         return self.dense(o.reshape(B, T, -1))
 

@@ -3,8 +3,9 @@
 from lingc.passes.base import Pass, PassRecord
 from lingc.passes.bf16_router import Bf16Router
 from lingc.passes.fuse_swiglu import FuseSwiglu
+from lingc.passes.partition import Partition
 from lingc.passes.pdl import Pdl
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (FuseSwiglu, Bf16Router, Pdl)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, Bf16Router, Pdl)}
 
 __all__ = ["PASSES", "Pass", "PassRecord"]

@@ -21,9 +21,10 @@ aten = torch.ops.aten
 # shape / layout ops the model's forward uses between lingc ops; none of them computes anything
 ATEN_ALLOWED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.split_with_sizes.default,
                 aten.split.Tensor, aten.unsqueeze.default, aten.squeeze.dim, aten.cat.default, aten.add.Tensor,
+                aten.sub.Tensor,
                 aten.slice.Tensor, aten.select.int, aten.permute.default, aten.transpose.int, aten.expand.default,
                 aten.clone.default)
-META_KEYS = ("lingc.scope", "lingc.input", "lingc.pdl", "lingc.dtype", "lingc.layout")
+META_KEYS = ("lingc.scope", "lingc.stage", "lingc.input", "lingc.pdl", "lingc.dtype", "lingc.layout", "lingc.relay")
 
 
 class IRError(ValueError):

@@ -1,9 +1,12 @@
 """KDA (Kimi Delta Attention) ops: the short causal conv with its state, and the gated delta rule.
 
 Letters: B batch, T tokens, H heads, D head dim (K = V = D), P = H * D, W conv width (4).
-`kda_recurrent` runs the recurrence token by token (decode, verify); `kda_chunk` is the chunked
-form (prefill). Both take the raw projections and do the safe gate, beta, q/k L2 norm and scale
-inside, in fp32, and update the fp32 state [B, H, D, D] ([heads, K, V]) in place.
+`kda_recurrent` runs the recurrence token by token (decode); `kda_chunk` is the chunked form
+(prefill). Both take the raw projections and do the safe gate, beta, q/k L2 norm and scale inside,
+in fp32, and update the request's fp32 state in a pool [S, H, D, D] ([heads, K, V]) picked by
+`slots` [B]. Under speculation (techniques.md section 10) `kda_conv_staged` / `kda_recurrent_staged`
+leave the pools alone and write each chain position's post-state to a staging buffer, and
+`kda_commit` copies the last accepted one into the pool.
 (shared/docs/architecture.md section 4; fla `naive_recurrent_kda` / `naive_chunk_kda`.)
 """
 
@@ -18,26 +21,82 @@ from lingc.ops.registry import register
 CHUNK = 64
 
 
-@torch.library.custom_op("lingc::kda_conv", mutates_args=("conv_state",))
-def kda_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-    """silu(depthwise causal conv) over time, continuing from conv_state; updates conv_state in place.
+def _conv_taps(window: torch.Tensor, weight: torch.Tensor, T: int) -> torch.Tensor:
+    """y[:, :, t] = sum_j w[:, j] * window[:, :, t + j] in fp32, tap by tap.
 
-    x [B, T, P] projections (pre-conv), weight [P, 1, W] fp32, conv_state [B, P, W-1] holding the last
-    W-1 pre-conv inputs (oldest first). Returns [B, T, P] in x.dtype.
+    Written as explicit taps rather than conv1d so every output element is computed the same way
+    whatever T is: a verify chain then gives decode's bits, position by position.
     """
     width = weight.shape[-1]
-    window = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)   # [B, P, W-1+T]
-    y = F.conv1d(window.float(), weight.float(), groups=weight.shape[0])    # [B, P, T]
-    conv_state.copy_(window[..., window.shape[-1] - (width - 1):])
+    w = weight.float().view(weight.shape[0], width)                                  # [P, W]
+    win = window.float()
+    y = win[..., 0:T] * w[:, 0:1]
+    for j in range(1, width):
+        y = y + win[..., j:j + T] * w[:, j:j + 1]
+    return y                                                                         # [B, P, T]
+
+
+@torch.library.custom_op("lingc::kda_conv", mutates_args=("conv_pool",))
+def kda_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """silu(depthwise causal conv) over time, continuing from each request's conv window; updates the window.
+
+    x [B, T, P] projections (pre-conv), weight [P, 1, W] fp32, conv_pool [S, P, W-1] holding per request
+    slot the last W-1 pre-conv inputs (oldest first), slots [B] int32. Returns [B, T, P] in x.dtype.
+    """
+    width, T = weight.shape[-1], x.shape[1]
+    idx = slots.long()
+    window = torch.cat([conv_pool[idx].to(x.dtype), x.transpose(1, 2)], dim=-1)   # [B, P, W-1+T]
+    y = _conv_taps(window, weight, T)
+    conv_pool[idx] = window[..., T:].to(conv_pool.dtype)
     return F.silu(y).transpose(1, 2).to(x.dtype).contiguous()
 
 
 @kda_conv.register_fake
-def _(x, weight, conv_state):
+def _(x, weight, conv_pool, slots):
     return x.new_empty(x.shape)
 
 
 register("kda_conv")
+
+
+@torch.library.custom_op("lingc::kda_conv_staged", mutates_args=("staging",))
+def kda_conv_staged(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+                    staging: torch.Tensor) -> torch.Tensor:
+    """kda_conv for a verify chain: the pool is only read; the window after each position t goes to
+    staging[b, t] ([B, T, P, W-1]) for kda_commit to keep the accepted one."""
+    width, T = weight.shape[-1], x.shape[1]
+    window = torch.cat([conv_pool[slots.long()].to(x.dtype), x.transpose(1, 2)], dim=-1)
+    y = _conv_taps(window, weight, T)
+    for t in range(T):
+        staging[:, t] = window[..., t + 1:t + width].to(staging.dtype)
+    return F.silu(y).transpose(1, 2).to(x.dtype).contiguous()
+
+
+@kda_conv_staged.register_fake
+def _(x, weight, conv_pool, slots, staging):
+    return x.new_empty(x.shape)
+
+
+register("kda_conv_staged")
+
+
+@torch.library.custom_op("lingc::kda_commit", mutates_args=("pool",))
+def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, accept_len: torch.Tensor) -> None:
+    """pool[slots[b]] = staging[b, accept_len[b] - 1]: keep the state after the last accepted chain position.
+
+    pool [S, ...], staging [B, T, ...], accept_len [B] (1..T). Works for conv windows and recurrent states.
+    """
+    B = staging.shape[0]
+    pick = (accept_len.long() - 1).clamp(0, staging.shape[1] - 1)
+    pool[slots.long()] = staging[torch.arange(B, device=staging.device), pick].to(pool.dtype)
+
+
+@kda_commit.register_fake
+def _(pool, slots, staging, accept_len):
+    return None
+
+
+register("kda_commit")
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
@@ -58,38 +117,65 @@ def _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound):
     return t(qf), t(kf), t(v.float()), t(g), t(beta)
 
 
-@torch.library.custom_op("lingc::kda_recurrent", mutates_args=("state",))
-def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                  A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                  lower_bound: float) -> torch.Tensor:
-    """Gated delta rule, one token at a time. q, k, v, f [B, T, H, D]; b [B, T, H]; state [B, H, D, D] fp32.
-
-    S = diag(exp(g_t)) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t  (read after the update).
-    """
-    qf, kf, vf, g, beta = _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound)
-    S = state.float().clone()
+def _recurrence(qf, kf, vf, g, beta, S: torch.Tensor, staging: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token: S = diag(exp(g_t)) S; S += k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t."""
     outs = []
-    for t in range(q.shape[1]):
+    for t in range(qf.shape[2]):
         S = S * g[:, :, t].exp().unsqueeze(-1)                                   # decay rows (K index)
         kt = kf[:, :, t]                                                          # [B, H, D]
         err = beta[:, :, t, None] * (vf[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
         S = S + kt.unsqueeze(-1) * err.unsqueeze(-2)
         outs.append(torch.einsum("bhkv,bhk->bhv", S, qf[:, :, t]))
-    state.copy_(S)
-    return torch.stack(outs, dim=1).to(q.dtype)                                  # [B, T, H, D]
+        if staging is not None:
+            staging[:, t] = S
+    return torch.stack(outs, dim=1), S                                            # [B, T, H, D]
+
+
+@torch.library.custom_op("lingc::kda_recurrent", mutates_args=("state_pool",))
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                  lower_bound: float) -> torch.Tensor:
+    """Gated delta rule, one token at a time, from and into state_pool[slots] ([S, H, D, D] fp32).
+
+    q, k, v, f [B, T, H, D]; b [B, T, H]; slots [B] int32. The output is read after each update.
+    """
+    qf, kf, vf, g, beta = _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound)
+    idx = slots.long()
+    o, S = _recurrence(qf, kf, vf, g, beta, state_pool[idx].float(), None)
+    state_pool[idx] = S.to(state_pool.dtype)
+    return o.to(q.dtype)
 
 
 @kda_recurrent.register_fake
-def _(q, k, v, f, b, A_log, dt_bias, state, lower_bound):
+def _(q, k, v, f, b, A_log, dt_bias, state_pool, slots, lower_bound):
     return v.new_empty(v.shape)
 
 
 register("kda_recurrent")
 
 
-@torch.library.custom_op("lingc::kda_chunk", mutates_args=("state",))
+@torch.library.custom_op("lingc::kda_recurrent_staged", mutates_args=("staging",))
+def kda_recurrent_staged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                         staging: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """kda_recurrent for a verify chain: reads state_pool[slots], leaves it alone, and writes the state
+    after each position t to staging[b, t] ([B, T, H, D, D] fp32) for kda_commit."""
+    qf, kf, vf, g, beta = _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound)
+    o, _ = _recurrence(qf, kf, vf, g, beta, state_pool[slots.long()].float(), staging)
+    return o.to(q.dtype)
+
+
+@kda_recurrent_staged.register_fake
+def _(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging, lower_bound):
+    return v.new_empty(v.shape)
+
+
+register("kda_recurrent_staged")
+
+
+@torch.library.custom_op("lingc::kda_chunk", mutates_args=("state_pool",))
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-              A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+              A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
               lower_bound: float) -> torch.Tensor:
     """The same recurrence as kda_recurrent in chunks of 64 (WY form with per-channel decay); for prefill.
 
@@ -105,7 +191,8 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor
     n = qf.shape[2] // CHUNK
     split = lambda x: x.reshape(B, H, n, CHUNK, *x.shape[3:])  # noqa: E731
     qc, kc, vc, gc, bc = map(split, (qf, kf, vf, g, beta))
-    S = state.float().clone()
+    idx = slots.long()
+    S = state_pool[idx].float()
     causal = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device))
     outs = []
     for c in range(n):
@@ -121,13 +208,13 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor
         outs.append(torch.einsum("bhti,bhiv->bhtv", qt * G.exp(), S) + Bqk @ U)
         G_end = G[:, :, -1:]                                                      # [B, H, 1, D]
         S = S * G_end.transpose(-1, -2).exp() + torch.einsum("bhsi,bhsv->bhiv", kt * (G_end - G).exp(), U)
-    state.copy_(S)
+    state_pool[idx] = S.to(state_pool.dtype)
     o = torch.cat(outs, dim=2)[:, :, :T]                                         # [B, H, T, D]
     return o.transpose(1, 2).to(q.dtype).contiguous()
 
 
 @kda_chunk.register_fake
-def _(q, k, v, f, b, A_log, dt_bias, state, lower_bound):
+def _(q, k, v, f, b, A_log, dt_bias, state_pool, slots, lower_bound):
     return v.new_empty(v.shape)
 
 

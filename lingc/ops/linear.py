@@ -12,12 +12,22 @@ import torch
 
 from lingc.ops.registry import register
 
+ROW_INVARIANT_ROWS = 16     # decode (1) and verify (draft_tokens) sizes; prefill chunks are larger
+
 
 @torch.library.custom_op("lingc::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """y = x @ weight.T; x [..., K] cast to weight.dtype, weight [N, K] -> y [..., N] in out_dtype or x.dtype."""
-    y = torch.nn.functional.linear(x.to(weight.dtype), weight)
-    return y.to(out_dtype if out_dtype is not None else x.dtype)
+    """y = x @ weight.T; x [..., K] cast to weight.dtype, weight [N, K] -> y [..., N] in out_dtype or x.dtype.
+
+    Up to ROW_INVARIANT_ROWS rows are computed one row at a time: CPU BLAS picks different kernels
+    (and rounding) by row count, and a verify chain must reproduce a decode step's bits per row.
+    """
+    rows = x.to(weight.dtype).reshape(-1, x.shape[-1])
+    if rows.shape[0] <= ROW_INVARIANT_ROWS:
+        y = torch.cat([torch.nn.functional.linear(rows[i:i + 1], weight) for i in range(rows.shape[0])])
+    else:
+        y = torch.nn.functional.linear(rows, weight)
+    return y.view(*x.shape[:-1], weight.shape[0]).to(out_dtype if out_dtype is not None else x.dtype)
 
 
 @linear.register_fake

@@ -1,6 +1,6 @@
 """Gated-MLA ops: interleaved RoPE, the compact latent cache write, and attention over that cache.
 
-Letters: B batch, T new tokens, S cache slots, H heads, R = kv_lora_rank (512), Rr = rope dim (64),
+Letters: B batch, T new tokens, NP pages of PS rows, MP pages per request, H heads, R = kv_lora_rank (512), Rr = rope dim (64),
 L = R + Rr latent values cached per token (576), N nope dim (128), Vd value dim (128).
 The cache row of a token is [rmsnorm(c_kv) (R) | rope(k_rope) (Rr)]. Attention expands K/V from the
 latent with kv_b_proj in the reference; kernels may absorb it instead.
@@ -42,49 +42,61 @@ def _(x, positions, theta):
 register("rope")
 
 
-@torch.library.custom_op("lingc::mla_cache_write", mutates_args=("kv_cache",))
-def mla_cache_write(kv_cache: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor) -> None:
-    """kv_cache[b, positions[b, t]] = latent[b, t]; kv_cache [B, S, L], latent [B, T, L], positions [B, T]."""
-    B, T, L = latent.shape
-    index = positions.long().unsqueeze(-1).expand(B, T, L)
-    kv_cache.scatter_(1, index, latent.to(kv_cache.dtype))
+@torch.library.custom_op("lingc::mla_cache_write", mutates_args=("kv_pages",))
+def mla_cache_write(kv_pages: torch.Tensor, latent: torch.Tensor, cache_locs: torch.Tensor) -> None:
+    """Write each new token's latent row into the paged cache: kv_pages [NP, PS, L] seen flat as
+    [NP * PS, L]; latent [B, T, L]; cache_locs [B, T] int64 flat row of each token (lingc.cache_locs)."""
+    flat = kv_pages.view(-1, kv_pages.shape[-1])
+    flat[cache_locs.reshape(-1).long()] = latent.reshape(-1, latent.shape[-1]).to(kv_pages.dtype)
 
 
 @mla_cache_write.register_fake
-def _(kv_cache, latent, positions):
+def _(kv_pages, latent, cache_locs):
     return None
 
 
 register("mla_cache_write")
 
 
-@torch.library.custom_op("lingc::mla_attention", mutates_args=())
-def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_b_weight: torch.Tensor,
-                  positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of new queries over the latent cache; key slot j is visible to query t iff j <= positions[b, t].
+def _attend_one(q_nope, q_rope, c_kv, k_rope, kv_b, pos, scale, H, N, Vd):
+    """One request, T queries over its S cache rows, all fp32: [T, H, Vd]."""
+    kv = (c_kv @ kv_b.T).view(-1, H, N + Vd)                                          # [S, H, N+Vd]
+    k_nope, v = kv[..., :N], kv[..., N:]
+    scores = torch.einsum("thn,shn->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_rope, k_rope)
+    visible = torch.arange(c_kv.shape[0], device=c_kv.device).view(1, 1, -1) <= pos.view(1, -1, 1)
+    probs = torch.softmax((scores * scale).masked_fill(~visible, -torch.inf), dim=-1)
+    return torch.einsum("hts,shv->thv", probs, v)
 
-    q_nope [B, T, H, N], q_rope [B, T, H, Rr] (already rotated), kv_cache [B, S, R + Rr],
-    kv_b_weight [H * (N + Vd), R] (per head: k_nope rows then v rows). Returns [B, T, H, Vd].
-    Scores, softmax and the value sum are fp32.
+
+@torch.library.custom_op("lingc::mla_attention", mutates_args=())
+def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
+                  page_rows: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of new queries over each request's paged latent cache.
+
+    q_nope [B, T, H, N], q_rope [B, T, H, Rr] (already rotated), kv_pages [NP, PS, R + Rr],
+    kv_b_weight [H * (N + Vd), R] (per head: k_nope rows then v rows), page_rows [B, MP] the pages of
+    each request in order, positions [B, T]. Logical slot j (page j // PS) is visible to query t iff
+    j <= positions[b, t]. Returns [B, T, H, Vd]; scores, softmax and the value sum are fp32. Short
+    chains (T <= 16) attend one query at a time, so a verify position computes exactly what a decode
+    step computes.
     """
     B, T, H, N = q_nope.shape
     R = kv_b_weight.shape[1]
     Vd = kv_b_weight.shape[0] // H - N
-    latent = kv_cache.float()
-    c_kv, k_rope = latent[..., :R], latent[..., R:]                                   # [B, S, R], [B, S, Rr]
-    kv = (c_kv @ kv_b_weight.float().T).view(B, -1, H, N + Vd)                        # [B, S, H, N+Vd]
-    k_nope, v = kv[..., :N], kv[..., N:]
-    scores = torch.einsum("bthn,bshn->bhts", q_nope.float(), k_nope)
-    scores = scores + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rope)
-    slots = torch.arange(kv_cache.shape[1], device=kv_cache.device)
-    visible = slots.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)                  # [B, 1, T, S]
-    probs = torch.softmax((scores * scale).masked_fill(~visible, -torch.inf), dim=-1)
-    out = torch.einsum("bhts,bshv->bthv", probs, v)
-    return out.to(q_nope.dtype).contiguous()
+    kv_b = kv_b_weight.float()
+    out = q_nope.new_empty((B, T, H, Vd), dtype=torch.float32)
+    for b in range(B):
+        latent = kv_pages[page_rows[b].long()].reshape(-1, kv_pages.shape[-1]).float()   # [MP * PS, L]
+        c_kv, k_rope = latent[:, :R], latent[:, R:]
+        qn, qr = q_nope[b].float(), q_rope[b].float()
+        steps = [slice(t, t + 1) for t in range(T)] if T <= 16 else [slice(0, T)]
+        for sl in steps:
+            out[b, sl] = _attend_one(qn[sl], qr[sl], c_kv, k_rope, kv_b, positions[b, sl], scale, H, N, Vd)
+    return out.to(q_nope.dtype)
 
 
 @mla_attention.register_fake
-def _(q_nope, q_rope, kv_cache, kv_b_weight, positions, scale):
+def _(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale):
     B, T, H, N = q_nope.shape
     Vd = kv_b_weight.shape[0] // H - N
     return q_nope.new_empty((B, T, H, Vd))

@@ -97,8 +97,16 @@ def pair_experts(sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: 
 
 
 def _grouped_gemm(x_rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """out[p] = x_rows[p] @ weights[experts[p]].T, one matmul per expert present. x_rows [NP, K], weights [E, N, K]."""
+    """out[p] = x_rows[p] @ weights[experts[p]].T. x_rows [NP, K], weights [E, N, K].
+
+    Decode-sized calls (NP <= 64) go pair by pair, so every pair's bits are independent of how many
+    pairs share its expert (verify must match decode); larger calls do one matmul per expert present.
+    """
     out = x_rows.new_empty((x_rows.shape[0], weights.shape[1]))
+    if x_rows.shape[0] <= 64:
+        for p, e in enumerate(experts.tolist()):
+            out[p:p + 1] = F.linear(x_rows[p:p + 1], weights[e])
+        return out
     for e in torch.unique(experts).tolist():
         sel = (experts == e).nonzero().squeeze(-1)
         out[sel] = F.linear(x_rows[sel], weights[e])

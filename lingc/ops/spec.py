@@ -73,7 +73,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     sorted_x, order = x.sort(dim=-1, descending=True)                                      # [B, T, V]
     rank = torch.arange(V, device=x.device).view(1, 1, V)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).view(B, 1, 1)
-    keep = rank < k
+    keep = (rank < k).expand(B, T, V).clone()
     probs_sorted = torch.softmax(sorted_x.masked_fill(~keep, -torch.inf), dim=-1)
     before = probs_sorted.cumsum(-1) - probs_sorted                                         # mass ahead of each token
     keep &= before < top_p.float().view(B, 1, 1)                                            # always keeps rank 0
@@ -157,3 +157,20 @@ def _(draft_ids, draft_probs, target_probs, target_logits, temperature, u):
 
 
 register("chain_accept")
+
+
+@torch.library.custom_op("lingc::simulate_accept", mutates_args=())
+def simulate_accept(accept_len: torch.Tensor, mean: torch.Tensor, u: torch.Tensor, max_accept: int) -> torch.Tensor:
+    """Benchmark knob (SGLang's simulated acceptance): where mean[b] > 0, replace accept_len[b] by
+    floor(mean) + (u < frac(mean)), clamped to [1, max_accept], so the average is `mean`. mean 0 = off."""
+    base = mean.float().floor()
+    sim = (base + (u.float() < mean.float() - base).float()).clamp(1, max_accept).to(accept_len.dtype)
+    return torch.where(mean > 0, sim, accept_len)
+
+
+@simulate_accept.register_fake
+def _(accept_len, mean, u, max_accept):
+    return accept_len.new_empty(accept_len.shape)
+
+
+register("simulate_accept")

@@ -1,0 +1,62 @@
+"""A guard that fails when the step path reads a device value on the host (.item(), .tolist(), int(t), ...).
+
+Run-ahead dies on any such read: the host would wait for the device. Inside `NoHostReads()` the Tensor
+methods that read values are patched; a call is allowed only from op implementations (lingc/ops,
+which on CPU are the kernels themselves) and from functions named in `allow` (the documented
+one-step-late copy). Everything else is recorded as a violation and, with strict=True, raised.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+OPS_DIR = str(Path(__file__).resolve().parents[1] / "lingc" / "ops")
+
+
+class HostReadError(RuntimeError):
+    """The step path read a device value on the host."""
+
+
+class NoHostReads:
+    def __init__(self, allow: tuple[str, ...] = ("consume",), strict: bool = True):
+        self.allow, self.strict = allow, strict
+        self.violations: list[str] = []
+        self._saved: dict[str, object] = {}
+
+    def _allowed(self, frame) -> bool:
+        import lingc.ops
+        ops_dir = str(Path(lingc.ops.__file__).parent)
+        f = frame
+        while f is not None:
+            code = f.f_code
+            if code.co_filename.startswith(ops_dir) or code.co_name in self.allow:
+                return True
+            if "/torch/" not in code.co_filename:
+                return False      # the first non-torch frame decides
+            f = f.f_back
+        return False
+
+    def __enter__(self) -> "NoHostReads":
+        for name in READ_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def patched(t, *a, _orig=original, _name=name, **k):
+                frame = sys._getframe(1)
+                if not self._allowed(frame):
+                    where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+                    self.violations.append(f"Tensor.{_name} at {where}")
+                    if self.strict:
+                        raise HostReadError(f"host read of a device value on the step path: Tensor.{_name} at {where}")
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, patched)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
