@@ -52,7 +52,10 @@ class ShortConv(nn.Module):
         super().__init__()
         self.weight = _param(channels, 1, width, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+                staging: torch.Tensor | None) -> torch.Tensor:
+        if staging is not None:                     # verify chain: stage, commit later
+            return ops.kda_conv_staged(x, self.weight, conv_pool, slots, staging)
         return ops.kda_conv(x, self.weight, conv_pool, slots)
 
 
@@ -75,14 +78,16 @@ class KDA(nn.Module):
     def forward(self, x: torch.Tensor, meta: StepMeta, state: dict[str, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         heads = (B, T, self.heads, self.head_dim)
-        q = self.q_conv1d(self.q_proj(x), state["conv_q"], meta.slots).view(heads)
-        k = self.k_conv1d(self.k_proj(x), state["conv_k"], meta.slots).view(heads)
-        v = self.v_conv1d(self.v_proj(x), state["conv_v"], meta.slots).view(heads)
+        q = self.q_conv1d(self.q_proj(x), state["conv_q"], meta.slots, state.get("staging_conv_q")).view(heads)
+        k = self.k_conv1d(self.k_proj(x), state["conv_k"], meta.slots, state.get("staging_conv_k")).view(heads)
+        v = self.v_conv1d(self.v_proj(x), state["conv_v"], meta.slots, state.get("staging_conv_v")).view(heads)
         f = self.f_proj(x).view(heads)
         b = self.b_proj(x)                                                         # [B, T, H]
-        # chunked form for prompts, token-by-token for decode and short verify chains
-        recurrence = ops.kda_chunk if T > 16 else ops.kda_recurrent
-        o = recurrence(q, k, v, f, b, self.A_log, self.dt_bias, state["recurrent"], meta.slots, self.lower_bound)
+        args = (q, k, v, f, b, self.A_log, self.dt_bias, state["recurrent"], meta.slots)
+        if "staging_recurrent" in state:              # verify chain: per-position states to staging
+            o = ops.kda_recurrent_staged(*args, state["staging_recurrent"], self.lower_bound)
+        else:                                         # chunked for prompts, token by token for decode
+            o = (ops.kda_chunk if T > 16 else ops.kda_recurrent)(*args, self.lower_bound)
         o = ops.gated_rmsnorm(o, self.o_norm.weight, self.g_proj(x).view(heads), self.o_norm.eps)
         return self.o_proj(o.view(B, T, -1))
 

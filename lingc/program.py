@@ -77,9 +77,7 @@ class Program:
         for name, g in self.graphs.items():
             new = fx.Graph()
             env: dict[fx.Node, fx.Node] = {}
-            out = new.graph_copy(g, env)
-            if out is not None:
-                new.output(out)
+            new.output(new.graph_copy(g, env))
             for old_node, new_node in env.items():
                 new_node.meta = copy.deepcopy(old_node.meta)
             graphs[name] = new

@@ -34,6 +34,9 @@ class ModelState:
     slots: torch.Tensor | None = None
     page_table: torch.Tensor | None = None
     page_size: int = 0
+    # verify chains: per-position post-states `layers.{i}.{name}` [B, T, ...]; KDA layers that have
+    # staging leave their pools alone and kda_commit keeps the accepted position (techniques.md 10)
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def max_len(self) -> int:
@@ -50,11 +53,13 @@ class ModelState:
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """The state tensors of layer i, keyed by their short name ('kv_pages', 'conv_q', 'recurrent', ...)."""
         prefix = f"layers.{i}."
-        return {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        out = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        out.update({"staging_" + k[len(prefix):]: v for k, v in self.staging.items() if k.startswith(prefix)})
+        return out
 
     def clone(self) -> "ModelState":
         return ModelState({k: v.clone() for k, v in self.tensors.items()}, self.slots.clone(),
-                          self.page_table.clone(), self.page_size)
+                          self.page_table.clone(), self.page_size, {k: v.clone() for k, v in self.staging.items()})
 
 
 def pools(config: LingConfig, slots: int, pages: int, page_size: int, dtype: torch.dtype,
@@ -71,4 +76,20 @@ def pools(config: LingConfig, slots: int, pages: int, page_size: int, dtype: tor
                                                           dtype=dtype, device=device)
             out[f"layers.{i}.recurrent"] = torch.zeros(slots, c.kda_heads, c.head_dim, c.head_dim,
                                                        dtype=torch.float32, device=device)
+    return out
+
+
+def staging_buffers(config: LingConfig, batch: int, tokens: int, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Verify-chain staging for every KDA layer: conv windows [B, T, P, W-1] and states [B, T, H, D, D] fp32."""
+    c = config
+    out: dict[str, torch.Tensor] = {}
+    for i in range(c.num_hidden_layers):
+        if c.is_mla_layer(i):
+            continue
+        for s in ("q", "k", "v"):
+            out[f"layers.{i}.conv_{s}"] = torch.zeros(batch, tokens, c.kda_dim, c.short_conv_kernel_size - 1,
+                                                      dtype=dtype, device=device)
+        out[f"layers.{i}.recurrent"] = torch.zeros(batch, tokens, c.kda_heads, c.head_dim, c.head_dim,
+                                                   dtype=torch.float32, device=device)
     return out

@@ -7,7 +7,7 @@ step needs nothing from the host but `slots`. Two steps are traced (lingc.trace)
   nextn  (NEXTN, topk=1 chain, draft_tokens = K + 1) in three stages, which the `partition` pass
          turns into three graphs:
      draft   K - 1 MTP forwards from (draft_first, mtp_hidden): d2..dK, their distributions
-     verify  target over [root, d1..dK] (KDA staged), in-graph acceptance, KDA commit,
+     verify  target over [root, d1..dK] (KDA staged: state.staging), in-graph acceptance, KDA commit,
              publish accept_len tokens, advance seq_len / root
      extend  MTP over the chain with the target's hidden states; the row at accept_len - 1 gives
              the next round's d1, its distribution and mtp_hidden
@@ -116,6 +116,8 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
         accept_len, tokens = ops.chain_accept(draft_ids, draft_probs, target_probs, logits, temperature, u)
         accept_len = ops.simulate_accept(accept_len, ops.gather_rows(relay["simulate_accept"], slots),
                                          ops.uniform(seed, counter + 2 * K + 2, 1).view(B), K + 1)
+        for key, staged in state.staging.items():                                # keep the accepted state
+            ops.kda_commit(state.tensors[key], slots, staged, accept_len)
         ops.emit_tokens(relay["out_tokens"], relay["out_len"], slots, tokens, accept_len)
         bonus = ops.pick_position(tokens, accept_len - 1).view(B)
         ops.scatter_rows(relay["root"], slots, bonus)

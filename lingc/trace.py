@@ -28,7 +28,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from lingc.model import LingForCausalLM
 from lingc.ops.registry import op_name
 from lingc.program import Program, TensorMeta
-from lingc.state import ModelState, pools
+from lingc.state import ModelState, pools, staging_buffers
 from lingc.steps import decode_step, nextn_step, relay_specs
 
 PROGRAMS = ("prefill", "decode", "mtp_prefill", "mtp_decode", "step", "nextn")
@@ -119,12 +119,17 @@ def example_inputs(model: LingForCausalLM, program: str, options: TraceOptions) 
             inputs["relay_" + r.name] = torch.zeros(options.request_slots, *r.shape, dtype=r.dtype, device=device)
     state = pools(c, options.request_slots, options.pages, options.page_size, model.dtype, device)
     inputs.update({state_input_name(k): v for k, v in state.items()})
+    if program == "nextn":
+        staged = staging_buffers(c, B, options.draft_tokens, model.dtype, device)
+        inputs.update({"staging_" + k.replace(".", "_"): v for k, v in staged.items()})
     return inputs
 
 
 def _input_role(name: str) -> str:
     if name.startswith("state_"):
         return "state:" + state_key(name)
+    if name.startswith("staging_"):
+        return "staging:" + state_key("state_" + name[len("staging_"):])
     if name.startswith("relay_"):
         return "relay:" + name[len("relay_"):]
     return name
@@ -171,7 +176,9 @@ def _trace_one(model: LingForCausalLM, program: str, options: TraceOptions,
     def fn(weight_list, input_list):
         named = dict(zip(keys, input_list))
         state = ModelState({state_key(k): t for k, t in named.items() if k.startswith("state_")},
-                           named["slots"], named["page_table"], options.page_size)
+                           named["slots"], named["page_table"], options.page_size,
+                           {state_key("state_" + k[len("staging_"):]): t for k, t in named.items()
+                            if k.startswith("staging_")})
         with torch.nn.utils.stateless._reparametrize_module(model, dict(zip(names, weight_list))):
             return step(named, state)
 

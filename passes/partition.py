@@ -9,9 +9,7 @@ FutureMap idea, techniques.md section 1):
 The buffers are new inputs with role relay:x.<value> and meta lingc.relay = {from, to}; `lingc diff`
 shows them. A crossing value that is just a read of a buffer nobody writes during the step is read
 again in the consumer instead (no relay needed).
-Verify also becomes speculation-safe (techniques.md section 10): kda_conv / kda_recurrent become the
-_staged ops writing each chain position's state to new staging inputs [B, T, ...], and kda_commit
-copies the state at accept_len - 1 into the pools right after chain_accept.
+(Verify's KDA layers already stage their state and commit after acceptance: lingc.steps.)
 Numerics unchanged: draft -> verify -> extend computes what nextn computes, bit for bit.
 """
 
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from lingc.ops import OPS
@@ -97,9 +94,8 @@ class Partition(Pass):
         for s in STAGES:
             graphs[s].output(None)
             graphs[s].eliminate_dead_code()
-        staged = _stage_kda(graphs["verify"], program)
         program.graphs.update(graphs)
-        return {"matches": 1, "relays": relays, "kda_staged": staged}
+        return {"matches": 1, "relays": relays}
 
     def _relay_out(self, node: fx.Node, stage: str, graphs: dict, envs: dict, slots_total: int,
                    relays: list, relay_inputs: dict, relay_meta: dict) -> str:
@@ -140,46 +136,3 @@ def _placeholder(graph: fx.Graph, name: str, meta: dict) -> fx.Node:
         node.meta["lingc.input"] = "relay:" + name.removeprefix("relay_")
     node._rename(name)
     return node
-
-
-def _stage_kda(graph: fx.Graph, program: Program) -> list[str]:
-    """Verify's KDA ops write per-position states to staging inputs; commit after chain_accept."""
-    accept = next((n for n in graph.nodes if n.target is OPS.chain_accept), None)
-    if accept is None:
-        return []
-    accept_len = next(u for u in accept.users if u.args[1] == 0)
-    commits, staged = [], []
-    for node in list(graph.nodes):
-        if node.target is OPS.kda_conv:
-            x, weight, pool, slots = node.args
-            B, T, P = x.meta["lingc.tensor"].shape
-            shape = (B, T, P, weight.meta["lingc.tensor"].shape[-1] - 1)
-            op, args_fn = OPS.kda_conv_staged, lambda st: (x, weight, pool, slots, st)
-            dtype = pool.meta["lingc.tensor"].dtype
-        elif node.target is OPS.kda_recurrent:
-            q, k, v, f, b, A_log, dt_bias, pool, slots, lower = node.args
-            B, T, H, D = q.meta["lingc.tensor"].shape
-            shape, dtype = (B, T, H, D, D), torch.float32
-            op, args_fn = OPS.kda_recurrent_staged, lambda st: (q, k, v, f, b, A_log, dt_bias, pool, slots, st, lower)
-        else:
-            continue
-        key = pool.meta["lingc.input"].removeprefix("state:")
-        st = _placeholder(graph, "staging_" + key.replace(".", "_"),
-                          {"lingc.input": f"staging:{key}", "lingc.tensor": TensorMeta(shape, dtype)})
-        with graph.inserting_before(node):
-            new = graph.call_function(op, args_fn(st))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        name = node.name
-        graph.erase_node(node)
-        new._rename(name.replace("kda_conv", "kda_conv_staged").replace("kda_recurrent", "kda_recurrent_staged"))
-        commits.append((pool, slots, st))
-        staged.append(new.name)
-    anchor = accept_len
-    for pool, slots, st in commits:
-        with graph.inserting_after(anchor):
-            c = graph.call_function(OPS.kda_commit, (pool, slots, st, accept_len))
-        c.meta = {"lingc.stage": "verify", "lingc.scope": "kda_commit"}
-        c._rename("commit_" + st.name.removeprefix("staging_"))
-        anchor = c
-    return staged

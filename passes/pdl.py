@@ -3,7 +3,7 @@
 Chains (techniques.md section 5), per layer:
     router  rmsnorm -> linear (gate) -> router_topk
     moe     moe_align -> moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
-    kda     kda_conv (q, k, v) -> kda_recurrent | kda_chunk -> gated_rmsnorm
+    kda     kda_conv[_staged] (q, k, v) -> kda_recurrent[_staged] | kda_chunk -> gated_rmsnorm
 A chain only overlaps if its kernels are adjacent on the stream, so kernels that sit between two chain
 members but need nothing from the chain (KDA's k/v/f/b/g projections, the shared expert) move to just
 before the chain's first kernel. A kernel that needs a chain member ends the chain there.
@@ -62,7 +62,7 @@ def _moe_chain(align: fx.Node) -> list[fx.Node]:
 
 def _kda_chain(rec: fx.Node) -> list[fx.Node]:
     convs = [producer(a) for a in rec.args[:3]]
-    convs = [c for c in convs if c.target is OPS.kda_conv]
+    convs = [c for c in convs if c.target in (OPS.kda_conv, OPS.kda_conv_staged)]
     norm = _only(list(consumers(rec)), OPS.gated_rmsnorm)
     return convs + [rec] + ([norm] if norm is not None else [])
 
@@ -128,7 +128,8 @@ class Pdl(Pass):
             found: list[tuple[str, list[fx.Node]]] = []
             found += [("router", _router_chain(n)) for n in calls(graph, "router_topk")]
             found += [("moe", _moe_chain(n)) for n in calls(graph, "moe_align")]
-            found += [("kda", _kda_chain(n)) for n in calls(graph, "kda_recurrent") + calls(graph, "kda_chunk")]
+            found += [("kda", _kda_chain(n)) for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged")
+                      for n in calls(graph, op)]
             seen: Counter[str] = Counter()    # the draft graph runs the MTP layer several times
             for kind, chain in found:
                 pieces, moved = _make_adjacent(graph, chain)
