@@ -89,7 +89,8 @@ def _is_artifact(path: Path) -> bool:
         return False
 
 
-def write_artifact(result: Any, out: str | Path, source: str = "", force: bool = True) -> Path:
+def write_artifact(result: Any, out: str | Path, source: str = "", force: bool = True,
+                   extra_files: list[Path] = ()) -> Path:
     """Write a CompileResult (program + stages) to `out` atomically; returns the path."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not _is_artifact(out):
@@ -100,6 +101,8 @@ def write_artifact(result: Any, out: str | Path, source: str = "", force: bool =
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        for f in extra_files:                          # tokenizer files travel with the artifact, hashed
+            shutil.copyfile(f, tmp / f.name)
         _write_into(result, tmp, source)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)       # a failed write leaves nothing behind, not even the .partial

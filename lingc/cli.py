@@ -65,10 +65,10 @@ def init(preset: str = typer.Option(..., help="ling-3.0-flash, ling-3.0-tiny, te
 def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint directory (config.json + *.safetensors)"),
                 passes: str = typer.Option("", "--passes", "-p", help="comma-separated pass names, or 'all' (see `lingc passes`)"),
                 out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
-                programs: str = typer.Option("", help="step programs to trace (default: prefill,decode,verify + extend,draft with MTP)"),
+                programs: str = typer.Option("", help="programs to trace (default: prefill,decode,step + mtp_prefill,mtp_decode,nextn with MTP)"),
                 dtype: str = typer.Option("bf16", help="activation / weight dtype: bf16 or fp32"),
                 verify: bool = typer.Option(False, "--verify", help="check every stage against the previous one on CPU"),
-                max_len: int = typer.Option(256, help="cache slots per request"),
+                max_len: int = typer.Option(512, help="tokens per request, prompt + output (a multiple of 16)"),
                 prefill_tokens: int = typer.Option(32, help="tokens per prefill chunk"),
                 draft_tokens: int = typer.Option(6, help="verify width (NEXTN steps + 1)")) -> None:
     """Trace the checkpoint's step programs, run the passes, and write an artifact (JSON IR + safetensors)."""
@@ -78,8 +78,10 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
     from lingc.config import ConfigError
     from lingc.passes.manager import PassOrderError, VerifyError
     from lingc.trace import TraceOptions
-    options = TraceOptions(max_len=max_len, prefill_tokens=prefill_tokens, draft_tokens=draft_tokens,
-                           extend_tokens=draft_tokens)
+    try:
+        options = TraceOptions(max_len=max_len, prefill_tokens=prefill_tokens, draft_tokens=draft_tokens)
+    except ValueError as e:
+        _fail(str(e))
     t0 = time.perf_counter()
     try:
         result = compile_checkpoint(checkpoint, out, _split(passes), _split(programs) or None, dtype, verify,
@@ -163,43 +165,82 @@ def report(artifact: Path = typer.Argument(..., help="artifact directory"),
 
 
 @app.command()
-def demo(workdir: Path = typer.Option(Path(".lingc-demo"), help="where to put the checkpoint and artifact"),
-         new_tokens: int = typer.Option(24, help="tokens to generate")) -> None:
-    """The built-in default: a tiny random Ling-3 checkpoint, compiled with all passes (--verify), then generated from."""
-    import torch
+def generate(artifact: Path = typer.Argument(..., help="artifact directory (lingc compile ... --passes all)"),
+             prompt_ids: str = typer.Option("", help="prompt as comma-separated token ids, e.g. 11,22,33"),
+             prompt: str = typer.Option("", help="prompt text (needs tokenizer.json in the checkpoint)"),
+             max_new_tokens: int = typer.Option(64, help="tokens to generate"),
+             spec: str = typer.Option("nextn", help="nextn (MTP draft, NEXTN 5/6) or none (plain decode, the baseline)"),
+             temperature: float = typer.Option(0.0, help="0 = greedy"),
+             top_p: float = typer.Option(1.0, help="nucleus sampling mass (1 = off)"),
+             top_k: int = typer.Option(0, help="keep the k most likely tokens (0 = off)"),
+             seed: int = typer.Option(0, help="sampling seed (same seed, same tokens)"),
+             ignore_eos: bool = typer.Option(False, "--ignore-eos", help="decode exactly --max-new-tokens (benchmarks)"),
+             simulate_accept_len: float = typer.Option(0.0, help="benchmark knob: force this mean accept length (off by default)"),
+             device: str = typer.Option("cpu", help="cpu or cuda"),
+             as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of text")) -> None:
+    """Generate from an artifact: greedy or sampled, NEXTN speculative decoding by default."""
+    import json
 
+    from lingc.artifact import ArtifactError
+    from lingc.runtime.engine import EngineError, Request, SamplingParams
+    from lingc.runtime.session import open_session
+    try:
+        session = open_session(artifact, spec=spec, device=device, simulate_accept_len=simulate_accept_len)
+        ids = session.encode(prompt_ids, prompt)
+        req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), ignore_eos)
+        result = session.engine.generate(req)
+    except (ArtifactError, EngineError, ValueError, OSError) as e:
+        _fail(str(e))
+    summary = session.summary(ids, result)
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+        return
+    console.print(f"prompt ({len(ids)} tokens): {ids[:16]}{' ...' if len(ids) > 16 else ''}")
+    console.print(f"output ({len(result.tokens)} tokens, finish: {result.finish_reason}): {result.tokens}")
+    if summary.get("text") is not None:
+        console.print(f"text: {escape(summary['text'])}")
+    sim = f" [yellow](simulated accept length {simulate_accept_len})[/yellow]" if simulate_accept_len else ""
+    console.print(f"spec {spec}: {result.steps} decode steps, mean accept length {result.mean_accept_len:.2f}{sim}; "
+                  f"TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
+                  f"{summary['tok_per_s']:.1f} tok/s")
+
+
+@app.command()
+def demo(workdir: Path = typer.Option(Path(".lingc-demo"), help="where to put the checkpoint and artifact"),
+         new_tokens: int = typer.Option(48, help="tokens to generate")) -> None:
+    """The built-in default: a tiny random Ling-3 checkpoint, compiled with all passes (--verify), then
+    generated from with NEXTN speculative decoding and checked against plain decoding."""
     from lingc.artifact import load_artifact
-    from lingc.checkpoint import load
     from lingc.compile import compile_checkpoint
     from lingc.init import write_random_checkpoint
     from lingc.passes import PASSES
     from lingc.presets import preset
-    from lingc.runtime.greedy import generate_greedy
+    from lingc.runtime.engine import Engine, Request
     ck, art_dir = workdir / "ck", workdir / "art"
     console.rule("1. lingc init --preset test-tiny")
     write_random_checkpoint(preset("test-tiny"), ck, seed=0)
-    console.print(f"random test-tiny checkpoint (HF names, sharded) in {ck}")
+    console.print(f"random test-tiny checkpoint (HF names, sharded) in {escape(str(ck))}")
     console.rule(f"2. lingc compile --passes all --verify  ({', '.join(PASSES)})")
     result = compile_checkpoint(ck, art_dir, ["all"], dtype="fp32", verify=True)
     for r in result.records:
         console.print(f"  {r.summary()}; verify {'bit-exact' if not r.changes_numerics else 'within tolerance'}")
-    console.rule("3. generate (greedy, from the artifact's prefill/decode programs)")
-    art = load_artifact(art_dir)
+    console.print(f"  programs: {', '.join(result.program.graphs)}")
+    console.rule("3. lingc generate (greedy): NEXTN 5/6 vs plain decode")
+    program = load_artifact(art_dir).program
     prompt = [11, 22, 33, 44, 55]
-    tokens = generate_greedy(art.program, prompt, new_tokens)
-    reference = load(ck, dtype=torch.float32).generate(torch.tensor([prompt]), new_tokens)[0].tolist()
-    console.print(f"prompt {prompt}\nartifact  -> {tokens}\nreference -> {reference}")
-    if tokens == reference:
-        console.print("[green]identical to the reference model[/green]")
-    else:
-        console.print("bf16_router changes rounding (declared), so with near-uniform random logits the two part "
-                      "at a near-tie. Without it:")
-        exact_dir = workdir / "art-exact"
-        compile_checkpoint(ck, exact_dir, ["fuse_swiglu", "pdl"], dtype="fp32", verify=True)
-        exact = generate_greedy(load_artifact(exact_dir).program, prompt, new_tokens)
-        same = "[green]identical to the reference[/green]" if exact == reference else "[red]DIFFERENT[/red]"
-        console.print(f"fuse_swiglu,pdl -> {exact}: {same}")
-    console.print(f"inspect: lingc diff {art_dir} --pass fuse_swiglu ; lingc report {art_dir} -o report.html")
+    runs = {}
+    for spec in ("nextn", "none"):
+        r = Engine(program, spec=spec).generate(Request(prompt, new_tokens, ignore_eos=True))
+        runs[spec] = r
+        console.print(f"  --spec {spec:5s}: {r.steps} steps, accept length {r.mean_accept_len:.2f}, "
+                      f"{len(r.tokens)} tokens {r.tokens[:12]} ...")
+    same = runs["nextn"].tokens == runs["none"].tokens
+    console.print("[green]NEXTN output is byte-identical to plain decoding[/green]" if same else
+                  "[red]NEXTN and plain decoding differ[/red]")
+    console.print("(random MTP weights rarely guess the target, so the accept length is near 1; "
+                  "`--temperature 0.8` or `--simulate-accept-len 3.2` show longer chains)")
+    console.print(f"inspect: lingc diff {escape(str(art_dir))} --pass partition --program verify ; "
+                  f"lingc report {escape(str(art_dir))} -o report.html")
 
 
 def main() -> None:

@@ -14,12 +14,13 @@ from lingc.trace import TraceOptions, trace
 
 log = logging.getLogger(__name__)
 
+EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")   # copied and hashed
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
 def default_programs(num_mtp_layers: int) -> list[str]:
-    """Every program the checkpoint supports: the MTP programs only when it has an MTP layer."""
-    return ["prefill", "decode", "verify"] + (["extend", "draft"] if num_mtp_layers else [])
+    """Every program the checkpoint supports: the MTP programs (and NEXTN) only when it has an MTP layer."""
+    return ["prefill", "decode", "step"] + (["mtp_prefill", "mtp_decode", "nextn"] if num_mtp_layers else [])
 
 
 def compile_checkpoint(checkpoint: str | Path, out: str | Path, passes: list[str], programs: list[str] | None = None,
@@ -33,5 +34,6 @@ def compile_checkpoint(checkpoint: str | Path, out: str | Path, passes: list[str
     programs = programs or default_programs(model.config.num_nextn_predict_layers)
     program = trace(model, programs, options)
     result = manager.run(program)
-    write_artifact(result, out, source=str(checkpoint))
+    extra = [p for p in (Path(checkpoint) / f for f in EXTRA_FILES) if p.exists()]
+    write_artifact(result, out, source=str(checkpoint), extra_files=extra)
     return result
