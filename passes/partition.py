@@ -62,8 +62,10 @@ class Partition(Pass):
             env, graph = envs[stage], graphs[stage]
             if node in env:
                 return env[node]
-            if node.op in ("placeholder", "get_attr"):
-                new = graph.placeholder(node.target) if node.op == "placeholder" else graph.get_attr(node.target)
+            if node.op == "placeholder":
+                new = _placeholder(graph, node.target, node.meta)            # inputs stay at the top
+            elif node.op == "get_attr":
+                new = graph.get_attr(node.target)
                 new.meta = dict(node.meta)
                 new._rename(node.name)
             elif node.target is OPS.gather_rows and node.args[0].op == "placeholder" and node.args[0] not in written:

@@ -41,6 +41,10 @@ def annotations(node: fx.Node) -> str:
         notes.append(f"pdl={pdl['chain']} {pdl['index'] + 1}/{pdl['length']}" + (" early" if pdl["early_launch"] else ""))
     if "lingc.dtype" in node.meta:
         notes.append(f"dtype={node.meta['lingc.dtype']}")
+    if "lingc.capture" in node.meta:
+        notes.append(f"capture={node.meta['lingc.capture']}")
+    if "lingc.stage" in node.meta and node.op == "call_function" and node.meta.get("lingc.scope") == "relay":
+        notes.append(f"relay ({node.meta['lingc.stage']})")
     if "lingc.layout" in node.meta:
         notes.append(f"layout={node.meta['lingc.layout']}")
     return ("  " + " ".join(notes)) if notes else ""

@@ -108,3 +108,21 @@ def _(out_tokens, out_len, slots, tokens, count=None):
 
 
 register("emit_tokens")
+
+
+@torch.library.custom_op("lingc::paged_refill", mutates_args=())
+def paged_refill(page_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_rows + cache_locs in one op (fuse_index_chains): the requests' page rows [B, MP] and the flat
+    cache row of each token [B, T]. Unallocated page-table entries already hold the harmless page."""
+    page_rows = page_table[slots.long()].clone()
+    return page_rows, cache_locs(page_rows, positions, page_size)
+
+
+@paged_refill.register_fake
+def _(page_table, slots, positions, page_size):
+    return (page_table.new_empty((slots.shape[0], page_table.shape[1])),
+            positions.new_empty(positions.shape, dtype=torch.int64))
+
+
+register("paged_refill")
