@@ -32,7 +32,9 @@ class PageAllocator:
         if need - len(owned) > len(self.free):
             raise RuntimeError(f"out of cache pages: slot {slot} needs {need - len(owned)} more, {len(self.free)} free")
         new = [self.free.pop(0) for _ in range(need - len(owned))]
-        self.page_table[slot, len(owned):need] = torch.tensor(new, dtype=self.page_table.dtype)
+        # pinned + non_blocking: a pageable copy would make the host wait for the GPU (no run-ahead)
+        src = torch.tensor(new, dtype=self.page_table.dtype, pin_memory=self.page_table.is_cuda)
+        self.page_table[slot, len(owned):need].copy_(src, non_blocking=True)
         owned.extend(new)
 
     def release(self, slot: int) -> None:
