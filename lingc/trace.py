@@ -27,7 +27,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from lingc.model import LingForCausalLM
 from lingc.ops.registry import op_name
-from lingc.program import Program, TensorMeta
+from lingc.ir.shapes import meta_of
+from lingc.program import Program
 from lingc.state import ModelState, pools, staging_buffers
 from lingc.steps import decode_step, nextn_step, relay_specs
 
@@ -230,14 +231,6 @@ class _ScopeRecorder:
             node.meta["lingc.scope"] = scope
 
 
-def _to_meta(val: object) -> TensorMeta | list | None:
-    if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(val.shape), val.dtype)
-    if isinstance(val, (list, tuple)):
-        return [_to_meta(v) for v in val]
-    return None
-
-
 def node_base_name(node: fx.Node) -> str:
     """Readable name from scope and op: model.layers.3.mlp + lingc.moe_up -> L3_mlp_moe_up."""
     scope = node.meta.get("lingc.scope", "") or node.meta.get("lingc.stage", "")
@@ -257,18 +250,18 @@ def _clean(graph: fx.Graph, weight_names: list[str], input_keys: list[str]) -> f
             if ph.users:
                 with graph.inserting_before(first_op):
                     attr = graph.get_attr(weight_names[i])
-                attr.meta = {"lingc.tensor": _to_meta(ph.meta.get("val"))}
+                attr.meta = {"lingc.tensor": meta_of(ph.meta.get("val"))}
                 ph.replace_all_uses_with(attr)
             graph.erase_node(ph)
             continue
         key = input_keys[i - n_w]
-        ph.meta = {"lingc.input": _input_role(key), "lingc.tensor": _to_meta(ph.meta.get("val"))}
+        ph.meta = {"lingc.input": _input_role(key), "lingc.tensor": meta_of(ph.meta.get("val"))}
         ph.target = key
         ph._rename(key)
     for node in graph.nodes:
         if node.op in ("call_function", "output"):
             keep = {k: node.meta[k] for k in ("lingc.scope", "lingc.stage") if k in node.meta}
-            node.meta = {**keep, "lingc.tensor": _to_meta(node.meta.get("val"))}
+            node.meta = {**keep, "lingc.tensor": meta_of(node.meta.get("val"))}
     graph.eliminate_dead_code()        # e.g. the draft chain's last position increment
     for node in list(graph.nodes):
         if node.op == "placeholder" and not node.users:

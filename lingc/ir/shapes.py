@@ -14,11 +14,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lingc.program import Program, TensorMeta
 
 
-def _meta_of(value: object) -> TensorMeta | list | None:
+def meta_of(value: object) -> TensorMeta | list | None:
+    """TensorMeta of a (fake) tensor, a list of them for a tuple, None otherwise."""
     if isinstance(value, torch.Tensor):
         return TensorMeta(tuple(value.shape), value.dtype)
     if isinstance(value, (list, tuple)):
-        return [_meta_of(v) for v in value]
+        return [meta_of(v) for v in value]
     return None
 
 
@@ -44,4 +45,4 @@ def propagate(program: Program) -> None:
                         else operator.getitem(*args)
                 else:
                     continue
-                node.meta["lingc.tensor"] = _meta_of(env[node])
+                node.meta["lingc.tensor"] = meta_of(env[node])
