@@ -65,7 +65,10 @@ class Partition(Pass):
             if node.op == "placeholder":
                 new = _placeholder(graph, node.target, node.meta)            # inputs stay at the top
             elif node.op == "get_attr":
-                new = graph.get_attr(node.target)
+                # weights next, as traced: pdl hoists a kernel above a chain only if all it reads comes first
+                first = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr")), None)
+                with graph.inserting_before(first) if first is not None else graph.inserting_after(None):
+                    new = graph.get_attr(node.target)
                 new.meta = dict(node.meta)
                 new._rename(node.name)
             elif node.target is OPS.gather_rows and node.args[0].op == "placeholder" and node.args[0] not in written:

@@ -10,6 +10,7 @@ step path reads a device value on the host (runtime.host_reads guards that in te
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,15 @@ class EngineError(ValueError):
     """A request or artifact the engine cannot run; the message says what to change."""
 
 
+def _is_int(x) -> bool:
+    """A Python or NumPy integer (not a float, not a tensor)."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return not isinstance(x, torch.Tensor)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0     # 0 = greedy
@@ -37,8 +47,10 @@ class SamplingParams:
     def check(self) -> None:
         if not (self.temperature >= 0):
             raise EngineError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise EngineError(f"top_k must be >= 0, got {self.top_k}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise EngineError(f"top_k must be >= 0 and an integer, got {self.top_k}")
+        if not _is_int(self.seed):
+            raise EngineError(f"seed must be an integer, got {self.seed}")
         if not (0 < self.top_p <= 1):
             raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -81,6 +93,10 @@ class LateCopy:
         self.src = (out_tokens, out_len)
         self.host = [(torch.empty_like(out_tokens, device="cpu", pin_memory=pin),
                       torch.empty_like(out_len, device="cpu", pin_memory=pin)) for _ in range(2)]
+        # GPU: step k + 1 is enqueued before step k's side-stream copy has run, and would overwrite the relay;
+        # so snapshot it on the compute stream (ordered before step k + 1) and copy the snapshot to the host.
+        # Snapshot k % 2 is rewritten at start(k + 2), after consume(k) has waited for its copy.
+        self.snap = [(torch.empty_like(out_tokens), torch.empty_like(out_len)) for _ in range(2)] if pin else None
         self.stream = torch.cuda.Stream(out_tokens.device) if pin else None
         self.events: list = [None, None]
 
@@ -90,10 +106,13 @@ class LateCopy:
             toks.copy_(self.src[0])
             lens.copy_(self.src[1])
             return
+        snap_toks, snap_lens = self.snap[k % 2]
+        snap_toks.copy_(self.src[0])
+        snap_lens.copy_(self.src[1])
         self.stream.wait_stream(torch.cuda.current_stream(self.src[0].device))
         with torch.cuda.stream(self.stream):
-            toks.copy_(self.src[0], non_blocking=True)
-            lens.copy_(self.src[1], non_blocking=True)
+            toks.copy_(snap_toks, non_blocking=True)
+            lens.copy_(snap_lens, non_blocking=True)
             self.events[k % 2] = torch.cuda.Event()
             self.events[k % 2].record()
 
@@ -137,11 +156,14 @@ class Engine:
         V, max_len = self.program.config.vocab_size, self.opt["max_len"]
         if not req.prompt:
             raise EngineError("the prompt is empty")
+        not_int = [t for t in req.prompt if not _is_int(t)]
+        if not_int:                                       # a float id would be truncated silently on the way in
+            raise EngineError(f"prompt token ids must be integers, got {not_int[:5]}")
         bad = [t for t in req.prompt if not 0 <= t < V]
         if bad:
             raise EngineError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
-        if req.max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if not _is_int(req.max_new_tokens) or req.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1 and an integer, got {req.max_new_tokens}")
         room = max_len - 2 * self.opt["draft_tokens"]
         if len(req.prompt) + req.max_new_tokens > room:
             raise EngineError(f"prompt ({len(req.prompt)}) + max_new_tokens ({req.max_new_tokens}) exceeds the "
@@ -247,9 +269,9 @@ class Engine:
         ttft = time.perf_counter() - t0
         k, enqueued = 1, 0                        # k: the next step whose copy to consume
         while finish is None:
-            in_flight = enqueued - k + 1          # enqueued, not yet consumed; each emits >= 1 token
-            if len(out) + in_flight < req.max_new_tokens:
-                # enqueue the next step before reading step k's tokens: the host stays a step ahead
+            # enqueue step k + 1 before reading step k's tokens: the host stays a step ahead. Stop once the
+            # steps in flight (enqueued, not yet consumed; each emits >= 1 token) cover max_new_tokens.
+            while enqueued <= k and len(out) + (enqueued - k + 1) < req.max_new_tokens:
                 self.pages.ensure(slot, L + (enqueued + 2) * K1 + 2 * self.opt["draft_tokens"])
                 self._enqueue_step()
                 enqueued += 1

@@ -2,19 +2,23 @@
 
 Run-ahead dies on any such read: the host would wait for the device. Inside `NoHostReads()` the Tensor
 methods that read values are patched; a call is allowed only from op implementations (lingc/ops,
-which on CPU are the kernels themselves) and from functions named in `allow` (the documented
-one-step-late copy). Everything else is recorded as a violation and, with strict=True, raised.
+which on CPU are the kernels themselves) and from functions whose qualified name is in `allow` (the
+documented one-step-late copy, `LateCopy.consume`). Everything else is recorded as a violation and,
+with strict=True, raised.
+
+It sees Tensor reads only: a synchronising host-to-device copy from pageable memory, an explicit
+`synchronize()` or a data-dependent op (nonzero, boolean-mask indexing) is not caught.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-OPS_DIR = str(Path(__file__).resolve().parents[1] / "lingc" / "ops")
 
 
 class HostReadError(RuntimeError):
@@ -22,18 +26,18 @@ class HostReadError(RuntimeError):
 
 
 class NoHostReads:
-    def __init__(self, allow: tuple[str, ...] = ("consume",), strict: bool = True):
+    def __init__(self, allow: tuple[str, ...] = ("LateCopy.consume",), strict: bool = True):
+        import lingc.ops
         self.allow, self.strict = allow, strict
         self.violations: list[str] = []
         self._saved: dict[str, object] = {}
+        self._ops_dir = str(Path(lingc.ops.__file__).parent) + os.sep
 
     def _allowed(self, frame) -> bool:
-        import lingc.ops
-        ops_dir = str(Path(lingc.ops.__file__).parent)
         f = frame
         while f is not None:
             code = f.f_code
-            if code.co_filename.startswith(ops_dir) or code.co_name in self.allow:
+            if code.co_filename.startswith(self._ops_dir) or code.co_qualname in self.allow:
                 return True
             if "/torch/" not in code.co_filename:
                 return False      # the first non-torch frame decides

@@ -1,5 +1,5 @@
-"""Shared fixtures: one test-tiny random checkpoint per session (seed 0), its fp32 and bf16 reference models
-and their five traced step programs (small shapes: `tiny_options`)."""
+"""Shared fixtures: one test-tiny random checkpoint per session (seed 0), its fp32 and bf16 reference models,
+their six traced step programs (small shapes: `tiny_options`) and the fp32 program after `partition`."""
 
 from __future__ import annotations
 
@@ -41,17 +41,26 @@ def tiny_model_bf16(tiny_ckpt: Path) -> lingc.LingForCausalLM:
 
 @pytest.fixture(scope="session")
 def tiny_options() -> TraceOptions:
-    """Small trace shapes for CPU tests: 32-token prefill chunks, 48 cache slots, verify/extend width 6."""
-    return TraceOptions(batch=1, prefill_tokens=32, max_len=48, draft_tokens=6, extend_tokens=6)
+    """Small trace shapes for CPU tests: 32-token prefill chunks, 48 tokens per request in pages of 16,
+    2 request slots, verify width 6 (5 draft tokens)."""
+    return TraceOptions(batch=1, prefill_tokens=32, max_len=48, page_size=16, request_slots=2,
+                        draft_tokens=6)
 
 
 @pytest.fixture(scope="session")
 def tiny_program(tiny_model_fp32: lingc.LingForCausalLM, tiny_options: TraceOptions) -> Program:
-    """All five step programs of the fp32 test-tiny model. Shared: passes copy it; never edit it in place."""
+    """All six step programs of the fp32 test-tiny model. Shared: passes copy it; never edit it in place."""
     return lingc.trace(tiny_model_fp32, PROGRAMS, tiny_options)
 
 
 @pytest.fixture(scope="session")
 def tiny_program_bf16(tiny_model_bf16: lingc.LingForCausalLM, tiny_options: TraceOptions) -> Program:
-    """All five step programs of the bf16 test-tiny model. Shared: never edit it in place."""
+    """All six step programs of the bf16 test-tiny model. Shared: never edit it in place."""
     return lingc.trace(tiny_model_bf16, PROGRAMS, tiny_options)
+
+
+@pytest.fixture(scope="session")
+def tiny_partitioned(tiny_program: Program) -> Program:
+    """`tiny_program` after the partition pass: nextn split into draft, verify and extend. Never edit it in place."""
+    from lingc.passes.partition import Partition
+    return Partition().run(tiny_program)[0]

@@ -15,13 +15,15 @@ import lingc
 import lingc.artifact
 from lingc.artifact import FORMAT, FORMAT_VERSION, MANIFEST, ArtifactError, load_artifact, read_manifest, write_artifact
 from lingc.compile import compile_checkpoint
+from lingc.passes import PASSES as REGISTRY
 from lingc.passes.manager import CompileResult
 from lingc.passes.verify import random_inputs
-from lingc.runtime.greedy import generate_greedy
+from lingc.runtime.engine import Engine, EngineError, Request
 from lingc.trace import TraceOptions
 
 OPTIONS = TraceOptions(max_len=48, prefill_tokens=16)
 PASSES = ["fuse_swiglu", "bf16_router", "pdl"]
+EXACT_PASSES = [name for name, p in REGISTRY.items() if not p.changes_numerics]   # partition included
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt")
 
 
@@ -35,10 +37,10 @@ def compiled(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 
 @pytest.fixture(scope="module")
 def exact_program(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> lingc.program.Program:
-    """prefill + decode compiled with the numerics-preserving passes only, loaded back from disk."""
+    """Every program compiled (fp32) with the numerics-preserving passes only, partition included, loaded back
+    from disk. max_len 64: the engine keeps 2 x draft_tokens of margin, so a request may hold 52 tokens."""
     out = tmp_path_factory.mktemp("artifact_exact") / "art"
-    compile_checkpoint(tiny_ckpt, out, ["fuse_swiglu", "pdl"], programs=["prefill", "decode"], dtype="fp32",
-                       options=OPTIONS)
+    compile_checkpoint(tiny_ckpt, out, EXACT_PASSES, dtype="fp32", options=TraceOptions(max_len=64, prefill_tokens=16))
     return load_artifact(out).program
 
 
@@ -66,7 +68,7 @@ def test_manifest_lists_config_programs_passes_stages(compiled):
     assert m["config"] == result.program.config.to_dict()
     assert m["config"]["hidden_size"] == 128
     assert m["options"]["max_len"] == 48 and m["options"]["prefill_tokens"] == 16 and m["options"]["dtype"] == "float32"
-    assert set(m["programs"]) == {"prefill", "decode", "verify", "extend", "draft"}
+    assert set(m["programs"]) == {"prefill", "decode", "mtp_prefill", "mtp_decode", "step", "nextn"}
     assert all(m["programs"][g]["file"] == f"graphs/{g}.json" for g in m["programs"])
     assert [(r["name"], r["changes_numerics"]) for r in m["passes"]] == \
         [("fuse_swiglu", False), ("bf16_router", True), ("pdl", False)]
@@ -116,6 +118,9 @@ def test_load_is_bit_exact_on_every_graph(compiled):
         mem_out, disk_out = result.program.run(name, mem_inputs), loaded.run(name, disk_inputs)
         assert len(mem_out) == len(disk_out)
         for i, (x, y) in enumerate(zip(mem_out, disk_out)):
+            if x is None:                                   # engine steps return nothing; their relays are below
+                assert y is None and name in ("step", "nextn"), f"{name} output[{i}]"
+                continue
             assert x.dtype == y.dtype and torch.equal(x, y), f"{name} output[{i}]"
         for key in mem_inputs:                              # state inputs are updated in place
             assert torch.equal(mem_inputs[key], disk_inputs[key]), f"{name} {key}"
@@ -272,16 +277,24 @@ def test_write_without_force_refuses_an_existing_artifact(compiled, tmp_path):
 # -- greedy generation from the artifact ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("spec", ["nextn", "none"])
 @pytest.mark.parametrize("prompt_len", [5, 16, 23], ids=["short", "one-chunk", "chunk-plus-tail"])
-def test_greedy_from_artifact_matches_reference(exact_program, tiny_model_fp32, prompt_len):
+def test_greedy_from_artifact_matches_reference(exact_program, tiny_model_fp32, prompt_len, spec):
+    """The engine on the loaded artifact (NEXTN speculation, or plain decode) gives model.generate's tokens."""
     prompt = [(7 * i + 3) % 500 for i in range(prompt_len)]
-    tokens = generate_greedy(exact_program, prompt, 20)
+    result = Engine(exact_program, spec=spec).generate(Request(prompt, 20, ignore_eos=True))
     reference = tiny_model_fp32.generate(torch.tensor([prompt]), 20)[0].tolist()
-    assert tokens == reference
+    assert result.tokens == reference and result.finish_reason == "length"
+    lens = result.accept_lens                                       # tokens each decode step emitted (the last
+    assert sum(lens[:-1]) < 20 - 1 <= sum(lens)                     # one trimmed); the first came from the prefill
+    assert all(1 <= n <= (exact_program.options["draft_tokens"] if spec == "nextn" else 1) for n in result.accept_lens)
 
 
 def test_greedy_refuses_more_than_max_len(exact_program):
-    with pytest.raises(ValueError, match=r"prompt \(30\) \+ max_new_tokens \(20\) exceeds the artifact's max_len 48"):
-        generate_greedy(exact_program, list(range(30)), 20)
-    with pytest.raises(ValueError, match="at least one token"):
-        generate_greedy(exact_program, [], 5)
+    engine = Engine(exact_program, spec="none")
+    with pytest.raises(EngineError, match=r"prompt \(30\) \+ max_new_tokens \(23\) exceeds the artifact's context 52 "
+                                          r"\(max_len 64 minus 2 x draft_tokens\)"):
+        engine.generate(Request(list(range(30)), 23))
+    with pytest.raises(EngineError, match="the prompt is empty"):
+        engine.generate(Request([], 5))
+    assert engine.generate(Request(list(range(30)), 22, ignore_eos=True)).finish_reason == "length"   # fits

@@ -1,4 +1,4 @@
-"""The lingc CLI: init -> compile -> passes / diff / report, clean errors (no traceback), --help, the demo."""
+"""The lingc CLI: init -> compile -> passes / diff / report / generate, clean errors (no traceback), --help, the demo."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
+import lingc
 from lingc.artifact import load_artifact
 from lingc.cli import app
+from lingc.passes import PASSES
 from lingc.presets import preset
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -58,6 +61,23 @@ def built(runner: CliRunner, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "ck": ck, "art": art, "init": init, "compile": compile_}
 
 
+@pytest.fixture(scope="module")
+def exact(runner: CliRunner, built: dict) -> Path:
+    """`lingc compile --passes partition,fuse_swiglu,pdl --dtype fp32 --max-len 64` of the same checkpoint: every
+    program, split for NEXTN, numerics of the reference model (no bf16_router)."""
+    out = built["root"] / "exact"
+    _ok(runner.invoke(app, ["compile", str(built["ck"]), "--passes", "partition,fuse_swiglu,pdl", "-o", str(out),
+                            "--dtype", "fp32", "--max-len", "64", "--prefill-tokens", "16"]))
+    return out
+
+
+def _generate(runner: CliRunner, art: Path, *args: str) -> dict:
+    result = runner.invoke(app, ["generate", str(art), "--prompt-ids", "11,22,33", "--max-new-tokens", "10",
+                                 "--ignore-eos", "--json", *args])
+    _ok(result)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 # -- the happy path -------------------------------------------------------------------------------------------
 
 
@@ -77,7 +97,7 @@ def test_compile_prints_the_pass_table(built):
     assert re.search(r"1 │ fuse_swiglu │ unchanged .* bit-exact", text)
     assert re.search(r"2 │ bf16_router │ changed .* ok \(tol 0\.05\)", text)
     assert re.search(r"3 │ pdl │ unchanged .* bit-exact", text)
-    assert "programs: prefill, decode, verify, extend, draft" in text
+    assert "programs: prefill, decode, step, mtp_prefill, mtp_decode, nextn" in text
     art = load_artifact(built["art"])
     assert [r["name"] for r in art.manifest["passes"]] == ["fuse_swiglu", "bf16_router", "pdl"]
     assert all(r["verify"]["ok"] for r in art.manifest["passes"])
@@ -87,7 +107,8 @@ def test_passes_lists_every_pass_with_its_numerics(runner):
     text = _ok(runner.invoke(app, ["passes"]))
     assert re.search(r"fuse_swiglu │ .* │ unchanged", text)
     assert re.search(r"bf16_router │ .* │ changed \(tol 0\.05\)", text)
-    assert re.search(r"pdl │ .* │ unchanged │ fuse_swiglu, bf16_router", text)
+    assert re.search(r"pdl │ .* │ unchanged │ fuse_swiglu, bf16_router, partition", text)
+    assert re.search(r"partition │ .*relay.* │ unchanged │ -", text)
 
 
 def test_console_script_entry_point():
@@ -96,7 +117,7 @@ def test_console_script_entry_point():
     proc = subprocess.run([str(lingc), "passes"], capture_output=True, text=True, timeout=120,
                           env={"COLUMNS": "200", "PATH": str(lingc.parent)})
     assert proc.returncode == 0, proc.stderr
-    for name in ("fuse_swiglu", "bf16_router", "pdl"):
+    for name in PASSES:
         assert name in proc.stdout
 
 
@@ -111,7 +132,7 @@ def test_diff_prints_the_unified_diff_and_op_counts(runner, built):
     assert "op counts around fuse_swiglu" in text
     assert re.search(r"decode │ lingc\.moe_up │ 5 │ 0", text)
     assert re.search(r"decode │ lingc\.moe_up_act │ 0 │ 5", text)
-    assert "fuse_swiglu: 20 match(es); numerics unchanged" in text
+    assert "fuse_swiglu: 27 match(es); numerics unchanged" in text
 
 
 def test_diff_program_option(runner, built):
@@ -183,7 +204,7 @@ def test_init_over_a_file(runner, tmp_path):
 def test_unknown_pass(runner, built, tmp_path):
     _fails(runner.invoke(app, ["compile", str(built["ck"]), "--passes", "fuse_swiglu,fuse_everything",
                                "-o", str(tmp_path / "a")]),
-           "unknown pass(es) ['fuse_everything']", "known passes: bf16_router, fuse_swiglu, pdl, all")
+           "unknown pass(es) ['fuse_everything']", f"known passes: {', '.join(sorted(PASSES))}, all")
     assert not (tmp_path / "a").exists()
 
 
@@ -237,6 +258,8 @@ def test_report_into_a_missing_directory(runner, built, tmp_path):
     ("passes", []),
     ("diff", ["--pass", "--program", "--context", "--color"]),
     ("report", ["--out"]),
+    ("generate", ["--prompt-ids", "--prompt", "--max-new-tokens", "--spec", "--temperature", "--top-p", "--top-k",
+                  "--seed", "--ignore-eos", "--simulate-accept-len", "--device", "--json"]),
     ("demo", ["--workdir", "--new-tokens"]),
 ])
 def test_help(runner, command, options):
@@ -246,10 +269,77 @@ def test_help(runner, command, options):
         assert option in text, option
 
 
+def test_compile_help_shows_the_default_max_len(runner):
+    text = _ok(runner.invoke(app, ["compile", "--help"], prog_name="lingc"))
+    assert re.search(r"--max-len .*\[default: 512\]", text), text
+
+
 def test_top_level_help_lists_the_commands(runner):
     text = _ok(runner.invoke(app, ["--help"]))
-    for command in ("init", "compile", "passes", "diff", "report", "demo"):
+    for command in ("init", "compile", "passes", "diff", "report", "generate", "demo"):
         assert command in text
+
+
+# -- generate -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["nextn", "none"])
+def test_generate_greedy_matches_the_reference(runner, built, exact, spec):
+    """`lingc generate --json` (NEXTN speculation, or plain decode) gives the fp32 reference model's greedy tokens."""
+    out = _generate(runner, exact, "--spec", spec)
+    model = lingc.load(built["ck"], dtype=torch.float32)
+    assert out["tokens"] == model.generate(torch.tensor([[11, 22, 33]]), 10)[0].tolist()
+    assert out["prompt_tokens"] == 3 and out["finish_reason"] == "length" and out["spec"] == spec
+    assert out["text"] is None and out["simulated_accept_len"] is None     # no tokenizer.json in a random checkpoint
+    assert out["steps"] == len(out["accept_lens"]) and sum(out["accept_lens"]) >= 9
+    assert out["mean_accept_len"] == pytest.approx(sum(out["accept_lens"]) / out["steps"])
+    for key in ("ttft_ms", "tpot_ms", "tok_per_s", "step_ms"):
+        assert out[key] >= 0, key
+
+
+def test_generate_prints_a_summary(runner, exact):
+    text = _ok(runner.invoke(app, ["generate", str(exact), "--prompt-ids", "11,22,33", "--max-new-tokens", "10",
+                                   "--ignore-eos"]))
+    assert "prompt (3 tokens): [11, 22, 33]" in text
+    assert re.search(r"output \(10 tokens, finish: length\): \[\d+(, \d+){9}\]", text)
+    assert re.search(r"spec nextn: \d+ decode steps, mean accept length \d\.\d\d; TTFT [\d.]+ ms", text)
+
+
+def test_generate_sampled_is_reproducible(runner, exact):
+    a = _generate(runner, exact, "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+    b = _generate(runner, exact, "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+    c = _generate(runner, exact, "--temperature", "0.8", "--top-p", "0.9", "--seed", "4")
+    assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 10
+    assert c["tokens"] != a["tokens"]
+
+
+def test_generate_simulated_accept_length(runner, exact):
+    out = _generate(runner, exact, "--simulate-accept-len", "3")
+    assert out["simulated_accept_len"] == 3.0 and len(out["tokens"]) == 10
+    assert out["accept_lens"][:-1] == [3] * (len(out["accept_lens"]) - 1)
+
+
+def test_generate_errors(runner, built, exact, tmp_path):
+    art = str(exact)
+    gen = lambda *a: runner.invoke(app, ["generate", *a])  # noqa: E731
+    _fails(gen(str(built["art"]), "--prompt-ids", "1,2"),                 # compiled without partition
+           "lacks program(s) ['draft', 'verify', 'extend'] needed for --spec nextn", "partition")
+    _ok(gen(str(built["art"]), "--prompt-ids", "1,2", "--max-new-tokens", "3", "--spec", "none"))
+    _fails(gen(art, "--prompt-ids", "1,2", "--prompt", "hi"), "give exactly one of --prompt-ids and --prompt")
+    _fails(gen(art), "give exactly one of --prompt-ids and --prompt")
+    _fails(gen(art, "--prompt-ids", "1,x"), "--prompt-ids must be comma-separated integers, got '1,x'")
+    _fails(gen(art, "--prompt-ids", "1,99999"), "prompt token ids [99999] are outside the vocabulary [0, 512)")
+    _fails(gen(art, "--prompt-ids", "1,2", "--max-new-tokens", "51"),
+           "prompt (2) + max_new_tokens (51) exceeds the artifact's context 52", "--max-len")
+    _fails(gen(art, "--prompt", "hello"), "has no tokenizer.json (the checkpoint had none); use --prompt-ids")
+    _fails(gen(art, "--prompt-ids", "1", "--spec", "eagle"), "spec must be 'nextn' or 'none', got 'eagle'")
+    short = ("--prompt-ids", "1", "--max-new-tokens", "3")
+    _fails(gen(art, *short, "--temperature", "-1"), "temperature must be >= 0")
+    _fails(gen(art, *short, "--top-p", "0"), "top_p must be in (0, 1]")
+    _fails(gen(art, *short, "--top-k", "-2"), "top_k must be >= 0")
+    _fails(gen(art, *short, "--spec", "none", "--simulate-accept-len", "3"),
+           "--simulate-accept-len needs --spec nextn")
+    _fails(gen(str(tmp_path), "--prompt-ids", "1"), "no manifest.json; not a lingc artifact")
 
 
 # -- the demo -------------------------------------------------------------------------------------------------
@@ -257,9 +347,16 @@ def test_top_level_help_lists_the_commands(runner):
 
 @pytest.mark.slow
 def test_demo(runner, tmp_path):
-    """The built-in default end to end: two --verify compiles at default shapes (10-30 s on a 2-core CPU)."""
-    text = _ok(runner.invoke(app, ["demo", "--workdir", str(tmp_path / "demo")]))
-    for stage in ("1. lingc init --preset test-tiny", "2. lingc compile --passes all --verify", "3. generate"):
+    """The built-in default end to end: a --verify compile of every pass at default shapes, then greedy generation
+    on the engine with NEXTN speculation and with plain decoding, which must agree (10-30 s on a 2-core CPU)."""
+    text = _ok(runner.invoke(app, ["demo", "--workdir", str(tmp_path / "demo"), "--new-tokens", "24"]))
+    for stage in ("1. lingc init --preset test-tiny", "2. lingc compile --passes all --verify",
+                  "3. lingc generate (greedy): NEXTN 5/6 vs plain decode"):
         assert stage in text
-    assert "identical to the reference" in text and "DIFFERENT" not in text
-    assert (tmp_path / "demo/art/manifest.json").exists()
+    assert re.search(r"--spec nextn: \d+ steps, accept length [\d.]+, 24 tokens", text)
+    assert re.search(r"--spec none : 23 steps, accept length 1\.00, 24 tokens", text)
+    assert "NEXTN output is byte-identical to plain decoding" in text and "differ" not in text
+    for name in PASSES:
+        assert name in text, name
+    art = load_artifact(tmp_path / "demo/art")
+    assert {"draft", "verify", "extend", "step"} <= set(art.manifest["programs"])

@@ -5,8 +5,8 @@ computes those here, straight from architecture.md section 4.3 (not with lingc's
     g    = lower_bound * sigmoid(exp(A_log)[h] * (f + dt_bias[h, d]))
     beta = sigmoid(b)
     q, k = x / sqrt(sum_d x^2 + 1e-6)          (eps inside the root), and q is scaled by D^-1/2
-while torch.ops.lingc.kda_recurrent / kda_chunk take the raw projections and update the fp32 state
-[B, H, K, V] in place. `import fla` needs triton, so naive.py is loaded by file path.
+while torch.ops.lingc.kda_recurrent / kda_chunk take the raw projections and update the fp32 states
+[H, K, V] of the request slots they are given in a state pool [S, H, K, V], in place. `import fla` needs triton, so naive.py is loaded by file path.
 """
 
 from __future__ import annotations
@@ -87,12 +87,23 @@ def fla_args(inp):
                 scale=D ** -0.5, initial_state=inp["state"].clone(), output_final_state=True)
 
 
+def slot_pool(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state pool [B + 1, H, K, V] holding request b's state in slot B - b (slot 0 unused, filled with 7),
+    and slots [B] int32: the ops read and update pool[slots] in place."""
+    B = state.shape[0]
+    slots = torch.arange(B, 0, -1, dtype=torch.int32)
+    pool = torch.full((B + 1, *state.shape[1:]), 7.0)
+    pool[slots.long()] = state
+    return pool, slots
+
+
 def run_lingc(op, inp):
-    """(output, final state) of torch.ops.lingc.<op>; the op mutates the state tensor it is given."""
-    state = inp["state"].clone()
+    """(output, final state) of torch.ops.lingc.<op>; the op mutates the slots' rows of the pool it is given."""
+    pool, slots = slot_pool(inp["state"].clone())
     o = getattr(torch.ops.lingc, op)(inp["q"], inp["k"], inp["v"], inp["f"], inp["b"], inp["A_log"],
-                                     inp["dt_bias"], state, LOWER_BOUND)
-    return o, state
+                                     inp["dt_bias"], pool, slots, LOWER_BOUND)
+    assert torch.equal(pool[0], torch.full_like(pool[0], 7.0)), f"{op} wrote a slot it was not given"
+    return o, pool[slots.long()]
 
 
 def naive_chunk_padded(fla_naive, args, chunk=64):
@@ -188,11 +199,12 @@ def test_chained_calls_continue_the_state(fla_naive):
     B, T, H, D, split = 2, 80, 2, 16, 70
     inp = make_inputs(B, T, H, D, seed=11)
     o_ref, S_ref = fla_naive.naive_recurrent_kda(**fla_args(inp))
-    state = inp["state"].clone()
+    pool, slots = slot_pool(inp["state"].clone())
     raw = lambda sl: [inp[n][:, sl] for n in ("q", "k", "v", "f", "b")]  # noqa: E731
-    outs = [torch.ops.lingc.kda_chunk(*raw(slice(0, split)), inp["A_log"], inp["dt_bias"], state, LOWER_BOUND)]
+    outs = [torch.ops.lingc.kda_chunk(*raw(slice(0, split)), inp["A_log"], inp["dt_bias"], pool, slots,
+                                      LOWER_BOUND)]
     for t in range(split, T):
-        outs.append(torch.ops.lingc.kda_recurrent(*raw(slice(t, t + 1)), inp["A_log"], inp["dt_bias"], state,
+        outs.append(torch.ops.lingc.kda_recurrent(*raw(slice(t, t + 1)), inp["A_log"], inp["dt_bias"], pool, slots,
                                                   LOWER_BOUND))
     assert_out_close(torch.cat(outs, dim=1), o_ref, "chunk prefill + recurrent decode vs naive_recurrent_kda")
-    assert_state_close(state, S_ref, "chunk prefill + recurrent decode vs naive_recurrent_kda")
+    assert_state_close(pool[slots.long()], S_ref, "chunk prefill + recurrent decode vs naive_recurrent_kda")

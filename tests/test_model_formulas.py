@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from lingc import checkpoint
 from lingc.init import write_random_checkpoint
+from lingc.model import step_meta
 from lingc.modules import KDA, MLA
 from lingc.presets import preset
 
@@ -212,7 +213,7 @@ def test_mla_qlora_layer_matches_formula(tiny):
     assert hasattr(mla, "q_a_proj") and not hasattr(mla, "q_proj")
     x = hidden_input(seed=1)
     state = model.new_state(B, T)
-    got = mla(x, torch.arange(T).expand(B, T), state.layer(layer))
+    got = mla(x, step_meta(torch.arange(T).expand(B, T), state), state.layer(layer))
     want = mla_by_hand(cfg, W, f"model.layers.{layer}.attention.", x)
     assert_close(got, want, "MLA (q-LoRA) layer 3")
 
@@ -225,9 +226,9 @@ def test_mla_qlora_cached_continuation_matches_formula(tiny):
     layer, split = 3, 5
     mla, W = sharpened_mla(model, W, layer)
     x = hidden_input(seed=2)
-    state = model.new_state(B, T).layer(layer)
-    first = mla(x[:, :split], torch.arange(split).expand(B, split), state)
-    second = mla(x[:, split:], torch.arange(split, T).expand(B, T - split), state)
+    state = model.new_state(B, T)
+    first = mla(x[:, :split], step_meta(torch.arange(split).expand(B, split), state), state.layer(layer))
+    second = mla(x[:, split:], step_meta(torch.arange(split, T).expand(B, T - split), state), state.layer(layer))
     want = mla_by_hand(cfg, W, f"model.layers.{layer}.attention.", x)
     assert_close(torch.cat([first, second], dim=1), want, "MLA (q-LoRA) layer 3, cached in two calls")
 
@@ -277,7 +278,7 @@ def test_moe_without_clamp_matches_formula(tiny):
 def test_incomplete_last_group_is_mla(tiny):
     """(c) test-tiny has 6 layers in groups of 4: layer 3 ends the only full group and layers 4, 5 form an
     incomplete group, so 3, 4, 5 are MLA and 0, 1, 2 KDA (section 2; the MTP layer 6 is MLA too).
-    Checked on the module types, the checkpoint's tensors and the per-layer state (kv_cache exactly for MLA)."""
+    Checked on the module types, the checkpoint's tensors and the per-layer state (kv_pages exactly for MLA)."""
     cfg, model, W = tiny
     assert (cfg.num_hidden_layers, cfg.layer_group_size, cfg.num_nextn_predict_layers) == (6, 4, 1)
     mla_layers = {3, 4, 5, 6}
@@ -290,8 +291,9 @@ def test_incomplete_last_group_is_mla(tiny):
         has_ckpt = lambda suffix: f"model.layers.{i}.attention.{suffix}" in W  # noqa: E731
         if i in mla_layers:
             assert isinstance(mixer, MLA), f"layer {i} should be MLA, is {type(mixer).__name__}"
-            assert names == {"kv_cache"}, f"layer {i} state {sorted(names)}"
-            assert state.layer(i)["kv_cache"].shape == (B, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            assert names == {"kv_pages"}, f"layer {i} state {sorted(names)}"
+            # ModelState.new: one page of max_len rows per request, [NP = B, PS = 16, L]
+            assert state.layer(i)["kv_pages"].shape == (B, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
             assert has_ckpt("kv_a_proj_with_mqa.weight") and has_ckpt("dense.weight") and not has_ckpt("A_log")
         else:
             assert isinstance(mixer, KDA), f"layer {i} should be KDA, is {type(mixer).__name__}"

@@ -27,13 +27,14 @@ def propagate(program: Program) -> None:
     """Set lingc.tensor on every node of every graph of `program` (in place)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_weights: dict[str, torch.Tensor] = {}
+    device = next(iter(program.weights.values())).device if program.weights else torch.device("cpu")
     with mode:
         for graph in program.graphs.values():
             env: dict[fx.Node, object] = {}
             for node in graph.nodes:
                 if node.op == "placeholder":
                     m: TensorMeta = node.meta["lingc.tensor"]
-                    env[node] = torch.empty(m.shape, dtype=m.dtype)
+                    env[node] = torch.empty(m.shape, dtype=m.dtype, device=device)   # inputs live with the weights
                 elif node.op == "get_attr":
                     if node.target not in fake_weights:
                         fake_weights[node.target] = mode.from_tensor(program.weights[node.target])

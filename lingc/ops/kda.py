@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lingc.ops.linear import ROW_INVARIANT_ROWS
 from lingc.ops.norm import l2norm
 from lingc.ops.registry import register
 
@@ -112,7 +113,13 @@ def _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound):
     qf = l2norm(q.float()) * D ** -0.5
     kf = l2norm(k.float())
     g = kda_gate(f, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(b.float())
+    # CPU sigmoid rounds differently in its vectorised body and its scalar tail, and which one a token's
+    # H gates land in depends on T (test-tiny, H = 4: T = 6 vs 1 differ on AVX2; H = 8 or 16 on AVX-512),
+    # so decode-sized calls go token by token: a verify chain then gets decode's bits (as lingc.linear)
+    bf = b.float()
+    T = bf.shape[1]
+    beta = torch.cat([torch.sigmoid(bf[:, i:i + 1]) for i in range(T)], dim=1) if T <= ROW_INVARIANT_ROWS \
+        else torch.sigmoid(bf)
     t = lambda x: x.transpose(1, 2)  # noqa: E731  [B, T, H, ...] -> [B, H, T, ...]
     return t(qf), t(kf), t(v.float()), t(g), t(beta)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lingc.ops.linear import ROW_INVARIANT_ROWS
 from lingc.ops.registry import register
 
 
@@ -23,7 +24,11 @@ def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, t
     A group's score is the sum of its two best biased scores; the topk_group best groups stay eligible.
     """
     N, E = logits.shape
-    scores = torch.sigmoid(logits.float())
+    # CPU sigmoid is vectorised only from 64 elements on, and its bits differ from the scalar path: with
+    # few experts (test-tiny: 16) one decode row would be scalar and a verify chain vectorised, so
+    # decode-sized calls go row by row (a verify row then gets decode's bits, as in lingc.linear)
+    x = logits.float()
+    scores = torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(N)]) if N <= ROW_INVARIANT_ROWS else torch.sigmoid(x)
     biased = scores + expert_bias.float()
     group_scores = biased.view(N, n_group, -1).topk(2, dim=-1).values.sum(-1)           # [N, n_group]
     group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices

@@ -122,7 +122,8 @@ def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
     target_probs / target_logits [B, K+1, V] the target's at the root and each draft.
     u [B, K+1] uniforms. Draft i is accepted while u_i < min(1, p_t(d_i) / p_d(d_i)) (greedy: while
     it equals the target's argmax). At the first rejection the token is resampled from
-    norm(max(0, p_t - p_d)); if all K pass, the bonus comes from p_t at the last position.
+    norm(max(0, p_t - p_d)); if all K pass, the bonus comes from p_t at the last position. Either
+    stop token is drawn with u_K (only one is ever drawn, and u_K is independent of u_0..u_{K-1}).
     accept_len = accepted drafts + 1 = tokens emitted; tokens[:, :accept_len] are they.
     Lossless: the emitted tokens follow the target's distribution (Leviathan et al. 2023).
     """
@@ -142,7 +143,9 @@ def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
     d_stop = d_pad.gather(1, pos.expand(B, 1, d_pad.shape[-1])).squeeze(1)
     residual = (p_stop - d_stop).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
-    u_stop = u.gather(1, accepted.view(B, 1)).squeeze(1)
+    # the stop token needs a uniform independent of the accept decisions (u_i for a rejection at i is
+    # conditioned on u_i >= p_t / p_d, and would bias the residual draw): u[:, K] serves either case
+    u_stop = u[:, K]
     stop_token = torch.where(greedy.view(B), target_argmax.gather(1, accepted.view(B, 1)).squeeze(1),
                              _inverse_cdf(residual, u_stop))
     tokens = torch.cat([draft_ids.long(), torch.zeros_like(draft_ids[:, :1]).long()], dim=1)   # [B, K+1]

@@ -62,21 +62,26 @@ def test_dead_pure_node(program):
 
 
 def test_unused_mutating_op_is_not_dead(tiny_program):
-    """mla_cache_write returns nothing and nobody reads its result; it writes the cache, so it stays."""
+    """mla_cache_write returns nothing and nobody reads its result; it writes the cache, so it stays. So do the
+    engine steps' relay writes, token publication and KDA commits."""
     writes = [n for n in tiny_program.graphs["decode"].nodes if n.target is OPS.mla_cache_write]
     assert len(writes) == 3 and all(not n.users for n in writes)
+    nextn = tiny_program.graphs["nextn"].nodes
+    for op, count in ((OPS.scatter_rows, 6), (OPS.emit_tokens, 1), (OPS.kda_commit, 12)):
+        found = [n for n in nextn if n.target is op]
+        assert len(found) == count and all(not n.users for n in found), op
     lint(tiny_program)
 
 
 def test_missing_meta(program):
-    del node(program, "verify", "L2_mlp_moe_down").meta["lingc.tensor"]
-    with pytest.raises(LintError, match="graph 'verify', node 'L2_mlp_moe_down': no 'lingc.tensor' meta"):
+    del node(program, "nextn", "L2_mlp_moe_down").meta["lingc.tensor"]
+    with pytest.raises(LintError, match="graph 'nextn', node 'L2_mlp_moe_down': no 'lingc.tensor' meta"):
         lint(program)
 
 
 def test_placeholder_without_role(program):
-    del node(program, "extend", "hidden").meta["lingc.input"]
-    with pytest.raises(LintError, match="graph 'extend', node 'hidden': input has no 'lingc.input' role"):
+    del node(program, "mtp_prefill", "hidden").meta["lingc.input"]
+    with pytest.raises(LintError, match="graph 'mtp_prefill', node 'hidden': input has no 'lingc.input' role"):
         lint(program)
 
 

@@ -12,8 +12,9 @@ def line_of(text: str, name: str) -> str:
 
 def test_graph_text_shows_shapes_and_dtypes(tiny_program, tiny_program_bf16):
     text = graph_text("decode", tiny_program.graphs["decode"])
-    assert text.startswith("def decode(\n    input_ids: i64[1,1],\n    positions: i64[1,1],\n")
-    assert "    state_layers_3_kv_cache: f32[1,48,80],\n" in text
+    assert text.startswith("def decode(\n    input_ids: i64[1,1],\n    positions: i64[1,1],\n    slots: i32[1],\n"
+                           "    page_table: i32[2,3],\n")
+    assert "    state_layers_3_kv_pages: f32[7,16,80],\n" in text                   # 2 slots x 3 pages + 1
     assert line_of(text, "model_embedding") == \
         "    model_embedding = lingc.embedding(input_ids, w_model_word_embeddings_weight)  # f32[1,1,128]"
     assert line_of(text, "L1_mlp_router_topk").endswith("# (f32[1,4], i32[1,4])")      # multi-output op
@@ -39,5 +40,5 @@ def test_program_text_orders_graphs_under_the_header(tiny_program):
     text = program_text(tiny_program, "# stage 00: traced")
     assert text.startswith("# stage 00: traced\n\ndef decode(")
     defs = [line.split("(")[0] for line in text.splitlines() if line.startswith("def ")]
-    assert defs == ["def decode", "def draft", "def extend", "def prefill", "def verify"]
+    assert defs == ["def decode", "def mtp_decode", "def mtp_prefill", "def nextn", "def prefill", "def step"]
     assert program_text(tiny_program) == program_text(tiny_program.copy())      # copy() keeps names and meta

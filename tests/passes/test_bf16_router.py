@@ -17,8 +17,9 @@ from lingc.passes.bf16_router import LM_HEAD, Bf16Router
 from lingc.passes.matchers import consumers
 from lingc.passes.verify import compare_stages, random_inputs
 from lingc.program import Program
-from lingc.trace import PROGRAMS
-from lingc.runtime.greedy import generate_greedy, new_state
+from lingc.runtime.engine import Engine, Request
+from lingc.runtime.executor import Executor
+from lingc.trace import PROGRAMS, TraceOptions, trace
 
 ROUTER_WEIGHTS = [f"model.layers.{i}.mlp.gate.weight" for i in (1, 2, 3, 4, 5, 6)]   # layer 6: the MTP layer
 
@@ -34,13 +35,19 @@ def lowered(tiny_program: Program) -> tuple[Program, PassRecord]:
     return Bf16Router().run(tiny_program)
 
 
+# (routers, lm_heads) per graph: the target has 5 MoE layers, the MTP layer 1; nextn runs 4 draft MTP forwards,
+# the target (verify) and the MTP again (extend)
+MATCHES = {"prefill": (5, 1), "decode": (5, 1), "step": (5, 1), "mtp_prefill": (1, 1), "mtp_decode": (1, 1),
+           "nextn": (4 + 5 + 1, 4 + 1 + 1)}
+
+
 @pytest.mark.parametrize("graph", PROGRAMS)
 def test_matches_router_and_lm_head_linears(tiny_program, lowered, graph):
     after, _ = lowered
     nodes = list(tiny_program.graphs[graph].nodes)
     routers = sum(1 for n in nodes if n.target is OPS.router_topk)
     heads = sum(1 for n in nodes if n.target is OPS.linear and n.args[1].target == LM_HEAD)
-    assert (routers, heads) == {"extend": (1, 1), "draft": (4, 4)}.get(graph, (5, 1))
+    assert (routers, heads) == MATCHES[graph]
     marked = [n.name for n in after.graphs[graph].nodes if n.meta.get("lingc.dtype") == "bf16"]
     assert marked == [n.name for n in nodes if is_match(n)] and len(marked) == routers + heads
     assert not any("lingc.dtype" in n.meta for n in after.graphs[graph].nodes if not is_match(n))
@@ -49,7 +56,7 @@ def test_matches_router_and_lm_head_linears(tiny_program, lowered, graph):
 def test_record(lowered):
     after, record = lowered
     assert record.name == "bf16_router" and record.changes_numerics and record.tolerance == Bf16Router.tolerance
-    assert record.matches == 3 * (5 + 1) + (1 + 1) + (4 + 4) == 28
+    assert record.matches == sum(r + h for r, h in MATCHES.values()) == 3 * (5 + 1) + 2 * (1 + 1) + (10 + 6) == 38
     assert record.details["weights_lowered"] == sorted(ROUTER_WEIGHTS + [LM_HEAD])
     assert record.weights_changed == sorted(ROUTER_WEIGHTS + [LM_HEAD])
     assert record.weights_added == record.weights_removed == [] and record.nodes_added == record.nodes_removed == []
@@ -81,6 +88,7 @@ def test_verify_passes_with_the_declared_tolerance(tiny_program, lowered):
     after, _ = lowered
     report = compare_stages(tiny_program, after, exact=False, tolerance=Bf16Router.tolerance)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+    assert set(report["graphs"]) == set(PROGRAMS)
     deltas = {g: r["max_abs_delta"] for g, r in report["graphs"].items()}
     assert all(0 < d < Bf16Router.tolerance for d in deltas.values()), deltas
 
@@ -97,24 +105,37 @@ def test_numerics_do_change(tiny_program, lowered):
 
 
 def teacher_forced_logits(program: Program, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [len - 1, V] at every position of `tokens`: one prefill chunk, then one decode step per token."""
-    state = new_state(program)
+    """Logits [len - 1, V] at every position of `tokens`: one prefill chunk, then one decode step per token, run
+    by the runtime's executor over its persistent buffers (request slot 0, pages in order)."""
+    exe = Executor(program)
+    table = exe.input("prefill", "page_table")
+    table.copy_(torch.arange(table.numel()).view(table.shape))
+
+    def run(graph: str, start: int, n: int) -> torch.Tensor:
+        exe.input(graph, "input_ids").copy_(tokens[None, start:start + n])
+        exe.input(graph, "positions").copy_(torch.arange(start, start + n)[None])
+        return exe.run(graph)[0][0].clone()
+
     chunk = program.options["prefill_tokens"]
-    out = [program.run("prefill", {"input_ids": tokens[None, :chunk], "positions": torch.arange(chunk)[None],
-                                   **state})[0][0]]
-    for t in range(chunk, len(tokens) - 1):
-        out.append(program.run("decode", {"input_ids": tokens[None, t:t + 1], "positions": torch.tensor([[t]]),
-                                          **state})[0][0])
-    return torch.cat(out)
+    return torch.cat([run("prefill", 0, chunk)] + [run("decode", t, 1) for t in range(chunk, len(tokens) - 1)])
 
 
-def test_greedy_parity(tiny_model_fp32, tiny_program, lowered):
+@pytest.fixture(scope="module")
+def long_programs(tiny_model_fp32) -> tuple[Program, Program]:
+    """(fp32 program, after bf16_router) with room for a 35 + 13 token request in the engine (which keeps
+    2 x draft_tokens of margin below max_len: 64 - 12 >= 48)."""
+    before = trace(tiny_model_fp32, ["prefill", "decode", "step"], TraceOptions(max_len=64, prefill_tokens=32))
+    return before, Bf16Router().run(before)[0]
+
+
+def test_greedy_parity(tiny_model_fp32, long_programs):
     """Along the reference's greedy sequence (35-token prompt + 13 tokens), the lowered program picks the same
     token everywhere except at near-ties: where the reference's margin between its token and the new pick
-    is within the declared tolerance (the --verify rule). Free-running generation agrees up to such a tie.
+    is within the declared tolerance (the --verify rule). Free-running generation (the engine's plain decode,
+    sampling greedy in the `step` graph) agrees up to such a tie.
 
     The random test-tiny model's logits are flat (std ~0.2, median top-2 gap ~0.04), so near-ties do occur."""
-    after, _ = lowered
+    tiny_program, after = long_programs
     tol = Bf16Router.tolerance
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, tiny_program.config.vocab_size, (35,), generator=g)
@@ -130,8 +151,10 @@ def test_greedy_parity(tiny_model_fp32, tiny_program, lowered):
     assert len(flips) <= 2, f"near-ties should be rare; picks changed at {len(flips)}/{len(margins)} positions: {flips}"
 
     first_flip = min([p - 34 for p in flips if p >= 34] + [len(want)])       # index into the generated tokens
-    got = generate_greedy(after, prompt.tolist(), len(want))
-    assert got[:first_flip] == want[:first_flip].tolist()
+    got = Engine(after, spec="none").generate(Request(prompt.tolist(), len(want), ignore_eos=True)).tokens
+    assert len(got) == len(want) and got[:first_flip] == want[:first_flip].tolist()
+    reference = Engine(tiny_program, spec="none").generate(Request(prompt.tolist(), len(want), ignore_eos=True))
+    assert reference.tokens == want.tolist()                                  # the fp32 engine is the reference
 
 
 def test_input_program_is_not_edited(tiny_program):

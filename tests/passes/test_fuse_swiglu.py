@@ -20,7 +20,8 @@ from lingc.program import Program
 from lingc.trace import PROGRAMS
 
 MOE_LAYERS = (1, 2, 3, 4, 5, 6)                 # test-tiny: layer 0 is dense, 6 is the MTP layer
-ROUTED_PER_GRAPH = {"prefill": 5, "decode": 5, "verify": 5, "extend": 1, "draft": 4}   # draft: 4 MTP forwards
+ROUTED_PER_GRAPH = {"prefill": 5, "decode": 5, "mtp_prefill": 1, "mtp_decode": 1, "step": 5,
+                    "nextn": 4 + 5 + 1}                       # nextn: 4 draft MTP forwards, verify, extend
 EXPERT_LIMIT = {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.1, 5: 0.1, 6: 0.1}                       # expert_swiglu_limit_list
 
 
@@ -60,7 +61,7 @@ def test_op_counts(tiny_program, fused, graph):
 def test_record(tiny_program, fused):
     after, record = fused
     assert record.name == "fuse_swiglu" and not record.changes_numerics
-    assert record.matches == sum(ROUTED_PER_GRAPH.values()) == 20
+    assert record.matches == sum(ROUTED_PER_GRAPH.values()) == 27
     assert "decode:L1_mlp_moe_up_act" in record.nodes_added and "decode:L1_mlp_moe_up" in record.nodes_removed
     assert "decode:L1_mlp_silu_and_mul" in record.nodes_removed
     assert record.op_counts_before["decode"]["lingc.moe_up"] == 5
@@ -90,7 +91,7 @@ def test_clamp_limit_is_carried_over(tiny_program, fused):
         limits_after = {layer_of(n): n.args[7] for n in after.graphs[graph].nodes if n.target is OPS.moe_up_act}
         assert limits_after == limits_before
         assert all(limits_after[i] == EXPERT_LIMIT[i] for i in limits_after)
-    assert {layer_of(n): n.args[7] for n in after.graphs["extend"].nodes if n.target is OPS.moe_up_act} == {6: 0.1}
+    assert {layer_of(n): n.args[7] for n in after.graphs["mtp_decode"].nodes if n.target is OPS.moe_up_act} == {6: 0.1}
 
 
 # ---- weights ---------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ def test_interleave_rows(tiny_program, fused):
 def test_programs_are_bit_exact(request, dtype):
     before = request.getfixturevalue("tiny_program" if dtype == "fp32" else "tiny_program_bf16")
     after, record = FuseSwiglu().run(before)
-    assert record.matches == 20
+    assert record.matches == 27
     report = compare_stages(before, after, exact=True, tolerance=None)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
     assert set(report["graphs"]) == set(PROGRAMS)

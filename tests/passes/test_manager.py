@@ -84,6 +84,8 @@ ORDERS = [
     (["pdl", "fuse_swiglu", "bf16_router"], ["fuse_swiglu", "bf16_router", "pdl"]),
     (["bf16_router", "fuse_swiglu"], ["bf16_router", "fuse_swiglu"]),
     ([" pdl ", "", "pdl"], ["pdl"]),                                               # blanks and repeats
+    (["pdl", "partition"], ["partition", "pdl"]),
+    (["fuse_swiglu", "pdl", "partition"], ["fuse_swiglu", "partition", "pdl"]),
 ]
 
 
@@ -93,14 +95,19 @@ def test_order_respects_after_regardless_of_user_order(requested, expected):
 
 
 def test_all_expands_to_every_registered_pass():
-    assert set(names(resolve(["all"], PASSES))) == set(PASSES) == {"fuse_swiglu", "bf16_router", "pdl"}
-    assert names(resolve(["all"], PASSES))[-1] == "pdl"
-    assert names(resolve(["pdl", "all"], PASSES)) == names(resolve(["all"], PASSES))
+    order = names(resolve(["all"], PASSES))
+    assert set(order) == set(PASSES) and len(order) == len(PASSES)
+    assert {"partition", "fuse_swiglu", "bf16_router", "pdl"} <= set(PASSES)
+    assert order[0] == "partition" and order[-1] == "pdl"          # split first, schedule last
+    for i, name in enumerate(order):                                # every declared constraint holds
+        assert all(order.index(a) < i for a in (*PASSES[name].after, *PASSES[name].requires) if a in order), name
+    assert names(resolve(["pdl", "all"], PASSES)) == order
 
 
 def test_unknown_pass_lists_the_known_ones():
-    with pytest.raises(PassOrderError, match=re.escape("unknown pass(es) ['fuse_swigl']; known passes: "
-                                                       "bf16_router, fuse_swiglu, pdl, all")):
+    known = ", ".join(sorted(PASSES))
+    assert known.startswith("bf16_router, capture_metadata, ") and "partition, pdl" in known
+    with pytest.raises(PassOrderError, match=re.escape(f"unknown pass(es) ['fuse_swigl']; known passes: {known}, all")):
         resolve(["pdl", "fuse_swigl"], PASSES)
     with pytest.raises(PassOrderError, match="unknown pass"):
         PassManager(["nope"])                                                # checked before any heavy work
@@ -141,7 +148,9 @@ def test_stages_have_provenance_headers(tiny_program, compiled):
         assert int(m[1]) == stage.index and m[2] == stage.name == r.name
         assert m.groups()[2:5] == tuple(str(len(x)) for x in (r.nodes_added, r.nodes_removed, r.nodes_rewritten))
         assert m[6] == "unchanged" and f"v{r.version}" in stage.text.splitlines()[0]
-    assert compiled.stages[1].text.splitlines()[0].endswith("+37 -57 ~20 nodes, numerics unchanged)")
+    # 27 moe_up -> moe_up_act (+27 -27, -27 silu_and_mul, ~27 moe_down) and each graph's 23 w13 reads swapped:
+    # prefill, decode, step 5 each, mtp_prefill, mtp_decode 1 each, nextn 6 (layers 1-5 and the MTP layer)
+    assert compiled.stages[1].text.splitlines()[0].endswith("+50 -77 ~27 nodes, numerics unchanged)")
     assert compiled.stages[-1].text == program_text(compiled.program, compiled.stages[-1].text.splitlines()[0])
 
 
@@ -170,9 +179,14 @@ def test_manager_never_edits_its_input(tiny_program):
 
 def test_verify_passes_for_the_real_passes(tiny_program):
     result = PassManager(["all"], verify=True).run(tiny_program)
-    assert [r.name for r in result.records] == ["fuse_swiglu", "bf16_router", "pdl"]
+    assert [r.name for r in result.records] == names(resolve(["all"], PASSES))
     for r in result.records:
         assert r.verify["ok"] and r.verify["exact"] == (not r.changes_numerics), r.name
+    partition = result.records[0]                                   # the split is checked whole against parts
+    assert partition.name == "partition" and "draft+verify+extend" in partition.verify["graphs"]
+    assert all(g["max_abs_delta"] == 0.0 for g in partition.verify["graphs"].values())
+    assert set(result.program.graphs) == {"prefill", "decode", "mtp_prefill", "mtp_decode", "step",
+                                          "draft", "verify", "extend"}
 
 
 def test_verify_catches_a_pass_that_changes_numerics_undeclared(tiny_program):
@@ -195,6 +209,6 @@ def test_lint_after_each_pass_names_the_pass(tiny_program):
 
 def test_the_input_is_linted_too(tiny_program):
     broken = tiny_program.copy()
-    del broken.inputs("verify")[0].meta["lingc.input"]
-    with pytest.raises(LintError, match="graph 'verify', node 'input_ids': input has no 'lingc.input' role"):
+    del broken.inputs("nextn")[0].meta["lingc.input"]
+    with pytest.raises(LintError, match="graph 'nextn', node 'slots': input has no 'lingc.input' role"):
         PassManager(["pdl"]).run(broken)
