@@ -42,7 +42,7 @@ ENGINE_PROGRAMS = ("step", "nextn")
 class TraceOptions:
     batch: int = 1                # requests per step (padded)
     prefill_tokens: int = 32      # tokens per prefill chunk
-    max_len: int = 256            # tokens per request (prompt + output)
+    max_len: int = 512            # tokens per request (prompt + output)
     page_size: int = 16           # latent-cache rows per page
     request_slots: int = 2        # slots in the state pools and relay buffers
     draft_tokens: int = 6         # verify width = NEXTN steps + 1 (5/6)

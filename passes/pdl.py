@@ -118,7 +118,8 @@ def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.
 class Pdl(Pass):
     name = "pdl"
     summary = "annotate maximal PDL chains (router, MoE, KDA); move independent kernels out of them"
-    after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp")
+    after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
+             "fuse_index_chains", "capture_metadata")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
