@@ -1,0 +1,169 @@
+"""RMSNorm and fused residual-add + RMSNorm Triton kernels (one program per row), launchers and references.
+
+Numerics match `torch.ops.lingc.rmsnorm` (lingc/ops/norm.py) and `torch.ops.lingc.add` (lingc/ops/linear.py):
+fp32 math x * rsqrt(mean(x^2) + eps), cast to the activation dtype, times the weight (in fp32, which is exact
+for two bf16 factors), cast again. The fused kernel first forms new_residual = residual + x (added in fp32 and
+rounded once to the activation dtype, bit-identical to torch's `residual + x`) and normalises that.
+
+Bytes per row of N elements, activation size s, weight size w:
+    rmsnorm      reads N*s (x) + N*w (weight, L2-resident after the first row), writes N*s (out)
+    add_rmsnorm  reads 2*N*s (residual, x) + N*w, writes 2*N*s (new residual, out)
+
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, the weight (written by no
+earlier kernel) is loaded before `gdc_wait()`; everything an earlier kernel may have written (x, residual)
+is loaded after it, and `gdc_launch_dependents()` follows the last such load, not kernel entry. With PDL
+off no GDC call is emitted at all: the Triton interpreter cannot run them (kernels.md section 1.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
+
+# Tunables. One program holds a whole row, so the row must fit one block.
+MAX_BLOCK_N = 65536
+# (largest BLOCK_N, num_warps), first match wins; larger blocks get NUM_WARPS_MAX.
+NUM_WARPS_BY_BLOCK_N = ((256, 1), (1024, 2), (4096, 4), (8192, 8))
+NUM_WARPS_MAX = 16
+PDL_MIN_CAPABILITY = 9  # griddepcontrol needs sm90+
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
+                    BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(x.dtype)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, res_out_ptr,
+                        stride_res, stride_x, stride_out, stride_res_out, N, eps,
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    # fp32 add rounded once: bit-identical to torch's bf16/fp32 `residual + x` (fp32 has > 2*8+2 bits).
+    new_res = (res.to(tl.float32) + x.to(tl.float32)).to(res.dtype)
+    tl.store(res_out_ptr + row * stride_res_out + cols, new_res, mask=mask)
+    hf = new_res.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    normed = (hf * rstd).to(res.dtype)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+def _num_warps(block_n: int) -> int:
+    for limit, warps in NUM_WARPS_BY_BLOCK_N:
+        if block_n <= limit:
+            return warps
+    return NUM_WARPS_MAX
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """PDL needs a CUDA tensor on sm90+, a Triton with gdc_wait, and no interpreter (it cannot run GDC)."""
+    if device.type != "cuda" or triton.knobs.runtime.interpret:
+        return False
+    if not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= PDL_MIN_CAPABILITY
+
+
+def _rows(t: torch.Tensor, name: str, n: int) -> torch.Tensor:
+    """t [..., N] as a 2-D [R, N] view (copying only if the last dim is strided)."""
+    if t.shape[-1] != n:
+        raise ValueError(f"rmsnorm: {name} has shape {list(t.shape)}, want last dim {n}")
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"rmsnorm: weight has shape {list(weight.shape)}, want [{n}] (x is {list(x.shape)})")
+    if triton.next_power_of_2(n) > MAX_BLOCK_N:
+        raise ValueError(f"rmsnorm: row length {n} exceeds one block (MAX_BLOCK_N={MAX_BLOCK_N})")
+    return n
+
+
+def _out(out: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+    if out.shape != like.shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"rmsnorm: {name} is {list(out.shape)} {out.dtype}, "
+                         f"want contiguous {list(like.shape)} {like.dtype}")
+    return out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N] with weight [N]; pdl is dropped where unsupported."""
+    n = _check(x, weight)
+    out = _out(out, x, "out")
+    x2 = _rows(x, "x", n)  # [R, N]
+    out2 = out.view(-1, n)  # [R, N]
+    if x2.shape[0] == 0:
+        return out
+    pdl = pdl and pdl_supported(x.device)
+    block_n = triton.next_power_of_2(n)
+    launch = {"launch_pdl": True} if pdl else {}
+    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out2, x2.stride(0), out2.stride(0), n, eps,
+                                     BLOCK_N=block_n, PDL=pdl, num_warps=_num_warps(block_n), **launch)
+    return out
+
+
+def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
+                out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(residual + x), residual + x) for residual, x [..., N] of one dtype; pdl dropped where unsupported."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rmsnorm: residual is {list(residual.shape)} {residual.dtype}, "
+                         f"x is {list(x.shape)} {x.dtype}; want the same shape and dtype")
+    n = _check(x, weight)
+    out = _out(out, x, "out")
+    residual_out = _out(residual_out, x, "residual_out")
+    res2, x2 = _rows(residual, "residual", n), _rows(x, "x", n)  # [R, N]
+    out2, res_out2 = out.view(-1, n), residual_out.view(-1, n)  # [R, N]
+    if x2.shape[0] == 0:
+        return out, residual_out
+    pdl = pdl and pdl_supported(x.device)
+    block_n = triton.next_power_of_2(n)
+    launch = {"launch_pdl": True} if pdl else {}
+    _add_rmsnorm_kernel[(x2.shape[0],)](
+        res2, x2, weight, out2, res_out2,
+        res2.stride(0), x2.stride(0), out2.stride(0), res_out2.stride(0), n, eps,
+        BLOCK_N=block_n, PDL=pdl, num_warps=_num_warps(block_n), **launch)
+    return out, residual_out
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """lingc's reference RMSNorm."""
+    return torch.ops.lingc.rmsnorm(x, weight, eps)
+
+
+def add_rmsnorm_ref(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """lingc's reference add then RMSNorm: (rmsnorm(residual + x), residual + x)."""
+    new_residual = torch.ops.lingc.add(residual, x)
+    return torch.ops.lingc.rmsnorm(new_residual, weight, eps), new_residual

@@ -1,0 +1,67 @@
+"""Kernel tests run in the Triton CPU interpreter (shared/docs/kernels.md section 2).
+
+TRITON_INTERPRET must be set before any `@triton.jit` kernel is decorated: triton.jit reads it at decoration
+time. This conftest is imported before the test modules of this directory, and nothing else in the suite
+imports lingc.kernels.*. Per-dtype tolerances for all kernel tests live here (fixture `assert_kernel_close`).
+
+The Triton 3.6 interpreter rounds fp32 -> bf16 casts toward zero (`cast_impl` passes no rounding mode to
+`_convert_float`, which then truncates; its RTNE branch rounds half up and drops the mantissa carry), while
+the GPU rounds to nearest even, as torch does. `_rne_bf16_casts` makes the interpreter round like the GPU so
+that bf16 results can be compared bit for bit; without it bf16 outputs are off by an ulp or two
+and the fused residual is not bit-identical to torch's `residual + x`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+# (rtol, atol) per activation dtype, against lingc's reference ops. fp32: summation order and rsqrt differ
+# by a few ulp. bf16: a different fp32 rstd may flip one rounding of the output, i.e. 1 ulp <= 2^-7 * |value|
+# (with the RNE shim below the interpreter is in fact bit-exact on the test inputs).
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-6, 1e-6),
+    torch.bfloat16: (2.0**-7, 1e-2),
+}
+
+
+def _fp32_to_bf16_rne(data: np.ndarray) -> np.ndarray:
+    """fp32 array -> bf16 bits (uint16) rounded to nearest even, NaN kept quiet (as torch and PTX cvt.rn)."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(data, dtype=np.float32))
+    rounded[nan] = ((bits[nan] >> 16).astype(np.uint16) | 0x0040)
+    return rounded.reshape(np.shape(data))
+
+
+def _assert_kernel_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    rtol, atol = TOLERANCES[want.dtype]
+    assert got.dtype == want.dtype, f"kernel output is {got.dtype}, want {want.dtype}"
+    assert not got.isnan().any(), "kernel left unwritten (NaN-poisoned) elements"
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.fixture
+def assert_kernel_close() -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """Compare a kernel output with its reference at the tolerance of the reference's dtype (TOLERANCES)."""
+    return _assert_kernel_close
+
+
+@pytest.fixture(autouse=True)
+def _rne_bf16_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = interpreter._convert_float
+
+    def convert(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16 and rounding_mode in (None, tl.core.ir.ROUNDING_MODE.RTNE):
+            return _fp32_to_bf16_rne(data)
+        return original(data, src, dst, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
