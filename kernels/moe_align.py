@@ -1,0 +1,122 @@
+"""moe_align as one single-program Triton kernel over the pair axis (numel <= 64), launcher and reference.
+
+Output contract of `torch.ops.lingc.moe_align` (lingc/ops/moe.py; shared/docs/techniques.md section 6), for NP
+(token, expert) pairs, E experts and GEMM block BM:
+    sorted_pairs  int32 [NP + E*(BM-1)]   pair indices grouped by expert in id order (expert 0 first), stable
+                                          by pair index inside an expert, each expert's segment padded to a
+                                          multiple of BM; every other cell (padding and tail) holds NP
+    block_expert  int32 [cdiv(NP + E*(BM-1), BM)]   the expert of each BM-row block, -1 past the total
+    total         int32 [1]               sum over experts of ceil(count_e / BM) * BM
+
+Pair-axis algorithm (techniques.md section 6, "pair-axis variant"): one program loads the NP expert ids into
+registers, padded to NP_BLOCK (a power of two) with the out-of-range id E, and compares them pairwise
+([NP_BLOCK, NP_BLOCK], row i against column j):
+    rank_i   = #{j < i : e_j == e_i}          stable rank inside the bucket
+    count_i  = #{j : e_j == e_i}              bucket population, padded_i = ceil(count_i / BM) * BM
+    offset_i = sum of padded_j over the rank-0 representatives j with e_j < e_i   (each bucket counted once)
+    total    = sum of padded_j over all representatives
+then stores sorted_pairs[offset_i + rank_i] = i, block_expert[offset_i / BM + b] = e_i for the
+padded_i / BM blocks of each representative, and total. Every pair's expert owns at most ceil(count/BM) <= count
+blocks, so the blocks in use fit in NP_BLOCK and one [NP_BLOCK, NP_BLOCK] masked store writes them all.
+The padding lanes carry id E, larger than every real id, so they never enter a real offset, and are masked off.
+
+The launcher pre-fills sorted_pairs with NP and block_expert with -1, so the cells the kernel does not write
+(padding inside an expert's last block, the tail past the total) hold the sentinels the reference has. Those
+two fills are separate torch launches ahead of the kernel (so in a PDL chain the kernel's predecessor is the
+fill, not the router).
+
+Registers grow as NP^2 (techniques.md: about 4 us at NP = 64 on the GPU, spilling badly by NP = 256), so the
+single program is used for numel <= MAX_PAIRS only; larger inputs go to the reference op. A generic
+multi-kernel version (count / scan / scatter) for numel > MAX_PAIRS is future work.
+
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, `gdc_wait()` precedes the load
+of the expert ids (written by the router kernel) and `gdc_launch_dependents()` follows the last store. With
+PDL off no GDC call is emitted at all: the Triton interpreter cannot run them (kernels.md section 1.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
+from lingc.ops.moe import align_sizes
+
+# Tunables. The single program holds [NP_BLOCK, NP_BLOCK] int32 tiles, so it is gated on the pair count.
+MAX_PAIRS = 64          # numel above this goes to the reference op (dispatch gate of techniques.md section 6)
+MIN_NP_BLOCK = 16       # smallest pair block (tl.arange wants a power of two; keeps tiny tiles warp-sized)
+NUM_WARPS = 4
+PDL_MIN_CAPABILITY = 9  # griddepcontrol needs sm90+
+
+
+@triton.jit
+def _moe_align_pairs_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM,
+                            NP_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    offs = tl.arange(0, NP_BLOCK)
+    valid = offs < NP
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    e = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)        # [NP_BLOCK], padding lanes = E
+    e_i = e[:, None]                                                     # [NP_BLOCK, 1] row pair i
+    e_j = e[None, :]                                                     # [1, NP_BLOCK] column pair j
+    valid_j = valid[None, :]
+    same = (e_i == e_j) & valid_j                                        # [NP_BLOCK, NP_BLOCK]
+    rank = tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)  # [NP_BLOCK]
+    count = tl.sum(same.to(tl.int32), axis=1)                            # [NP_BLOCK]
+    padded = (count + BM - 1) // BM * BM                                 # [NP_BLOCK]
+    rep = valid & (rank == 0)                                            # one representative per bucket
+    rep_padded = tl.where(rep, padded, 0)                                # [NP_BLOCK]
+    smaller = (e_j < e_i).to(tl.int32)                                   # [NP_BLOCK, NP_BLOCK]
+    offset = tl.sum(smaller * rep_padded[None, :], axis=1)               # [NP_BLOCK] exclusive offsets
+    total = tl.sum(rep_padded, axis=0)
+    tl.store(sorted_ptr + offset + rank, offs, mask=valid)
+    # block_expert: representative i owns blocks offset_i/BM + b for b < padded_i/BM (b < NP_BLOCK always)
+    b = offs[None, :]                                                    # [1, NP_BLOCK]
+    own = rep[:, None] & (b < (padded // BM)[:, None])                   # [NP_BLOCK, NP_BLOCK]
+    tl.store(block_expert_ptr + (offset // BM)[:, None] + b, e_i + 0 * b, mask=own)
+    tl.store(total_ptr, total)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """PDL needs a CUDA tensor on sm90+, a Triton with gdc_wait, and no interpreter (it cannot run GDC)."""
+    if device.type != "cuda" or triton.knobs.runtime.interpret:
+        return False
+    if not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= PDL_MIN_CAPABILITY
+
+
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_pairs, block_expert, total) as torch.ops.lingc.moe_align, for expert ids [N, k] in [0, E).
+
+    numel <= MAX_PAIRS runs the single-program kernel; larger (or empty) inputs use the reference op
+    (a generic multi-kernel version is future work). pdl is dropped where unsupported.
+    """
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+        raise ValueError(f"moe_align: expert_ids must be integer, got {expert_ids.dtype}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"moe_align: want num_experts >= 1 and block_m >= 1, got {num_experts}, {block_m}")
+    num_pairs = expert_ids.numel()
+    if num_pairs == 0 or num_pairs > MAX_PAIRS:
+        return moe_align_ref(expert_ids, num_experts, block_m)
+    flat = expert_ids.reshape(-1).contiguous()  # [NP]
+    max_padded, blocks = align_sizes(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
+    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=flat.device)
+    total = torch.empty((1,), dtype=torch.int32, device=flat.device)
+    pdl = pdl and pdl_supported(flat.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    np_block = max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs))
+    _moe_align_pairs_kernel[(1,)](flat, sorted_pairs, block_expert, total, num_pairs, num_experts, block_m,
+                                  NP_BLOCK=np_block, PDL=pdl, num_warps=NUM_WARPS, **launch)
+    return sorted_pairs, block_expert, total
+
+
+def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lingc's reference moe_align."""
+    return torch.ops.lingc.moe_align(expert_ids, num_experts, block_m)
