@@ -1,4 +1,4 @@
-"""GPU check of the Triton kernels written so far (RMSNorm family): correctness vs the reference op, PDL on/off
+"""GPU check of the Triton kernels written so far (RMSNorm family, moe_align): correctness vs the reference op, PDL on/off
 bit-identity, and a first timing (CUDA events, median of many launches; norms read ~KB, so this is the
 launch-bound regime, not a bandwidth benchmark).
     python3 bench/device_kernels.py --json $OUT/kernels.json
@@ -59,9 +59,22 @@ def main() -> None:
             "add_rmsnorm_triton_us": _time_us(lambda: add_rmsnorm(r, x, w, 1e-6)),
             "add_rmsnorm_reference_us": _time_us(lambda: add_rmsnorm_ref(r, x, w, 1e-6)),
         })
+    from lingc.kernels.moe_align import moe_align, moe_align_ref
+    align_rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for (N, k, E, bm) in ((1, 8, 128, 16), (6, 9, 129, 16), (1, 9, 513, 16), (6, 9, 513, 16), (8, 8, 128, 4)):
+        ids = torch.randint(0, E, (N, k), device=dev, generator=g, dtype=torch.int32)
+        want = moe_align_ref(ids, E, bm)
+        got, got_pdl = moe_align(ids, E, bm), moe_align(ids, E, bm, pdl=True)
+        align_rows.append({"pairs": N * k, "experts": E, "block_m": bm,
+                           "exact_vs_ref": all(torch.equal(a, b) for a, b in zip(got, want)),
+                           "pdl_on_equals_off": all(torch.equal(a, b) for a, b in zip(got, got_pdl)),
+                           "triton_us": _time_us(lambda: moe_align(ids, E, bm)),
+                           "reference_us": _time_us(lambda: moe_align_ref(ids, E, bm))})
+        print(json.dumps(align_rows[-1]))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "pdl_supported": pdl_supported(dev), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
-              "command": " ".join(sys.argv), "rows": rows,
+              "command": " ".join(sys.argv), "rows": rows, "moe_align": align_rows,
               "note": "per-launch times without CUDA graphs (host launch overhead included); not the step benchmark"}
     for row in rows:
         print(json.dumps(row))
