@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.kernels.pdl import pdl_supported
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
 from lingc.ops.moe import align_sizes
 
@@ -47,7 +48,6 @@ from lingc.ops.moe import align_sizes
 MAX_PAIRS = 64          # numel above this goes to the reference op (dispatch gate of techniques.md section 6)
 MIN_NP_BLOCK = 16       # smallest pair block (tl.arange wants a power of two; keeps tiny tiles warp-sized)
 NUM_WARPS = 4
-PDL_MIN_CAPABILITY = 9  # griddepcontrol needs sm90+
 
 
 @triton.jit
@@ -79,14 +79,6 @@ def _moe_align_pairs_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-
-def pdl_supported(device: torch.device) -> bool:
-    """PDL needs a CUDA tensor on sm90+, a Triton with gdc_wait, and no interpreter (it cannot run GDC)."""
-    if device.type != "cuda" or triton.knobs.runtime.interpret:
-        return False
-    if not hasattr(tl.extra.cuda, "gdc_wait"):
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= PDL_MIN_CAPABILITY
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False,

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.kernels.pdl import pdl_supported
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. One program holds a whole row, so the row must fit one block.
@@ -28,7 +29,6 @@ MAX_BLOCK_N = 65536
 # (largest BLOCK_N, num_warps), first match wins; larger blocks get NUM_WARPS_MAX.
 NUM_WARPS_BY_BLOCK_N = ((256, 1), (1024, 2), (4096, 4), (8192, 8))
 NUM_WARPS_MAX = 16
-PDL_MIN_CAPABILITY = 9  # griddepcontrol needs sm90+
 
 
 @triton.jit
@@ -80,14 +80,6 @@ def _num_warps(block_n: int) -> int:
             return warps
     return NUM_WARPS_MAX
 
-
-def pdl_supported(device: torch.device) -> bool:
-    """PDL needs a CUDA tensor on sm90+, a Triton with gdc_wait, and no interpreter (it cannot run GDC)."""
-    if device.type != "cuda" or triton.knobs.runtime.interpret:
-        return False
-    if not hasattr(tl.extra.cuda, "gdc_wait"):
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= PDL_MIN_CAPABILITY
 
 
 def _rows(t: torch.Tensor, name: str, n: int) -> torch.Tensor:
