@@ -1,7 +1,9 @@
-"""GPU check of the Triton kernels written so far (RMSNorm family, moe_align): correctness vs the reference op, PDL on/off
-bit-identity, and a first timing (CUDA events, median of many launches; norms read ~KB, so this is the
-launch-bound regime, not a bandwidth benchmark).
-    python3 bench/device_kernels.py --json $OUT/kernels.json
+"""GPU check of every Triton kernel family: correctness vs the reference op, PDL on == off bit for bit, and time.
+
+The RMSNorm family and moe_align are checked here (per-launch times: launch-bound, KB of data); every other
+family has a bench/kernel_<family>.py whose run(device) checks it at Ling-3.0-tiny's decode shapes and times it
+in CUDA graphs with cold weights (bench/timing.py). One table and one JSON for all:
+    python3 bench/device_kernels.py --json $OUT/kernels.json [--families linear,moe]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def _time_us(fn, iters: int = 200) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default="kernels.json")
+    ap.add_argument("--families", default="", help="comma-separated bench/kernel_<family>.py to run (default all)")
     args = ap.parse_args()
     import lingc  # noqa: F401  (registers the reference ops)
     from lingc.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, pdl_supported, rmsnorm, rmsnorm_ref
@@ -78,8 +81,36 @@ def main() -> None:
               "note": "per-launch times without CUDA graphs (host launch overhead included); not the step benchmark"}
     for row in rows:
         print(json.dumps(row))
+    result["families"] = run_families(args.families)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def run_families(only: str) -> dict:
+    """Each bench/kernel_<family>.py's run(device) rows, or its error; prints one line per row."""
+    import importlib
+    import traceback
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    wanted = set(filter(None, only.split(",")))
+    out: dict = {}
+    for path in sorted(here.glob("kernel_*.py")):
+        family = path.stem[len("kernel_"):]
+        if wanted and family not in wanted:
+            continue
+        try:
+            rows = importlib.import_module(path.stem).run(torch.device("cuda"))
+        except Exception:  # noqa: BLE001  (one family's failure must not lose the others)
+            out[family] = {"error": traceback.format_exc()[-3000:]}
+            print(f"{family}: ERROR {out[family]['error'][-600:]}", flush=True)
+            continue
+        out[family] = rows
+        for r in rows:
+            print(f"{family:15s} {str(r.get('kernel')):22s} {str(r.get('shape')):28s} ok={r.get('ok')} "
+                  f"bit={r.get('bit_exact')} pdl={r.get('pdl_equal')} err={r.get('max_abs_err')} "
+                  f"t={r.get('time_us')} ref={r.get('ref_time_us')} GB/s={r.get('gbps')}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -159,3 +159,6 @@ def add_rmsnorm_ref(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     """lingc's reference add then RMSNorm: (rmsnorm(residual + x), residual + x)."""
     new_residual = torch.ops.lingc.add(residual, x)
     return torch.ops.lingc.rmsnorm(new_residual, weight, eps), new_residual
+
+
+LOWERINGS = {"rmsnorm": rmsnorm, "add_rmsnorm": add_rmsnorm}

@@ -177,6 +177,12 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
              ignore_eos: bool = typer.Option(False, "--ignore-eos", help="decode exactly --max-new-tokens (benchmarks)"),
              simulate_accept_len: float = typer.Option(0.0, help="benchmark knob: force this mean accept length (off by default)"),
              device: str = typer.Option("cpu", help="cpu or cuda"),
+             backend: str = typer.Option("auto", help="kernels: triton (Triton kernels where lingc has them), reference "
+                                         "(torch reference ops) or auto (triton on cuda, reference on cpu)"),
+             cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+                                              help="on cuda: capture every program graph once and replay it"),
+             pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="on cuda with triton: programmatic dependent "
+                                      "launch on the chains the pdl pass annotated"),
              as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of text")) -> None:
     """Generate from an artifact: greedy or sampled, NEXTN speculative decoding by default."""
     import json
@@ -185,7 +191,9 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
     from lingc.runtime.engine import EngineError, Request, SamplingParams
     from lingc.runtime.session import open_session
     try:
-        session = open_session(artifact, spec=spec, device=device, simulate_accept_len=simulate_accept_len)
+        on_cuda = device.startswith("cuda")
+        session = open_session(artifact, spec=spec, device=device, simulate_accept_len=simulate_accept_len,
+                               backend=backend, cuda_graphs=cuda_graphs and on_cuda, pdl=pdl and on_cuda)
         ids = session.encode(prompt_ids, prompt)
         req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), ignore_eos)
         result = session.engine.generate(req)

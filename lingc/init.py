@@ -105,6 +105,27 @@ def write_random_checkpoint(config: LingConfig, out: str | Path, seed: int = 0, 
     return out
 
 
+def random_model(config: LingConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu") -> "LingForCausalLM":
+    """The reference model holding exactly the weights `lingc load` would read from
+    `write_random_checkpoint(config, ..., seed, device)`, drawn in place on `device` without touching disk
+    (the GPU benchmark builds Ling-3.0-tiny this way in seconds instead of writing 16 GB)."""
+    from lingc.checkpoint import checkpoint_layout as layout
+    from lingc.model import LingForCausalLM
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LingForCausalLM(config, dtype)
+    model = model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for spec in layout(config):
+            if spec.param not in params:
+                continue
+            params[spec.param].detach()[spec.index].copy_(random_tensor(spec, seed, device))
+    return model.eval()
+
+
 def _remove_stale(out: Path, keep: set[str]) -> None:
     """Delete weight files an earlier write left in `out` (another shard count, or index vs single file),
     which would otherwise be loaded instead of, or mixed with, the new ones."""

@@ -128,7 +128,11 @@ class Engine:
     """Runs requests on a compiled Program (see the module docstring)."""
 
     def __init__(self, program: Program, device: str | torch.device = "cpu", spec: str = "nextn",
-                 simulate_accept_len: float = 0.0):
+                 simulate_accept_len: float = 0.0, backend: str = "auto", cuda_graphs: bool | None = None,
+                 pdl: bool | None = None):
+        """backend "auto" is "triton" on CUDA and "reference" elsewhere; cuda_graphs (default: on CUDA) captures
+        every graph at start-up and replays it; pdl (default: on with the triton backend on CUDA) launches the
+        chains the `pdl` pass annotated with programmatic dependent launch."""
         if spec not in ("nextn", "none"):
             raise EngineError(f"spec must be 'nextn' or 'none', got {spec!r}")
         need = ("prefill", "decode") + (NEXTN_GRAPHS + ("mtp_prefill", "mtp_decode") if spec == "nextn" else ("step",))
@@ -140,7 +144,18 @@ class Engine:
             raise EngineError(f"--simulate-accept-len needs --spec nextn and a value in [1, draft_tokens], "
                               f"got {simulate_accept_len}")
         self.program, self.spec, self.simulate = program, spec, float(simulate_accept_len)
-        self.exe = Executor(program, device)
+        device = torch.device(device)
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "reference"
+        if cuda_graphs and device.type != "cuda":
+            raise EngineError(f"CUDA graphs need a CUDA device, got {device}")
+        self.exe = Executor(program, device, backend, pdl=(backend == "triton" and device.type == "cuda")
+                            if pdl is None else pdl)
+        self.graphs = None
+        if cuda_graphs or (cuda_graphs is None and device.type == "cuda"):
+            from lingc.runtime.graphs import CudaGraphs
+            self.graphs = CudaGraphs(self.exe)
+            self.graphs.capture(g for g in need if g in program.graphs)
         self.opt = program.options
         self.relay = {k[len("relay_"):]: v for k, v in self.exe.buffers.tensors.items() if k.startswith("relay_")}
         page_table = self.exe.buffers.tensors["page_table"]
@@ -186,7 +201,10 @@ class Engine:
     def _host_fed(self, graph: str, **inputs: torch.Tensor) -> tuple:
         for name, value in inputs.items():
             self.exe.input(graph, name).copy_(value)
-        return self.exe.run(graph)
+        return self._launch(graph)
+
+    def _launch(self, graph: str):
+        return self.graphs.run(graph) if self.graphs is not None else self.exe.run(graph)
 
     def _prefill(self, slot: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Target over the prompt; returns (last logits [1, 1, V], hidden [1, L, h])."""
@@ -239,7 +257,7 @@ class Engine:
     # ---- the step path -------------------------------------------------------------------
     def _enqueue_step(self) -> None:
         for graph in (NEXTN_GRAPHS if self.spec == "nextn" else ("step",)):
-            self.exe.run(graph)
+            self._launch(graph)
 
     def generate(self, req: Request, on_tokens=None) -> Result:
         """Run one request to completion; `on_tokens(list)` is called with each step's new tokens."""

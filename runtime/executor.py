@@ -1,9 +1,10 @@
 """Executor: lower each graph of a Program to a launch list and run it over persistent buffers.
 
-Lowering resolves every node once to (implementation, argument slots): lingc ops to their kernel
-(`kernel_for`, today the reference op; Triton kernels and CUDA-graph capture come with the GPU issue),
-aten view ops to themselves. Running walks the list; nothing is looked up, allocated by the host or
-read back on the way. Inputs are persistent buffers (`Buffers`): state pools, relay buffers, staging,
+Lowering resolves every node once to (implementation, argument slots): with backend "reference" every
+lingc op runs its torch reference; with backend "triton" a lingc op runs its Triton launcher where
+lingc.kernels.lowering has one (the rest, and aten view ops, run themselves). Nodes the `pdl` pass annotated
+launch with pdl=True when PDL is on. Running walks the list; nothing is looked up, allocated by the host or
+read back on the way, so `runtime.graphs` can capture a run as a CUDA graph. Inputs are persistent buffers (`Buffers`): state pools, relay buffers, staging,
 slots and page table are shared by every graph by name; host-fed inputs (input_ids, positions, ...)
 get one buffer per graph. The same code runs eagerly on CPU and is what the GPU path captures.
 """
@@ -17,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from lingc.ops import op_name
 from lingc.program import Program, TensorMeta
 
 SHARED_ROLES = ("state:", "relay:", "staging:", "slots", "page_table")
@@ -26,9 +28,19 @@ def is_shared(role: str) -> bool:
     return role.startswith(SHARED_ROLES)
 
 
-def kernel_for(target: Any) -> Callable:
-    """The implementation a node runs: its reference op for now (the op itself, dispatched by torch)."""
-    return target
+BACKENDS = ("reference", "triton")
+
+
+def kernel_for(target: Any, backend: str = "reference") -> tuple[Callable, str]:
+    """(implementation, label) of a node: its Triton launcher under backend "triton" when one exists,
+    else the op itself (dispatched by torch: the reference, or aten)."""
+    name = op_name(target)
+    if backend == "triton" and name.startswith("lingc."):
+        from lingc.kernels.lowering import kernel_table
+        launcher = kernel_table().get(name[len("lingc."):])
+        if launcher is not None:
+            return launcher, f"triton:{name[len('lingc.'):]}"
+    return target, name
 
 
 @dataclass
@@ -37,6 +49,7 @@ class Launch:
     args: tuple           # with _Ref placeholders for values
     kwargs: dict
     out: int              # env index of the result
+    label: str = ""       # "triton:<op>" or the op's name
 
 
 @dataclass(frozen=True)
@@ -54,8 +67,10 @@ class Lowered:
     output: Any = None                    # the graph's result, with _Refs
 
 
-def lower(program: Program, name: str) -> Lowered:
+def lower(program: Program, name: str, backend: str = "reference", pdl: bool = False) -> Lowered:
     """The launch list of graph `name`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     graph = program.graphs[name]
     index: dict[fx.Node, int] = {}
     inputs, weights, launches = [], [], []
@@ -72,8 +87,11 @@ def lower(program: Program, name: str) -> Lowered:
             weights.append((index[node], node.target))
         else:
             ref = lambda n: _Ref(index[n])  # noqa: E731
-            launches.append(Launch(kernel_for(node.target), fx.node.map_arg(node.args, ref),
-                                   fx.node.map_arg(node.kwargs, ref), index[node]))
+            fn, label = kernel_for(node.target, backend)
+            kwargs = fx.node.map_arg(node.kwargs, ref)
+            if pdl and label.startswith("triton:") and "lingc.pdl" in node.meta:
+                kwargs = {**kwargs, "pdl": True}
+            launches.append(Launch(fn, fx.node.map_arg(node.args, ref), kwargs, index[node], label))
     return Lowered(name, inputs, weights, launches, len(index), output)
 
 
@@ -114,11 +132,19 @@ class Buffers:
 class Executor:
     """Runs a Program's graphs by name over its Buffers, on one device."""
 
-    def __init__(self, program: Program, device: str | torch.device = "cpu"):
-        self.program, self.device = program, torch.device(device)
+    def __init__(self, program: Program, device: str | torch.device = "cpu", backend: str = "reference",
+                 pdl: bool = False):
+        self.program, self.device, self.backend, self.pdl = program, torch.device(device), backend, pdl
         self.weights = {k: v.to(self.device) for k, v in program.weights.items()}
         self.buffers = Buffers.allocate(program, self.device)
-        self.lowered = {name: lower(program, name) for name in program.graphs}
+        self.lowered = {name: lower(program, name, backend, pdl) for name in program.graphs}
+
+    def kernel_counts(self, name: str) -> dict[str, int]:
+        """How many launches of graph `name` run each implementation ("triton:<op>" or the op name)."""
+        counts: dict[str, int] = {}
+        for launch in self.lowered[name].launches:
+            counts[launch.label] = counts.get(launch.label, 0) + 1
+        return counts
 
     def input(self, graph: str, name: str) -> torch.Tensor:
         """The persistent buffer behind input `name` of `graph` (write host-fed inputs here)."""
@@ -126,9 +152,10 @@ class Executor:
         return self.buffers.tensors[key]
 
     @torch.no_grad()
-    def run(self, name: str) -> Any:
+    def run(self, name: str, observe: Callable[[Launch, tuple, dict, Any], None] | None = None) -> Any:
         """Launch graph `name`; returns its outputs (host-fed programs: logits, hidden; engine steps: None).
-        Everything else the graph computes lands in the buffers it writes (pools, relays)."""
+        Everything else the graph computes lands in the buffers it writes (pools, relays).
+        `observe(launch, args, kwargs, result)`, if given, sees every launch (benchmarks count bytes with it)."""
         low = self.lowered[name]
         env: list[Any] = [None] * low.size
         for i, key in low.inputs:
@@ -136,5 +163,8 @@ class Executor:
         for i, w in low.weights:
             env[i] = self.weights[w]
         for launch in low.launches:
-            env[launch.out] = launch.fn(*_resolve(launch.args, env), **_resolve(launch.kwargs, env))
+            args, kwargs = _resolve(launch.args, env), _resolve(launch.kwargs, env)
+            env[launch.out] = launch.fn(*args, **kwargs)
+            if observe is not None:
+                observe(launch, args, kwargs, env[launch.out])
         return _resolve(low.output, env)

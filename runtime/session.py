@@ -46,11 +46,13 @@ class Session:
 
 
 def open_session(artifact: str | Path, spec: str = "nextn", device: str = "cpu",
-                 simulate_accept_len: float = 0.0) -> Session:
+                 simulate_accept_len: float = 0.0, backend: str = "auto", cuda_graphs: bool | None = None,
+                 pdl: bool | None = None) -> Session:
     art = load_artifact(artifact, device=device)
     tokenizer = None
     tok_file = Path(artifact) / TOKENIZER_FILE
     if tok_file.exists():
         from tokenizers import Tokenizer
         tokenizer = Tokenizer.from_file(str(tok_file))
-    return Session(Path(artifact), Engine(art.program, device, spec, simulate_accept_len), tokenizer)
+    return Session(Path(artifact), Engine(art.program, device, spec, simulate_accept_len, backend=backend,
+                                               cuda_graphs=cuda_graphs, pdl=pdl), tokenizer)

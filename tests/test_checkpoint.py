@@ -298,3 +298,14 @@ def test_load_streams(tiny_ckpt: Path, tmp_path: Path) -> None:
     nbytes, peak = int(out[0]), int(out[1])
     assert nbytes > 100e6
     assert peak < 1.6 * nbytes, f"peak RSS growth {peak / 1e6:.0f} MB for a {nbytes / 1e6:.0f} MB model"
+
+
+def test_random_model_equals_loaded_random_checkpoint(tiny_ckpt: Path, tiny_model_fp32: lingc.LingForCausalLM) -> None:
+    """lingc.init.random_model draws in place exactly the weights `lingc init` writes (the GPU benchmark's path)."""
+    from lingc.init import random_model
+    drawn = random_model(tiny_model_fp32.config, seed=0, dtype=torch.float32)
+    want = dict(tiny_model_fp32.named_parameters())
+    got = dict(drawn.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in want.items():
+        assert got[name].dtype == p.dtype and torch.equal(got[name], p), name

@@ -1,0 +1,307 @@
+"""The batch-1 step benchmark on one GPU: lingc's decode and NEXTN steps vs the byte floor and peers.
+
+Model: Ling-3.0-tiny at full depth (24 layers, 128 experts) + one MTP layer, random weights drawn on the GPU with
+lingc.init's generator (the bytes `lingc init --device cuda` would write), bf16, batch 1, an 8192-token context
+(random latent cache and KDA state, seq_len = 8192). For each pass set of the ablation the step programs are
+compiled, lowered to the Triton kernels, captured as CUDA graphs and replayed; a step's time is the median of
+CUDA-event timings of graph replays (weights are 2+ GB a step, so L2 is cold by construction), measured twice.
+The byte floor of each graph comes from one observed run of it (bench/floor.py) and the HBM bandwidth measured in
+the same process. Peers run in the same process on the same model: the reference model's own step functions
+under torch.compile(mode="max-autotune") and transformers' BailingHybridForCausalLM eager.
+
+    python3 bench/device_step.py --json $OUT/step.json [--peers] [--e2e] [--only all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import step_bytes  # noqa: E402
+from timing import hbm_bandwidth_gbps  # noqa: E402
+
+CONTEXT = 8192
+DRAFT_TOKENS = 6
+NEXTN_GRAPHS = ("draft", "verify", "extend")
+ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
+            "capture_metadata", "pdl")
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def fill_context(exe, config, seed: int = 0) -> None:
+    """Slot 0 holds a request with CONTEXT tokens: random latent cache rows and KDA state, pages in order."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bufs = exe.buffers.tensors
+    for key, t in bufs.items():
+        if not key.startswith("state_"):
+            continue
+        if key.endswith("kv_pages"):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
+        elif key.endswith("recurrent"):
+            t.copy_(0.02 * torch.randn(t.shape, generator=g, device="cuda"))
+        else:
+            t.copy_((0.1 * torch.randn(t.shape, generator=g, device="cuda")).to(t.dtype))
+    pt = bufs["page_table"]
+    pt.copy_(torch.arange(pt.numel(), device="cuda", dtype=pt.dtype).view(pt.shape))
+    bufs["slots"].zero_()
+    reset_request(exe)
+
+
+def reset_request(exe, simulate: float = 0.0) -> None:
+    r = {k[len("relay_"):]: v for k, v in exe.buffers.tensors.items() if k.startswith("relay_")}
+    r["seq_len"][0] = CONTEXT
+    r["temperature"][0], r["top_k"][0], r["top_p"][0] = 0.0, 0, 1.0
+    r["simulate_accept"][0] = simulate
+    r["root"][0], r["draft_first"][0] = 11, 12
+
+
+def time_graphs(graphs, names, repeats: int = 30) -> dict[str, float]:
+    """Median ms of each named graph's replay and of the whole sequence, CUDA events, back to back."""
+    per: dict[str, list[float]] = {n: [] for n in names}
+    whole = []
+    for _ in range(3):
+        for n in names:
+            graphs.run(n)
+    _sync()
+    for _ in range(repeats):
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+        evs[0].record()
+        for i, n in enumerate(names):
+            graphs.run(n)
+            evs[i + 1].record()
+        evs[-1].synchronize()
+        for i, n in enumerate(names):
+            per[n].append(evs[i].elapsed_time(evs[i + 1]))
+        whole.append(evs[0].elapsed_time(evs[-1]))
+    out = {n: statistics.median(v) for n, v in per.items()}
+    out["total"] = statistics.median(whole)
+    return out
+
+
+def host_lead(graphs, names, steps: int = 20) -> dict[str, float]:
+    """Host enqueue time per step vs GPU time per step, and the GPU idle gap between consecutive steps."""
+    _sync()
+    evs = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        a = torch.cuda.Event(enable_timing=True)
+        a.record()
+        for n in names:
+            graphs.run(n)
+        b = torch.cuda.Event(enable_timing=True)
+        b.record()
+        evs.append((a, b))
+    host = (time.perf_counter() - t0) / steps * 1e3
+    _sync()
+    gaps = [evs[i][1].elapsed_time(evs[i + 1][0]) for i in range(steps - 1)]
+    gpu = statistics.median(a.elapsed_time(b) for a, b in evs)
+    return {"host_enqueue_ms_per_step": host, "gpu_ms_per_step": gpu, "gpu_idle_gap_ms_median": statistics.median(gaps)}
+
+
+def measure_config(model, traced, passes: list[str], bandwidth: float, with_floor: bool) -> dict:
+    from lingc.passes.manager import PassManager
+    from lingc.runtime.executor import Executor
+    from lingc.runtime.graphs import CudaGraphs
+
+    t0 = time.perf_counter()
+    program = PassManager(passes).run(traced).program if passes else traced
+    pdl = "pdl" in passes
+    exe = Executor(program, "cuda", "triton", pdl=pdl)
+    fill_context(exe, model.config)
+    row: dict = {"passes": passes or ["(none)"], "pdl_launches": pdl}
+    step_names = {"step": ("step",), "nextn": NEXTN_GRAPHS if "partition" in passes else ()}
+    if with_floor:
+        row["bytes"] = {}
+        for g in ("step",) + step_names["nextn"]:
+            reset_request(exe)
+            row["bytes"][g] = step_bytes(exe, g)
+    graphs = CudaGraphs(exe)
+    graphs.capture([g for names in step_names.values() for g in names])
+    row["compile_capture_s"] = time.perf_counter() - t0
+    fill_context(exe, model.config)
+    row["launches"] = {g: len(exe.lowered[g].launches) for names in step_names.values() for g in names}
+    row["triton_launches"] = {g: sum(1 for x in exe.lowered[g].launches if x.label.startswith("triton:"))
+                              for names in step_names.values() for g in names}
+    for key, names in step_names.items():
+        if not names:
+            continue
+        first = time_graphs(graphs, names)
+        reset_request(exe)
+        second = time_graphs(graphs, names)
+        reset_request(exe)
+        row[key] = {"ms": first, "ms_repeat": second}
+        if with_floor:
+            by_graph = {g: sum(row["bytes"][g].values()) for g in names}
+            floors = {g: b / bandwidth / 1e6 for g, b in by_graph.items()}
+            floors["total"] = sum(floors.values())
+            row[key]["floor_ms"] = floors
+            row[key]["floor_ratio"] = {g: first[g] / floors[g] for g in floors}
+        row[key]["host"] = host_lead(graphs, names)
+        reset_request(exe)
+    del graphs, exe, program
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def greedy_parity(model, traced, passes: list[str], tokens: int = 48) -> dict:
+    """Greedy NEXTN == plain decode == reference (the same artifact, Triton kernels, CUDA graphs)."""
+    from lingc.passes.manager import PassManager
+    from lingc.runtime.engine import Engine, Request
+    program = PassManager(passes).run(traced).program
+    prompt = list(range(1000, 1040))
+    out = {}
+    for spec in ("nextn", "none"):
+        eng = Engine(program, "cuda", spec)
+        out[spec] = eng.generate(Request(prompt, tokens, ignore_eos=True)).tokens
+        del eng
+    ref = model.generate(torch.tensor([prompt], device="cuda"), tokens)[0].tolist()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"nextn_equals_plain": out["nextn"] == out["none"], "plain_equals_reference": out["none"] == ref,
+            "first_divergence_vs_reference": next((i for i, (a, b) in enumerate(zip(out["none"], ref)) if a != b), None)}
+
+
+def end_to_end(program, prompt_len: int, new_tokens: int = 1024, accept: float = 3.2) -> dict:
+    """What `lingc generate --simulate-accept-len 3.2 --max-new-tokens 1024 --ignore-eos` does, on the in-memory
+    program (the artifact's weights would be the same tensors): TTFT, TPOT, tok/s, derived step time."""
+    from lingc.runtime.engine import Engine, Request
+    t0 = time.perf_counter()
+    eng = Engine(program, "cuda", "nextn", simulate_accept_len=accept)
+    startup = time.perf_counter() - t0
+    prompt = [(7 * i + 3) % 150000 for i in range(prompt_len)]
+    eng.generate(Request(prompt[:64], 16, ignore_eos=True))                          # warm-up
+    r = eng.generate(Request(prompt, new_tokens, ignore_eos=True))
+    decode_s = r.total_s - r.ttft_s
+    out = {"prompt_tokens": prompt_len, "new_tokens": len(r.tokens), "engine_startup_s": startup,
+           "ttft_ms": r.ttft_s * 1e3, "tpot_ms": r.tpot_s * 1e3, "tok_per_s": len(r.tokens) / r.total_s,
+           "decode_tok_per_s": (len(r.tokens) - 1) / decode_s, "steps": r.steps,
+           "mean_accept_len": r.mean_accept_len, "step_ms": decode_s / max(r.steps, 1) * 1e3}
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="step.json")
+    ap.add_argument("--only", default="", help="comma-separated ablation rows to run: none,<pass>...,all")
+    ap.add_argument("--peers", action="store_true", help="also time torch.compile and transformers peers")
+    ap.add_argument("--e2e", action="store_true", help="also run the engine end to end (1024 tokens)")
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
+    ap.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens of the end-to-end run")
+    args = ap.parse_args()
+    import lingc  # noqa: F401
+    from lingc.init import random_model
+    from lingc.presets import preset
+    from lingc.trace import TraceOptions, trace
+
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "python": platform.python_version(), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
+                    "command": " ".join(sys.argv), "context": CONTEXT, "draft_tokens": DRAFT_TOKENS}
+    over = {"num_nextn_predict_layers": 1} | ({"num_hidden_layers": args.layers} if args.layers else {})
+    config = preset("ling-3.0-tiny", **over)
+    t0 = time.perf_counter()
+    model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
+    _sync()
+    result["random_weights_s"] = time.perf_counter() - t0
+    result["hbm_bandwidth_gbps"] = bandwidth = hbm_bandwidth_gbps()
+    print(f"weights {result['random_weights_s']:.1f} s, HBM {bandwidth:.0f} GB/s", flush=True)
+    options = TraceOptions(batch=1, prefill_tokens=64, max_len=CONTEXT + 1024 + 128, page_size=16, request_slots=1,
+                           draft_tokens=DRAFT_TOKENS)
+    t0 = time.perf_counter()
+    traced = trace(model, ["step", "nextn"], options)
+    result["trace_s"] = time.perf_counter() - t0
+
+    rows = []
+    sets = [("none", [])]
+    acc = ["partition"]
+    sets.append(("partition", list(acc)))
+    for p in ABLATION:
+        acc.append(p)
+        sets.append(("+" + p, list(acc)))
+    sets.append(("all", ["all"]))
+    only = set(filter(None, args.only.split(",")))
+    for name, passes in sets:
+        if only and name not in only:
+            continue
+        try:
+            row = measure_config(model, traced, passes, bandwidth, with_floor=name in ("none", "partition", "all"))
+        except Exception as e:  # noqa: BLE001  (one failing config must not lose the others)
+            row = {"passes": passes, "error": f"{type(e).__name__}: {e}"}
+        row["name"] = name
+        rows.append(row)
+        print(json.dumps({k: row.get(k) for k in ("name", "step", "nextn", "error", "compile_capture_s")},
+                         default=str)[:1500], flush=True)
+    result["ablation"] = rows
+
+    from lingc.passes.manager import PassManager
+    t0 = time.perf_counter()
+    full = trace(model, ["prefill", "decode", "mtp_prefill", "mtp_decode", "step", "nextn"], options)
+    result["trace_all_programs_s"] = time.perf_counter() - t0
+    try:
+        result["greedy_parity"] = greedy_parity(model, full, ["all"])
+    except Exception as e:  # noqa: BLE001
+        result["greedy_parity"] = {"error": f"{type(e).__name__}: {e}"}
+    print("greedy parity", result["greedy_parity"], flush=True)
+    if args.e2e:
+        try:
+            result["end_to_end"] = end_to_end(PassManager(["all"]).run(full).program, args.e2e_prompt)
+        except Exception as e:  # noqa: BLE001
+            result["end_to_end"] = {"error": f"{type(e).__name__}: {e}"}
+        print("end to end", result["end_to_end"], flush=True)
+    del full
+
+    if args.peers:
+        from peers import run_peers
+        result["peers"] = run_peers(model, options, CONTEXT)
+    summarize(result)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+def summarize(result: dict) -> None:
+    """Floor ratios and peer speedups at the top level, and a short table on stdout."""
+    rows = {r["name"]: r for r in result["ablation"] if "error" not in r}
+    best = rows.get("all")
+    table = []
+    for name, r in rows.items():
+        step = r.get("step", {}).get("ms", {}).get("total")
+        nextn = r.get("nextn", {}).get("ms", {}).get("total")
+        verify = r.get("nextn", {}).get("ms", {}).get("verify")
+        table.append(f"{name:18s} step {step or 0:8.3f} ms   nextn {nextn or 0:8.3f} ms   verify {verify or 0:8.3f} ms")
+    if best:
+        summary = {}
+        for key, graph in (("decode_step", ("step", "total")), ("nextn_step", ("nextn", "total")),
+                           ("nextn_verify", ("nextn", "verify"))):
+            sec, g = graph
+            if sec in best and "floor_ms" in best[sec]:
+                summary[key] = {"time_ms": best[sec]["ms"][g], "floor_ms": best[sec]["floor_ms"][g],
+                                "floor_ratio": best[sec]["floor_ratio"][g]}
+        for peer, times in (result.get("peers") or {}).items():
+            if not isinstance(times, dict):
+                continue
+            for key in ("decode_step", "nextn_step"):
+                if key in summary and times.get(key + "_ms"):
+                    summary[key][f"speedup_vs_{peer}"] = times[key + "_ms"] / summary[key]["time_ms"]
+        result["summary"] = summary
+        table.append(json.dumps(summary, indent=1))
+    print("\n".join(table), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The byte floor of a step: the bytes a graph must move from HBM, counted on a real run of it.
+
+One eager run of the graph with an observer (`Executor.run(observe=...)`) sees every launch with its actual
+arguments, and counts what each must read or write at least once:
+    weights    every program weight a launch reads (a fused weight counts once, as it is read once);
+               expert stacks count only the experts the router actually chose (distinct blocks of moe_align);
+               the embedding table only the rows looked up
+    kda_state  the recurrent state read (and written back, or staged per chain position), conv windows
+    mla_cache  the latent rows each MLA attention reads (positions <= the query's), once per call
+Activations (KB at batch 1) are left out. floor_ms = bytes / measured HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from lingc.runtime.executor import Executor, Launch
+
+MOE_OPS = ("moe_up", "moe_up_act", "moe_down")
+
+
+def _op(launch: Launch) -> str:
+    return launch.label.split(":")[-1].removeprefix("lingc.")
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def step_bytes(exe: Executor, graph: str) -> dict[str, int]:
+    """Bytes by category for one run of `graph` (runs it: the state advances as in a real step)."""
+    weight_ids = {id(w): name for name, w in exe.weights.items()}
+    counts: Counter = Counter()
+
+    def observe(launch: Launch, args: tuple, kwargs: dict, result: Any) -> None:
+        op = _op(launch)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if op in MOE_OPS:
+            stack = next(a for a in tensors if id(a) in weight_ids)
+            block_expert, total = tensors[-2], tensors[-1]            # (..., sorted_pairs, block_expert, total)
+            block_m = args[-1] if op == "moe_down" else args[-2] if op == "moe_up" else args[-3]
+            used = block_expert[: int(total.item()) // int(block_m)]
+            experts = int(torch.unique(used[used >= 0]).numel())
+            counts["experts"] += experts * _size(stack[0])
+            return
+        if op == "embedding":
+            ids, table = args
+            counts["weights"] += ids.numel() * table.shape[1] * table.element_size()
+            return
+        for a in tensors:
+            if id(a) in weight_ids:
+                counts["weights"] += _size(a)
+        if op.startswith("kda_recurrent"):
+            pool, slots = args[7], args[8]
+            state = _size(pool[0]) * slots.numel()
+            counts["kda_state"] += state                                   # read
+            counts["kda_state"] += _size(args[9]) if op.endswith("staged") else state   # staged writes / write back
+        elif op == "kda_commit":
+            counts["kda_state"] += 2 * _size(args[0][0]) * args[1].numel()
+        elif op.startswith("kda_conv"):
+            counts["kda_state"] += 2 * _size(args[2][0]) * args[3].numel()
+        elif op == "mla_attention":
+            kv_pages, positions = args[2], args[5]
+            rows = int(positions.max().item()) + 1                         # the latest query's visible rows
+            counts["mla_cache"] += rows * kv_pages.shape[-1] * kv_pages.element_size() * positions.shape[0]
+
+    exe.run(graph, observe=observe)
+    torch.cuda.synchronize() if exe.device.type == "cuda" else None
+    return dict(counts)

@@ -1,0 +1,180 @@
+"""Peers for the step benchmark, each in its own process (memory isolation, a hard time limit):
+
+    torch_compile  lingc's reference model running its own decode_step / nextn_step (lingc/steps.py, the functions
+                   lingc traces) under torch.compile(mode="max-autotune"), which captures CUDA graphs
+    transformers   transformers' BailingHybridForCausalLM, eager, decode with its cache. transformers 5.23 has no
+                   q-LoRA and no MTP (shared/docs/architecture.md), so this peer runs Ling-3.0-tiny with a single
+                   q_proj (q_lora_rank None: 9.4 MB more per MLA layer) and times the plain decode step only
+
+Both use the same context as bench/device_step.py (8192 tokens). Run by device_step.py --peers, or alone:
+    python3 bench/peers.py torch_compile --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+DRAFT_TOKENS = 6
+
+
+def _events_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def torch_compile_peer(context: int) -> dict:
+    from lingc.init import random_model
+    from lingc.presets import preset
+    from lingc.state import ModelState
+    from lingc.steps import decode_step, nextn_step
+    from lingc.trace import TraceOptions, example_inputs, state_key
+
+    config = preset("ling-3.0-tiny", num_nextn_predict_layers=1)
+    model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
+    options = TraceOptions(batch=1, prefill_tokens=64, max_len=context + 1024 + 128, page_size=16, request_slots=1,
+                           draft_tokens=DRAFT_TOKENS)
+    inputs = example_inputs(model, "nextn", options)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for k, t in inputs.items():
+        if k.endswith("kv_pages"):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
+        elif k.endswith("recurrent"):
+            t.copy_(0.02 * torch.randn(t.shape, generator=g, device="cuda"))
+
+    class Step(torch.nn.Module):
+        """The step with every state tensor a buffer, so the compiled graph sees static addresses."""
+
+        def __init__(self, nextn: bool):
+            super().__init__()
+            self.model, self.nextn = model, nextn
+            self.keys = list(inputs)
+            for i, k in enumerate(self.keys):
+                self.register_buffer(f"b{i}", inputs[k], persistent=False)
+
+        def forward(self) -> None:
+            named = {k: getattr(self, f"b{i}") for i, k in enumerate(self.keys)}
+            state = ModelState({state_key(k): t for k, t in named.items() if k.startswith("state_")},
+                               named["slots"], named["page_table"], options.page_size,
+                               {state_key("state_" + k[len("staging_"):]): t for k, t in named.items()
+                                if k.startswith("staging_")} if self.nextn else {})
+            relay = {k[len("relay_"):]: v for k, v in named.items() if k.startswith("relay_")}
+            if self.nextn:
+                nextn_step(self.model, named["slots"], relay, state, DRAFT_TOKENS)
+            else:
+                decode_step(self.model, named["slots"], relay, state)
+
+    def reset() -> None:
+        inputs["relay_seq_len"][0] = context
+
+    out: dict = {"mode": "max-autotune"}
+    for key, nextn in (("decode_step", False), ("nextn_step", True)):
+        reset()
+        step = torch.compile(Step(nextn), mode="max-autotune")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            step()
+            torch.cuda.synchronize()
+            out[key + "_compile_s"] = time.perf_counter() - t0
+
+            def run() -> None:
+                reset()
+                step()
+            out[key + "_ms"] = _events_ms(run)
+    from torch._dynamo.utils import counters
+    out["cudagraph_skips"] = dict(counters["inductor"]).get("cudagraph_skips", 0)
+    return out
+
+
+def transformers_peer(context: int) -> dict:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lingc.presets import preset
+
+    config = preset("ling-3.0-tiny", q_lora_rank=None, num_nextn_predict_layers=0)
+    tmp = tempfile.mkdtemp()
+    config.to_json(os.path.join(tmp, "config.json"))
+    hf_config = AutoConfig.from_pretrained(tmp)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16, attn_implementation="eager")
+    model.eval()
+    ids = torch.randint(0, config.vocab_size, (1, context), device="cuda")
+    out: dict = {"transformers": transformers.__version__, "config": "ling-3.0-tiny with q_lora_rank None, no MTP"}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        res = model(ids[:, :-1], use_cache=True)
+        torch.cuda.synchronize()
+        out["prefill_s"] = time.perf_counter() - t0
+        cache = res.past_key_values
+        tok = ids[:, -1:]
+        times = []
+        for _ in range(12):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            res = model(tok, past_key_values=cache, use_cache=True)
+            tok = res.logits[:, -1:].argmax(-1)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    out["decode_step_ms"] = statistics.median(times[2:])
+    return out
+
+
+PEERS = {"torch_compile": torch_compile_peer, "transformers": transformers_peer}
+
+
+def run_peers(model, options, context: int, timeout_s: int = 420) -> dict:
+    """Each peer in a subprocess (frees lingc's GPU memory first is the caller's job); errors are recorded."""
+    results: dict = {}
+    for name in PEERS:
+        out = os.path.join(tempfile.mkdtemp(), f"{name}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), name, "--json", out, "--context", str(context)]
+        env = dict(os.environ)
+        extra = os.environ.get("PEER_TRANSFORMERS_PATH")       # where transformers 5.23 was unpacked
+        if name == "transformers" and extra:
+            env["PYTHONPATH"] = extra + os.pathsep + env.get("PYTHONPATH", "")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+            if proc.returncode == 0:
+                with open(out) as f:
+                    results[name] = json.load(f)
+            else:
+                results[name] = {"error": proc.stderr[-2000:]}
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {timeout_s} s"}
+        print(name, json.dumps(results[name])[:600], flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("peer", choices=sorted(PEERS))
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--context", type=int, default=8192)
+    args = ap.parse_args()
+    result = PEERS[args.peer](args.context)
+    with open(args.json, "w") as f:
+        json.dump(result, f, default=str)
+
+
+if __name__ == "__main__":
+    main()

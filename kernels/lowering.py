@@ -1,0 +1,27 @@
+"""The lowering table: lingc op short name -> Triton launcher, gathered from each kernel family's LOWERINGS.
+
+A launcher takes the op's positional arguments plus keyword `pdl`, mutates what the op mutates and returns what
+it returns, without reading device values on the host (so the runtime can capture it in a CUDA graph). Ops with
+no entry run their torch reference (views, metadata and sampling glue that is not on the byte path).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from typing import Callable
+
+# every kernel family module of lingc.kernels that exports LOWERINGS
+FAMILIES = ("rmsnorm", "moe_align", "linear", "router", "sample", "filtered_probs", "moe", "kda", "mla")
+
+
+@lru_cache(maxsize=None)
+def kernel_table() -> dict[str, Callable]:
+    table: dict[str, Callable] = {}
+    for family in FAMILIES:
+        module = importlib.import_module(f"lingc.kernels.{family}")
+        for op, launcher in getattr(module, "LOWERINGS", {}).items():
+            if op in table:
+                raise RuntimeError(f"lingc op {op!r} is lowered by two kernel families ({family} and another)")
+            table[op] = launcher
+    return table
