@@ -1,0 +1,372 @@
+"""Skinny GEMM y = x @ weight.T for decode / verify row counts (M <= 16): two Triton kernels, launcher, reference.
+
+Contract of `torch.ops.lingc.linear` (lingc/ops/linear.py): x [..., K] is cast to weight.dtype, weight is
+[N, K] (bf16; fp32 for the router and the reference lm_head), the product accumulates in fp32, is rounded
+once to weight.dtype (what the reference's F.linear in the weight dtype returns) and then cast to
+out_dtype (default x.dtype). Letters: M rows (prod of x's leading dims), N output features, K input
+features, S the split-K factor, R rows per fma program; BN / BK / BM the block sizes.
+
+Two kernels, one per shape class (CONFIG_TABLE, chosen from (N, K, dtype), never from M):
+  dot (swap-AB, tensor cores): program (n, s) owns BN features and the s-th of S slices of K, streams
+      W[BN, BK] blocks through a 4-stage cp.async pipeline and multiplies them with xT[BK, BM], BM = 16:
+          acc[BN, BM] += tl.dot(W[n-tile, k-block], xT[k-block, :])     # fp32 accumulator
+      All rows ride along for free (rows >= M are zero), so M = 1 and M = 16 cost the same.
+  fma (CUDA cores): program (g, n, s) owns R rows and BN features; each lane keeps a running fp32 sum over
+      the slice's blocks, acc[R, BN, BK] = fma(W, x, acc), then one tl.sum over BK. Small BN and wide BK put
+      every program of a small weight in one wave (fastest at M = 1), but each row group re-reads the weight
+      (from L2), so it is only used where the weight is small (and for fp32, where a "dot" would be an
+      FMA loop anyway: input_precision="ieee", never TF32).
+Row invariance (a verify chain must reproduce decode's bits): M is not specialised, every M <= 16 runs the
+same compiled kernel, and an output element depends only on its own row of x and on the config.
+
+Split-K (S > 1, where BN-wide tiles alone would leave most of the 132 SMs idle): each program writes its fp32
+partial to a workspace [S, M, N], then takes a ticket from its tile's int32 counter (an acq_rel atomic after
+a CTA barrier, so the partial is visible first). The program that draws the last ticket (S - 1) sums the S
+partials in the fixed order 0, 1, ..., S-1, stores the result and resets the counter to 0 for the next
+launch (or CUDA-graph replay). No float atomics: results are deterministic whichever program comes last.
+The workspace is one per device (`device_workspace`, allocated and zeroed on first use, never resized); a
+shape whose split would not fit it runs with S = 1. Launches on concurrent streams pass their own.
+
+Bytes per call: N*K*w (the weight, read once) + M*K*x + M*N*y, plus 2*S*M*N*4 of L2-resident partials when
+S > 1. At M = 1 it is the weight stream; bench/kernel_linear.py reports GB/s against it.
+
+Rows M > 16 (prefill chunks) fall back to torch.nn.functional.linear in the weight dtype, then the cast:
+the reference's own batched path, which cuBLAS runs near its matrix peak.
+
+PDL (shared/docs/kernels.md section 1.5): with the constexpr PDL on, first-wave programs prefetch their first
+weight blocks into L2 (no earlier kernel writes weights) before `gdc_wait()`; x, the workspace and the
+counters are touched only after it; `gdc_launch_dependents()` follows the main loop (the last load of
+anything an earlier kernel wrote). With PDL off no GDC or prefetch instruction exists (the interpreter
+cannot run them).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from lingc.kernels.pdl import pdl_supported
+import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
+from lingc.ops.linear import ROW_INVARIANT_ROWS
+
+MAX_ROWS = ROW_INVARIANT_ROWS   # rows the kernel takes; more go to F.linear (prefill)
+BLOCK_M = 16                    # the padded row block; >= tl.dot's minimum of 16 and >= MAX_ROWS
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tunables of one launch; chosen from (N, K, weight dtype) only, never from M.
+    kind "dot": _linear_dot_kernel (all rows in one program, tensor cores); "fma": _linear_fma_kernel (groups
+    of `rows` rows per program, CUDA-core FMAs; M rows take cdiv(M, rows) programs per tile)."""
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    kind: str = "dot"
+    rows: int = 1
+
+
+# Config table by shape class, from the H200 sweep in bench/results/kernel-linear-sweep-h200-20261130.json
+# (bench/kernel_linear.py --sweep; times are per call, cold weights, in a CUDA graph). First match wins.
+# Row: (weight element size, largest weight bytes N*K*size, config); split_k 0 means `_auto_split`.
+#   bf16 <= 1 MiB  (kda_b / MLA gate, q_a, bf16 router): fma, 4 features x 512 of K per block, one wave
+#   bf16 larger    (projections, MLP, lm_head): dot, 64-feature tiles, split K until ~128 programs
+#   fp32 <= 4 MiB  (fp32 router): fma with split 4;  fp32 larger (fp32 lm_head): fma, 8-feature tiles
+# "dot" costs the same at M = 1 and M = 6; "fma" (one row per program) is faster at M = 1 but re-reads the
+# weight (from L2) once per row, so it only pays where the weight is small. The fp32 lm_head is the exception
+# (no fast fp32 dot): ~cuBLAS at M = 1, ~2x cuBLAS at M = 6 (rows=4 would trade: 1.2x at M = 1, 1x at M = 6).
+CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
+    (2, 1 << 20, LinearConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=3, kind="fma")),
+    (2, 1 << 62, LinearConfig(block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4, kind="dot")),
+    (4, 4 << 20, LinearConfig(block_n=4, block_k=256, split_k=4, num_warps=4, num_stages=3, kind="fma")),
+    (4, 1 << 62, LinearConfig(block_n=8, block_k=256, split_k=1, num_warps=4, num_stages=3, kind="fma")),
+)
+SPLIT_TARGET_PROGRAMS = 128   # auto split: grow S (powers of two) until tiles * S reaches ~ one program per SM,
+MIN_SLICE_BLOCKS = 3          # keeping >= 3 BK blocks per slice (the ticket + partial pass costs ~0.4 us)
+PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 per SM) prefetch their first blocks...
+PREFETCH_BLOCKS = tl.constexpr(2)          # ...this many, into L2, before gdc_wait
+WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
+WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at ptrs (PDL path only: inline PTX, which the interpreter cannot run)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program,
+                    BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """First-wave programs ask L2 for the first PREFETCH_BLOCKS blocks of their weight rows (one request per
+    LINE elements); later programs would only add requests for lines they are about to load anyway."""
+    if program < PREFETCH_PROGRAMS:
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn              # [BN]
+        for b in tl.static_range(PREFETCH_BLOCKS):
+            cols = k_start + b * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE  # [BK / LINE]
+            cols = tl.minimum(cols, tl.minimum(k_end, K) - 1)
+            _prefetch_l2(w_ptr + rows[:, None] + cols[None, :])
+
+
+@triton.jit
+def _finish(acc, y_ptrs, part_ptr, part_offs, count_ptr, out_mask, pid_s, slice_size, w_ptr,
+            SPLIT_K: tl.constexpr):
+    """Store acc (rounded to the weight dtype, then to y's); with SPLIT_K > 1 go through the workspace:
+    publish the partial, take a ticket, and let the last of the S programs sum partials 0..S-1 in order."""
+    w_dtype = w_ptr.dtype.element_ty
+    y_dtype = y_ptrs.dtype.element_ty
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(w_dtype).to(y_dtype), mask=out_mask)
+    else:
+        tl.store(part_ptr + pid_s * slice_size + part_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):                                # fixed order 0..S-1
+                total += tl.load(part_ptr + s * slice_size + part_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(w_dtype).to(y_dtype), mask=out_mask)
+            tl.store(count_ptr, 0)                                            # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
+                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                       LINE: tl.constexpr, PDL: tl.constexpr):
+    """Program (n, s): acc[BN, BM] = W[n-tile, slice s] @ xT[slice s, all rows], BM = 16 rows always."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
+    offs_m = tl.arange(0, BLOCK_M)                                        # [BM]
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    if PDL:  # weights are written by no earlier kernel: start pulling them in before the wait
+        _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, pid_n + pid_s * tl.num_programs(0),
+                        BLOCK_K, LINE)
+        tl.extra.cuda.gdc_wait()
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[:, None]  # [BK, BM]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)           # [BN, BK]
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)           # [BK, BM]
+        else:
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        acc = tl.dot(w, xt.to(w.dtype), acc, input_precision="ieee" if IEEE else None)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out_mask = n_ok[:, None] & m_ok[None, :]                              # [BN, BM]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]        # [BN, BM] -> y[m, n]
+    part_offs = offs_m[None, :] * N + offs_n[:, None]                     # [BN, BM] in one [M, N] slice
+    _finish(acc, y_ptrs, part_ptr, part_offs, count_ptr + pid_n, out_mask, pid_s, M * N, w_ptr, SPLIT_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
+                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                       LINE: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+    """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
+    then one sum over BK. Per row the same ops in the same order whatever M and the row's slot."""
+    pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_r = pid_g * ROWS + tl.arange(0, ROWS)                           # [R]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    r_ok = offs_r < M
+    n_ok = offs_n < N
+    if PDL:
+        program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
+        _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
+        tl.extra.cuda.gdc_wait()
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    x_ptrs = x_ptr + offs_r[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]  # [R, BK]
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)           # [BN, BK]
+            xv = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0)           # [R, BK]
+        else:
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        xf = xv.to(w.dtype).to(tl.float32)
+        acc = tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)  # per-lane sums, sequential in k
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    total = tl.sum(acc, axis=2)                                           # [R, BN]
+    out_mask = r_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_r[:, None] * stride_ym + offs_n[None, :]        # [R, BN]
+    part_offs = offs_r[:, None] * N + offs_n[None, :]
+    _finish(total, y_ptrs, part_ptr, part_offs, count_ptr + pid_n * BLOCK_M + pid_g, out_mask, pid_s,
+            M * N, w_ptr, SPLIT_K)
+
+
+def pick_config(n: int, k: int, weight_dtype: torch.dtype) -> LinearConfig:
+    """The CONFIG_TABLE row for (N, K, dtype) with its split resolved; never depends on M."""
+    size = torch.empty((), dtype=weight_dtype).element_size()
+    rows = [cfg for elem, max_bytes, cfg in CONFIG_TABLE if elem == size and n * k * size <= max_bytes]
+    cfg = rows[0] if rows else CONFIG_TABLE[-1][2]
+    if cfg.split_k == 0:
+        cfg = replace(cfg, split_k=_auto_split(triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)))
+    cfg = _fit_split(cfg, k)
+    floats, counters = workspace_need(n, k, weight_dtype, config=cfg)
+    if floats > WORKSPACE_FLOATS or counters > WORKSPACE_COUNTERS:
+        cfg = replace(cfg, split_k=1)   # the default workspace is too small for this split: run unsplit
+    return cfg
+
+
+def _auto_split(tiles: int, blocks: int) -> int:
+    """Largest power of two <= SPLIT_TARGET_PROGRAMS / tiles and <= blocks / MIN_SLICE_BLOCKS (at least 1)."""
+    limit = min(SPLIT_TARGET_PROGRAMS // tiles, blocks // MIN_SLICE_BLOCKS)
+    return 1 << (limit.bit_length() - 1) if limit >= 1 else 1
+
+
+def _fit_split(cfg: LinearConfig, k: int) -> LinearConfig:
+    """S slices of whole BK blocks: S' = cdiv(blocks, cdiv(blocks, S)) so no slice is empty."""
+    blocks = max(1, triton.cdiv(k, cfg.block_k))
+    per = triton.cdiv(blocks, max(1, cfg.split_k))
+    return replace(cfg, split_k=triton.cdiv(blocks, per))
+
+
+@dataclass(frozen=True)
+class LinearWorkspace:
+    """Split-K scratch: fp32 partials (>= S*M*N) and int32 tile counters (cdiv(N, BN), times 16 for kind "fma"),
+    the counters zero between launches (each launch leaves them zero). One workspace serves any number of
+    stream-ordered or PDL-chained launches; launches that may run concurrently need one each."""
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @staticmethod
+    def allocate(device: torch.device | str, partial_floats: int, counters: int) -> "LinearWorkspace":
+        return LinearWorkspace(torch.empty(partial_floats, dtype=torch.float32, device=device),
+                               torch.zeros(counters, dtype=torch.int32, device=device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_workspace(device: torch.device) -> LinearWorkspace:
+    return LinearWorkspace.allocate(device, WORKSPACE_FLOATS, WORKSPACE_COUNTERS)
+
+
+def device_workspace(device: torch.device | str) -> LinearWorkspace:
+    """The default workspace of a device, created on first use and kept (a captured CUDA graph keeps pointing
+    at it, so it is never freed or resized). The module's only state; it holds no values between launches."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_workspace(device)
+
+
+def workspace_need(n: int, k: int, weight_dtype: torch.dtype, rows: int = MAX_ROWS,
+                   config: LinearConfig | None = None) -> tuple[int, int]:
+    """(partial floats, counters) a launch with these shapes needs; (0, 0) when it does not split K."""
+    cfg = _fit_split(config, k) if config is not None else pick_config(n, k, weight_dtype)
+    if cfg.split_k == 1:
+        return 0, 0
+    return cfg.split_k * rows * n, _counters(cfg, n)
+
+
+def _counters(cfg: LinearConfig, n: int) -> int:
+    return triton.cdiv(n, cfg.block_n) * (BLOCK_M if cfg.kind == "fma" else 1)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x has shape {list(x.shape)} and weight has shape {list(weight.shape)}; "
+                         f"want x [..., K] and weight [N, K] with the same K")
+    if weight.dtype not in WEIGHT_DTYPES or not x.dtype.is_floating_point:
+        raise ValueError(f"linear: x is {x.dtype}, weight is {weight.dtype}; want a float x and a weight "
+                         f"in {[str(d) for d in WEIGHT_DTYPES]}")
+    if x.device != weight.device:
+        raise ValueError(f"linear: x is on {x.device}, weight on {weight.device}")
+    return weight.shape[0], weight.shape[1]
+
+
+def _workspace(ws: LinearWorkspace | None, cfg: LinearConfig, rows: int, n: int,
+               device: torch.device) -> LinearWorkspace:
+    ws = ws if ws is not None else device_workspace(device)
+    floats, counters = cfg.split_k * rows * n, _counters(cfg, n)
+    if ws.partials.numel() < floats or ws.counters.numel() < counters or ws.partials.device != device:
+        raise ValueError(f"linear: workspace holds {ws.partials.numel()} partials and {ws.counters.numel()} "
+                         f"counters on {ws.partials.device}, want >= {floats} and >= {counters} on {device}")
+    return ws
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *, pdl: bool = False,
+           out: torch.Tensor | None = None, workspace: LinearWorkspace | None = None,
+           config: LinearConfig | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight [N, K].T as torch.ops.lingc.linear, in out_dtype (default x.dtype).
+
+    M = prod(x.shape[:-1]) <= MAX_ROWS runs a Triton kernel; more rows run F.linear in the weight dtype.
+    `out` (contiguous, [..., N], out_dtype) is written in place when given. `workspace` is the split-K scratch
+    (default: the device's, see device_workspace); `config` overrides the table (the bench's sweep) and must
+    not depend on M either. pdl is dropped where unsupported (CPU / interpreter, pre-sm90).
+    """
+    n, k = _check(x, weight)
+    y_dtype = out_dtype if out_dtype is not None else x.dtype
+    lead = x.shape[:-1]
+    if out is None:
+        out = torch.empty((*lead, n), dtype=y_dtype, device=x.device)
+    elif out.shape != (*lead, n) or out.dtype != y_dtype or not out.is_contiguous():
+        raise ValueError(f"linear: out is {list(out.shape)} {out.dtype}, want contiguous {[*lead, n]} {y_dtype}")
+    rows = x.reshape(-1, k)                                               # [M, K]
+    m = rows.shape[0]
+    if m > MAX_ROWS:
+        # Prefill: cuBLAS is near its matrix peak here; same formula as the reference's batched path.
+        out.view(m, n).copy_(torch.nn.functional.linear(rows.to(weight.dtype), weight))
+        return out
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    cfg = _fit_split(config, k) if config is not None else pick_config(n, k, weight.dtype)
+    ws = _workspace(workspace, cfg, m, n, x.device) if cfg.split_k > 1 else None
+    y = out.view(m, n)                                                    # [M, N]
+    pdl = pdl and pdl_supported(x.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    tiles = triton.cdiv(n, cfg.block_n)
+    if cfg.kind == "fma":
+        kernel, grid, extra = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k), {"ROWS": cfg.rows}
+    else:
+        kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
+    kernel[grid](
+        rows, w, y, ws.partials if ws else y, ws.counters if ws else y,
+        m, n, k, k_per_split, rows.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        EVEN_K=k % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
+        LINE=min(cfg.block_k, 128 // weight.element_size()), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **launch)
+    return out
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """lingc's reference linear."""
+    return torch.ops.lingc.linear(x, weight, out_dtype)
+
+
+LOWERINGS = {"linear": linear}
