@@ -9,6 +9,9 @@ The Triton 3.6 interpreter rounds fp32 -> bf16 casts toward zero (`cast_impl` pa
 the GPU rounds to nearest even, as torch does. `_rne_bf16_casts` makes the interpreter round like the GPU so
 that bf16 results can be compared bit for bit; without it bf16 outputs are off by an ulp or two
 and the fused residual is not bit-identical to torch's `residual + x`.
+
+It also keeps bf16 as raw uint16 inside `tl.dot` and would multiply the bit patterns; `_bf16_dots` widens bf16
+operands to fp32 first, which is what the GPU's bf16 MMA does (exact products, fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -65,3 +68,18 @@ def _rne_bf16_casts(monkeypatch: pytest.MonkeyPatch) -> None:
         return original(data, src, dst, rounding_mode)
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
+@pytest.fixture(autouse=True)
+def _bf16_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -1,0 +1,508 @@
+"""Gated-MLA decode kernels: weight-absorbed split-KV attention over the paged latent cache, cache write, RoPE, gate.
+
+Letters (lingc/ops/mla.py): B requests, T new tokens, M = B*T queries, H heads, N nope dim, Rr rope dim,
+R kv_lora rank, L = R + Rr cached values per token, Vd value dim, NP pages of PS rows, MP pages per request,
+S = cdiv(MP*PS, SPLIT_ROWS) key splits.
+
+`mla_attention` (one launcher, four kernels, all of them written out by the kernels themselves):
+    1. q_absorb   grid (H, R/QA_BLOCK_R)    q_lat[m, h] = q_nope[m, h] @ W_uk[h]      fp32 sum, stored in the
+                                            cache dtype (it is an MMA operand in stage 2)
+    2. split      grid (M, S)               one program = one query, all H heads, the cache rows
+                                            [s*SPLIT_ROWS, (s+1)*SPLIT_ROWS) that the query sees: scores
+                                            q_lat.c_kv + q_rope.k_rope on tensor cores ([H, R] x [R, BLOCK_N]),
+                                            fp32 online softmax (exp2), o[h] = sum p c_kv; writes the unnormalised
+                                            partial (m, l, o[H, R]) in fp32
+    3. combine    grid (M*H, R/CB_BLOCK_R)  o_lat = sum_s 2^(m_s - max) o_s / sum_s 2^(m_s - max) l_s (fp32)
+    4. v_absorb   grid (H, Vd/VA_BLOCK_V)   out[m, h] = W_uv[h] @ o_lat[m, h]           fp32 sum, one rounding
+Why four: the absorptions read the 4 MB kv_b weight (2 MB each half); a split program needs all H heads'
+q_lat, so computing it there would re-read W_uk once per split. Separate GEMV kernels spread each half over
+128 programs and, under PDL, load their weight slice before `gdc_wait` (overlapping the previous kernel).
+The combine is separate so that it is a plain elementwise-parallel pass over R (no re-reading of partials).
+
+Row invariance (a verify chain of T queries gives each query the bits of a T=1 decode step): every query is
+computed by its own programs with the same instruction sequence whatever T and B are (stages 1 and 4 loop
+over the queries with one loop body; stages 2 and 3 give each query its own programs). Split boundaries are
+fixed multiples of SPLIT_ROWS from row 0; a split that starts past the query's position does nothing and the
+combine reads only the query's own pos // SPLIT_ROWS + 1 splits, in blocks of CB_BLOCK_S with a fixed
+reduction shape, so the split count S (from the capacity MP*PS) never enters a query's arithmetic either.
+
+Numerics vs torch.ops.lingc.mla_attention (which expands K/V with kv_b in fp32): q_lat and the softmax
+probabilities are rounded to the cache dtype before their MMAs (bf16: about 3 significant digits; fp32 uses
+IEEE dots), exp2 with log2(e) folded into the scale. Measured in the interpreter over the test shapes
+(tests/kernels/test_mla.py, |out| up to ~2): bf16 max abs error 7.8e-3 (one bf16 ulp of the largest outputs,
+7e-3 of max|ref|), fp32 4.8e-7 (3.7e-7 relative). bench/kernel_mla.py records the error at real size.
+
+Bytes per call (Ling-3.0-tiny, bf16): the visible cache rows (pos+1) * L * 2 per query, 9.4 MB at 8192 rows
+(T > 1 queries of one request re-read the same rows, mostly from L2: their programs are adjacent in the grid),
+kv_b 4 MB, partials M * S_visible * H * R * 4 written and read once (2 MB per query at 8192 rows and
+SPLIT_ROWS=64, L2-resident).
+
+`mla_cache_write` scatters the M latent rows into their flat cache rows (one program per row). `rope` and
+`sigmoid_gate` are one-program-per-token elementwise kernels replacing ~10 and ~4 small torch launches; their
+math mirrors the reference (fp32, inv_freq from a float64 power rounded to fp32, IEEE division, no FMA
+contraction in rope) but libm-level differences in cos/sin/exp may move a bf16 result by an ulp.
+
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b (a weight, written
+by no earlier kernel) is loaded before `gdc_wait()`; every activation, the cache, page table and positions
+are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. With PDL off no GDC call
+is emitted (the Triton interpreter cannot run them, kernels.md section 1.2).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from lingc.kernels.pdl import pdl_supported
+import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
+
+# Tunables. SPLIT_ROWS and BLOCK_N (cache rows per MMA step) and CB_BLOCK_S shape the arithmetic of a query;
+# none of them may depend on T, B or the positions. SPLIT_ROWS must be a multiple of BLOCK_N.
+SPLIT_ROWS = 64          # cache rows per split: 8192 rows -> 128 splits, about one per SM at T = 1
+SPLIT_STAGES = 2
+# Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
+# rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked offline with ptxas for sm_90:
+# bf16 H=16 R=512 at 4 warps: 211 registers, no spills; H=32 (Flash) needs 8 warps (150 registers); fp32
+# (IEEE dots, test models) spills at 32 rows, so 16 rows and 8 warps (91 registers).
+BLOCK_N = 32
+BLOCK_N_FP32 = 16
+SMALL_ACC = 16 * 512     # BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
+SPLIT_WARPS_SMALL_ACC = 4
+SPLIT_WARPS = 8
+CB_BLOCK_S = 32          # splits combined per step (a fixed reduction shape)
+CB_BLOCK_R = 64          # latent columns per combine program
+QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
+VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
+GEMV_WARPS = 4
+MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
+LOG2E = 1.4426950408889634
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+
+@triton.jit
+def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, M, T, stride_qb, stride_qt, stride_qh, stride_w,
+                     H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
+                     BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock] for every query m."""
+    h = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_NOPE)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_n, mask_r = offs_n < N, offs_r < R
+    w_rows = (h * HEAD_ROWS + offs_n).to(tl.int64)
+    w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
+                mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_NOPE, BLOCK_R]
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for m in range(0, M):
+        b, t = m // T, m % T
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
+                    mask=mask_n, other=0.0).to(tl.float32)                             # [BLOCK_NOPE]
+        q_lat = tl.sum(q[:, None] * w, axis=0)                                         # [BLOCK_R]
+        tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
+                  T, S, PS, CAP, qk_scale,
+                  stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
+                  stride_pos_b, stride_pos_t,
+                  H: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """Unnormalised softmax partial of query m over its visible rows of split s, all heads at once."""
+    m = tl.program_id(0)
+    s = tl.program_id(1)
+    b, t = m // T, m % T
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_h, mask_r, mask_e = offs_h < H, offs_r < R, offs_e < RR
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
+    start = s * SPLIT
+    end = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # visible rows [start, end); empty if start > pos
+    dot_ty = kv_ptr.dtype.element_ty
+    q_lat = tl.load(qlat_ptr + (m * H + offs_h[:, None]).to(tl.int64) * R + offs_r[None, :],
+                    mask=mask_h[:, None] & mask_r[None, :], other=0.0)                 # [BLOCK_H, BLOCK_R]
+    q_rope = tl.load(qrope_ptr + b.to(tl.int64) * stride_rb + t * stride_rt + offs_h[:, None] * stride_rh
+                     + offs_e[None, :], mask=mask_h[:, None] & mask_e[None, :], other=0.0).to(dot_ty)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for j0 in range(start, end, BLOCK_N):
+        rows = j0 + tl.arange(0, BLOCK_N)
+        valid = rows < end
+        page = tl.load(pages_ptr + b.to(tl.int64) * stride_pages_b + rows // PS, mask=valid, other=0)
+        base = page.to(tl.int64) * stride_page + (rows % PS) * stride_row                # [BLOCK_N]
+        c = tl.load(kv_ptr + base[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        k_rope = tl.load(kv_ptr + base[:, None] + R + offs_e[None, :], mask=valid[:, None] & mask_e[None, :],
+                         other=0.0)
+        if IEEE:
+            scores = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+            scores = tl.dot(q_rope, tl.trans(k_rope), scores, input_precision="ieee")
+        else:
+            scores = tl.dot(q_lat, tl.trans(c))
+            scores = tl.dot(q_rope, tl.trans(k_rope), scores)                         # [BLOCK_H, BLOCK_N] fp32
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))     # finite: every step has a visible row
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = tl.dot(p.to(dot_ty), c, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(dot_ty), c, acc * alpha[:, None])                        # [BLOCK_H, BLOCK_R]
+        m_i = m_new
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    active = end > start
+    row = (m * S + s).to(tl.int64) * H + offs_h                                       # [BLOCK_H] partial rows
+    tl.store(part_ml_ptr + row * 2, m_i, mask=mask_h & active)
+    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_h & active)
+    tl.store(part_o_ptr + row[:, None] * R + offs_r[None, :], acc,
+             mask=mask_h[:, None] & mask_r[None, :] & active)
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos_b, stride_pos_t,
+                    H: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, S_POW2: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PDL: tl.constexpr):
+    """o_lat[m, h, rblock] from the query's visible splits 0 .. pos // SPLIT (in that order, fixed blocks)."""
+    mh = tl.program_id(0)
+    m, h = mh // H, mh % H
+    b, t = m // T, m % T
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
+    n_splits = tl.minimum(pos // SPLIT + 1, S)
+    rows = (m * S).to(tl.int64) * H + h                      # partial row of split 0; split s adds s * H
+    all_s = tl.arange(0, S_POW2)
+    m_all = tl.load(part_ml_ptr + (rows + all_s * H) * 2, mask=all_s < n_splits, other=float("-inf"))
+    m_max = tl.max(m_all, axis=0)                            # exact: max does not depend on the order
+    l_sum = tl.zeros([BLOCK_S], tl.float32)
+    o_sum = tl.zeros([BLOCK_R], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < n_splits
+        prow = rows + offs_s * H                                                       # [BLOCK_S]
+        m_s = tl.load(part_ml_ptr + prow * 2, mask=mask_s, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=mask_s, other=0.0)
+        o_s = tl.load(part_o_ptr + prow[:, None] * R + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
+                      other=0.0)                                                       # [BLOCK_S, BLOCK_R]
+        w = tl.exp2(m_s - m_max)                                                       # 0 on masked splits
+        l_sum += w * l_s
+        o_sum += tl.sum(w[:, None] * o_s, axis=0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out = o_sum / tl.sum(l_sum, axis=0)
+    tl.store(olat_ptr + mh.to(tl.int64) * R + offs_r, out, mask=mask_r)
+
+
+@triton.jit
+def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, M, stride_w, H: tl.constexpr, N: tl.constexpr,
+                     R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
+                     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r] for every query m."""
+    h = tl.program_id(0)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_v, mask_r = offs_v < VD, offs_r < R
+    w_rows = (h * HEAD_ROWS + N + offs_v).to(tl.int64)
+    w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
+                mask=mask_v[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_V, BLOCK_R]
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for m in range(0, M):
+        o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)   # [BLOCK_R] fp32
+        out = tl.sum(w * o[None, :], axis=1)                                           # [BLOCK_V]
+        tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# --------------------------------------------------------------------------------- cache write, rope, gate
+
+
+@triton.jit
+def _cache_write_kernel(kv_ptr, latent_ptr, locs_ptr, T, L, stride_row, stride_lb, stride_lt,
+                        stride_locs_b, stride_locs_t, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
+    """kv_pages.flat[cache_locs[b, t]] = latent[b, t] (cast to the cache dtype)."""
+    m = tl.program_id(0)
+    b, t = m // T, m % T
+    offs = tl.arange(0, BLOCK_L)
+    mask = offs < L
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    loc = tl.load(locs_ptr + b.to(tl.int64) * stride_locs_b + t * stride_locs_t).to(tl.int64)
+    x = tl.load(latent_ptr + b.to(tl.int64) * stride_lb + t * stride_lt + offs, mask=mask)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(kv_ptr + loc * stride_row + offs, x.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, out_ptr, T, NH, HALF, ln_theta_hi, ln_theta_lo,
+                 stride_xb, stride_xt, stride_xh, stride_pos_b, stride_pos_t,
+                 BLOCK_NH: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    """Interleaved-pair RoPE of one token's NH vectors, written de-interleaved: [xe c - xo s | xo c + xe s]."""
+    m = tl.program_id(0)
+    b, t = m // T, m % T
+    offs_h = tl.arange(0, BLOCK_NH)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h < NH)[:, None] & (offs_i < HALF)[None, :]
+    # inv_freq[i] = 1 / theta^(2i / dim) as the reference: the exponent and the division in fp32 (IEEE),
+    # the power in float64 (ln theta arrives as two fp32 halves: scalar arguments are fp32) rounded to fp32.
+    expo = tl.math.div_rn((2 * offs_i).to(tl.float32), tl.zeros([BLOCK_HALF], tl.float32) + 2 * HALF)
+    ln_theta = (tl.zeros([1], tl.float64) + ln_theta_hi) + ln_theta_lo                   # exact in float64
+    power = tl.exp(expo.to(tl.float64) * ln_theta).to(tl.float32)
+    inv_freq = tl.math.div_rn(tl.full([BLOCK_HALF], 1.0, tl.float32), power)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.float32)
+    src = x_ptr + b.to(tl.int64) * stride_xb + t * stride_xt + offs_h[:, None] * stride_xh + 2 * offs_i[None, :]
+    xe = tl.load(src, mask=mask, other=0.0).to(tl.float32)                             # [BLOCK_NH, BLOCK_HALF]
+    xo = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    angle = pos * inv_freq                                                             # [BLOCK_HALF]
+    cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
+    dst = out_ptr + (m * NH + offs_h[:, None]).to(tl.int64) * (2 * HALF) + offs_i[None, :]
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst, (xe * cos - xo * sin).to(ty), mask=mask)
+    tl.store(dst + HALF, (xo * cos + xe * sin).to(ty), mask=mask)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, T, H, V, stride_xb, stride_xt, stride_xh,
+                         stride_gb, stride_gt, stride_gh,
+                         BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    """out[b, t, h] = x[b, t, h] * sigmoid(g[b, t, h]): sigmoid in fp32, rounded to x's dtype, product rounded."""
+    m = tl.program_id(0)
+    b, t = m // T, m % T
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_h = offs_h < H
+    mask = mask_h[:, None] & (offs_v < V)[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + offs_h * stride_gh, mask=mask_h,
+                other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + t * stride_xt + offs_h[:, None] * stride_xh + offs_v[None, :],
+                mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    e = tl.exp((-g).to(tl.float64)).to(tl.float32)           # exp in float64 rounded once: expf to < 1 ulp
+    gate = tl.math.div_rn(tl.full([BLOCK_H], 1.0, tl.float32), 1.0 + e).to(x.dtype)
+    out = x.to(tl.float32) * gate.to(tl.float32)[:, None]
+    tl.store(out_ptr + (m * H + offs_h[:, None]).to(tl.int64) * V + offs_v[None, :], out.to(x.dtype), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def _fp32(v: float) -> float:
+    """v rounded to the nearest fp32 (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def _launch_opts(pdl: bool, device: torch.device) -> tuple[bool, dict]:
+    pdl = pdl and pdl_supported(device)
+    return pdl, ({"launch_pdl": True} if pdl else {})
+
+
+def _want(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself if its last dim is dense, else a contiguous copy (every kernel reads rows with unit stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions) -> tuple[int, ...]:
+    """(B, T, H, N, Rr, R, Vd) after validating every shape and dtype; ValueError names what is wrong."""
+    _want(q_nope.dim() == 4, f"mla_attention: q_nope must be [B, T, H, N], got {list(q_nope.shape)}")
+    B, T, H, N = q_nope.shape
+    _want(q_rope.dim() == 4 and tuple(q_rope.shape[:3]) == (B, T, H),
+          f"mla_attention: q_rope is {list(q_rope.shape)}, want [{B}, {T}, {H}, Rr]")
+    _want(kv_b_weight.dim() == 2 and kv_b_weight.shape[0] % H == 0 and kv_b_weight.shape[0] // H > N,
+          f"mla_attention: kv_b_weight is {list(kv_b_weight.shape)}, want [H * (N + Vd), R] with H={H}, N={N}")
+    R, Rr = kv_b_weight.shape[1], q_rope.shape[3]
+    Vd = kv_b_weight.shape[0] // H - N
+    _want(kv_pages.dim() == 3 and kv_pages.shape[2] == R + Rr,
+          f"mla_attention: kv_pages is {list(kv_pages.shape)}, want [NP, PS, {R + Rr}] (R={R} + Rr={Rr})")
+    _want(page_rows.dim() == 2 and page_rows.shape[0] == B,
+          f"mla_attention: page_rows is {list(page_rows.shape)}, want [{B}, MP]")
+    _want(tuple(positions.shape) == (B, T), f"mla_attention: positions is {list(positions.shape)}, want [{B}, {T}]")
+    for name, t in (("page_rows", page_rows), ("positions", positions)):
+        _want(t.dtype in (torch.int32, torch.int64), f"mla_attention: {name} must be int32/int64, got {t.dtype}")
+    dtypes = {q_nope.dtype, q_rope.dtype, kv_pages.dtype, kv_b_weight.dtype}
+    _want(len(dtypes) == 1 and q_nope.dtype in DTYPES,
+          f"mla_attention: q_nope, q_rope, kv_pages, kv_b_weight must share one of {DTYPES}, got "
+          f"{q_nope.dtype}, {q_rope.dtype}, {kv_pages.dtype}, {kv_b_weight.dtype}")
+    _want(kv_pages.stride(-1) == 1, "mla_attention: kv_pages rows must be contiguous")
+    return B, T, H, N, Rr, R, Vd
+
+
+def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
+                   page_rows: torch.Tensor, positions: torch.Tensor, scale: float, *, pdl: bool = False,
+                   split_rows: int = SPLIT_ROWS, block_n: int | None = None, split_warps: int | None = None,
+                   split_stages: int = SPLIT_STAGES) -> torch.Tensor:
+    """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them)."""
+    B, T, H, N, Rr, R, Vd = _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions)
+    block_h, block_r, fp32 = _pow2(H, MIN_DOT), _pow2(R, MIN_DOT), kv_pages.dtype == torch.float32
+    if block_n is None:
+        block_n = BLOCK_N_FP32 if fp32 else BLOCK_N
+    if split_warps is None:
+        split_warps = SPLIT_WARPS_SMALL_ACC if block_h * block_r <= SMALL_ACC and not fp32 else SPLIT_WARPS
+    _want(block_n >= MIN_DOT and split_rows % block_n == 0,
+          f"mla_attention: want block_n >= {MIN_DOT} dividing split_rows, got {block_n}, {split_rows}")
+    dev, M = q_nope.device, B * T
+    out = torch.empty((B, T, H, Vd), dtype=q_nope.dtype, device=dev)
+    if M == 0:
+        return out
+    q_nope, q_rope, kv_b = _inner_contiguous(q_nope), _inner_contiguous(q_rope), _inner_contiguous(kv_b_weight)
+    PS = kv_pages.shape[1]
+    capacity = page_rows.shape[1] * PS                                                 # MP * PS cache rows
+    S = triton.cdiv(capacity, split_rows)
+    q_lat = torch.empty((M, H, R), dtype=kv_pages.dtype, device=dev)                   # [M, H, R]
+    part_o = torch.empty((M, S, H, R), dtype=torch.float32, device=dev)                # [M, S, H, R]
+    part_ml = torch.empty((M, S, H, 2), dtype=torch.float32, device=dev)               # [M, S, H, (m, l)]
+    o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
+    pdl, launch = _launch_opts(pdl, dev)
+    head_rows = N + Vd
+    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R))](
+        q_nope, kv_b, q_lat, M, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
+        H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl,
+        num_warps=GEMV_WARPS, **launch)
+    _split_kernel[(M, S)](
+        q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, PS, capacity, scale * LOG2E,
+        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
+        page_rows.stride(0), positions.stride(0), positions.stride(1),
+        H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
+        BLOCK_N=block_n, IEEE=fp32, PDL=pdl, num_warps=split_warps, num_stages=split_stages, **launch)
+    _combine_kernel[(M * H, triton.cdiv(R, CB_BLOCK_R))](
+        part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
+        H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=CB_BLOCK_S, BLOCK_R=CB_BLOCK_R, PDL=pdl,
+        num_warps=GEMV_WARPS, **launch)
+    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V))](
+        o_lat, kv_b, out, M, kv_b.stride(0), H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
+        BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, PDL=pdl, num_warps=GEMV_WARPS, **launch)
+    return out
+
+
+def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
+                  page_rows: torch.Tensor, positions: torch.Tensor, scale: float, *, pdl: bool = False,
+                  ) -> torch.Tensor:
+    """Weight-absorbed split-KV decode attention, as torch.ops.lingc.mla_attention: [B, T, H, Vd] in q's dtype.
+
+    q_nope [B, T, H, N], q_rope [B, T, H, Rr] (rotated), kv_pages [NP, PS, R + Rr], kv_b_weight
+    [H * (N + Vd), R], page_rows [B, MP] int, positions [B, T] int (query t sees rows j <= positions[b, t];
+    positions must be < MP * PS). pdl is dropped where unsupported.
+    """
+    return _mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, pdl=pdl)
+
+
+def mla_cache_write(kv_pages: torch.Tensor, latent: torch.Tensor, cache_locs: torch.Tensor, *,
+                    pdl: bool = False) -> None:
+    """kv_pages.view(-1, L)[cache_locs] = latent, as torch.ops.lingc.mla_cache_write (mutates kv_pages)."""
+    _want(kv_pages.dim() == 3 and latent.dim() == 3 and latent.shape[2] == kv_pages.shape[2],
+          f"mla_cache_write: kv_pages is {list(kv_pages.shape)}, latent {list(latent.shape)}; "
+          f"want [NP, PS, L] and [B, T, L]")
+    _want(tuple(cache_locs.shape) == tuple(latent.shape[:2]) and cache_locs.dtype in (torch.int32, torch.int64),
+          f"mla_cache_write: cache_locs is {list(cache_locs.shape)} {cache_locs.dtype}, "
+          f"want {list(latent.shape[:2])} int64")
+    _want(kv_pages.is_contiguous(), "mla_cache_write: kv_pages must be contiguous (rows are addressed flat)")
+    B, T, L = latent.shape
+    if B * T == 0:
+        return None
+    latent = _inner_contiguous(latent)
+    pdl, launch = _launch_opts(pdl, kv_pages.device)
+    _cache_write_kernel[(B * T,)](kv_pages, latent, cache_locs, T, L, kv_pages.stride(1), latent.stride(0),
+                                  latent.stride(1), cache_locs.stride(0), cache_locs.stride(1),
+                                  BLOCK_L=_pow2(L), PDL=pdl, num_warps=GEMV_WARPS, **launch)
+    return None
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, *, pdl: bool = False) -> torch.Tensor:
+    """Interleaved-pair RoPE of x [B, T, n, Rr] at positions [B, T], de-interleaved output, as torch.ops.lingc.rope."""
+    _want(x.dim() == 4 and x.shape[3] % 2 == 0, f"rope: x must be [B, T, n, Rr] with Rr even, got {list(x.shape)}")
+    B, T, NH, RR = x.shape
+    _want(tuple(positions.shape) == (B, T), f"rope: positions is {list(positions.shape)}, want [{B}, {T}]")
+    out = torch.empty((B, T, NH, RR), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x = _inner_contiguous(x)
+    pdl, launch = _launch_opts(pdl, x.device)
+    # no FMA contraction: xe*cos - xo*sin rounds each product like the reference
+    ln_hi = _fp32(math.log(theta))
+    _rope_kernel[(B * T,)](x, positions, out, T, NH, RR // 2, ln_hi, _fp32(math.log(theta) - ln_hi),
+                           x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1),
+                           BLOCK_NH=_pow2(NH), BLOCK_HALF=_pow2(RR // 2), PDL=pdl, num_warps=GEMV_WARPS,
+                           enable_fp_fusion=False, **launch)
+    return out
+
+
+def sigmoid_gate(x: torch.Tensor, gate_logits: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """x [B, T, H, V] * sigmoid(gate_logits [B, T, H]) (fp32, cast to x's dtype), as torch.ops.lingc.sigmoid_gate."""
+    _want(x.dim() == 4 and tuple(gate_logits.shape) == tuple(x.shape[:3]),
+          f"sigmoid_gate: x is {list(x.shape)}, gate_logits {list(gate_logits.shape)}; want [B, T, H, V] and [B, T, H]")
+    B, T, H, V = x.shape
+    out = torch.empty((B, T, H, V), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x = _inner_contiguous(x)
+    pdl, launch = _launch_opts(pdl, x.device)
+    _sigmoid_gate_kernel[(B * T,)](x, gate_logits, out, T, H, V, x.stride(0), x.stride(1), x.stride(2),
+                                   gate_logits.stride(0), gate_logits.stride(1), gate_logits.stride(2),
+                                   BLOCK_H=_pow2(H), BLOCK_V=_pow2(V), PDL=pdl, num_warps=GEMV_WARPS, **launch)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- references
+
+
+def mla_attention_ref(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale) -> torch.Tensor:
+    """lingc's reference MLA attention (expands K/V with kv_b in fp32)."""
+    return torch.ops.lingc.mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale)
+
+
+def mla_cache_write_ref(kv_pages, latent, cache_locs) -> None:
+    """lingc's reference cache write (mutates kv_pages)."""
+    torch.ops.lingc.mla_cache_write(kv_pages, latent, cache_locs)
+
+
+def rope_ref(x, positions, theta) -> torch.Tensor:
+    """lingc's reference RoPE."""
+    return torch.ops.lingc.rope(x, positions, theta)
+
+
+def sigmoid_gate_ref(x, gate_logits) -> torch.Tensor:
+    """lingc's reference head gate."""
+    return torch.ops.lingc.sigmoid_gate(x, gate_logits)
+
+
+LOWERINGS = {
+    "mla_attention": mla_attention,
+    "mla_cache_write": mla_cache_write,
+    "rope": rope,
+    "sigmoid_gate": sigmoid_gate,
+}
