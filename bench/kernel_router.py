@@ -1,0 +1,166 @@
+"""GPU check and timing of lingc.kernels.router (router_topk, router_align) and lingc.kernels.sample (greedy_sample,
+chain_accept, sample_tokens) at the Ling-3.0-tiny decode shapes, against the torch reference ops.
+
+Shapes: router E=128, k=8, n_group=8, topk_group=4, scale 2.5, BM=16, N in {1, 6} (decode, verify chain);
+greedy_sample V=157184, T in {1, 7}; chain_accept B=1, K=6, V=157184 (greedy: the decode hot path; sampled:
+temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}.
+
+Each row: correctness vs the reference op on the GPU (router: per-row id sets and the weight of each id, the
+reference's order being unspecified; alignment and token ids exact), pdl=True output == pdl=False output bit for
+bit, and graph-replay times (bench/timing.py, over `cold_copies` distinct input copies) of the kernel and of the
+reference op. `ok` for the sampled rows allows the documented inverse-CDF boundary case (kernels/sample.py): it
+requires every token to have positive mass and the accept lengths to be equal.
+    python3 bench/kernel_router.py            # JSON lines
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import cold_copies, graph_time_us, nbytes  # noqa: E402
+
+E, TOP_K, N_GROUP, TOPK_GROUP, SCALE, BLOCK_M = 128, 8, 8, 4, 2.5, 16
+V, K = 157184, 6
+
+
+def _time(fn: Callable, copies: list) -> float | None:
+    """Median graph-replay time of fn over the input copies, or None if it cannot be captured (host sync)."""
+    try:
+        return graph_time_us([lambda c=c: fn(*c) for c in copies])
+    except Exception as err:  # noqa: BLE001  (a reference op with a host read cannot be captured)
+        print(f"# not timed: {type(err).__name__}: {err}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
+def _row(kernel: str, shape: str, ok: bool, max_abs_err: float, bit_exact: bool, pdl_equal: bool,
+         time_us: float | None, ref_time_us: float | None, bytes_: int, **extra) -> dict:
+    gbps = bytes_ / (time_us * 1e3) if time_us else None
+    return {"kernel": kernel, "shape": shape, "ok": bool(ok and pdl_equal), "max_abs_err": float(max_abs_err),
+            "bit_exact": bool(bit_exact), "pdl_equal": bool(pdl_equal), "time_us": time_us,
+            "ref_time_us": ref_time_us, "bytes": int(bytes_), "gbps": gbps, **extra}
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _routing_diff(got: tuple, want: tuple) -> tuple[bool, float, bool]:
+    """(same id sets, max |weight diff| per id, weights bit-equal per id)."""
+    ids, order = got[1].long().sort(dim=-1)
+    ids_ref, order_ref = want[1].long().sort(dim=-1)
+    if not torch.equal(ids, ids_ref):
+        return False, float("inf"), False
+    w, w_ref = got[0].gather(1, order), want[0].gather(1, order_ref)
+    return True, (w - w_ref).abs().max().item(), torch.equal(w, w_ref)
+
+
+def _router_rows(dev: torch.device) -> list[dict]:
+    from lingc.kernels.moe_align import moe_align as moe_align_kernel
+    from lingc.kernels.router import router_align, router_align_ref, router_topk, router_topk_ref
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for N in (1, 6):
+        per_copy = N * E * 4 + E * 4
+        copies = [(torch.randn(N, E, device=dev, generator=g) * 2, 0.05 * torch.randn(E, device=dev, generator=g))
+                  for _ in range(cold_copies(per_copy))]
+        x, bias = copies[0]
+        args = (N_GROUP, TOPK_GROUP, TOP_K, SCALE)
+        # router_topk
+        got, want = router_topk(x, bias, *args), router_topk_ref(x, bias, *args)
+        same, err, exact = _routing_diff(got, want)
+        pdl_eq = _equal(got, router_topk(x, bias, *args, pdl=True))
+        t = _time(lambda a, b: router_topk(a, b, *args), copies)
+        t_pdl = _time(lambda a, b: router_topk(a, b, *args, pdl=True), copies)
+        t_ref = _time(lambda a, b: router_topk_ref(a, b, *args), copies)
+        rows.append(_row("router_topk", f"N={N} E={E} k={TOP_K} g={N_GROUP}/{TOPK_GROUP}", same and err < 1e-5,
+                         err, same and exact, pdl_eq, t, t_ref, per_copy + N * TOP_K * 8, pdl_time_us=t_pdl))
+        # router_align (fused for N*k <= 64)
+        got = router_align(x, bias, *args, E, BLOCK_M)
+        want = router_align_ref(x, bias, *args, E, BLOCK_M)
+        same, err, exact = _routing_diff(got[:2], want[:2])
+        align_exact = _equal(got[2:], torch.ops.lingc.moe_align(got[1], E, BLOCK_M)) and torch.equal(got[4], want[4])
+        pdl_eq = _equal(got, router_align(x, bias, *args, E, BLOCK_M, pdl=True))
+        t = _time(lambda a, b: router_align(a, b, *args, E, BLOCK_M), copies)
+        t_pdl = _time(lambda a, b: router_align(a, b, *args, E, BLOCK_M, pdl=True), copies)
+        t_ref = _time(lambda a, b: router_align_ref(a, b, *args, E, BLOCK_M), copies)
+        t_two = _time(lambda a, b: moe_align_kernel(router_topk(a, b, *args)[1], E, BLOCK_M), copies)
+        out_bytes = nbytes(*got)
+        rows.append(_row("router_align", f"N={N} E={E} k={TOP_K} g={N_GROUP}/{TOPK_GROUP} BM={BLOCK_M}",
+                         same and err < 1e-5 and align_exact, err, same and exact and align_exact, pdl_eq, t, t_ref,
+                         per_copy + out_bytes, pdl_time_us=t_pdl, unfused_kernels_time_us=t_two,
+                         align_exact=align_exact))
+    return rows
+
+
+def _sample_rows(dev: torch.device) -> list[dict]:
+    from lingc.kernels.sample import (chain_accept, chain_accept_ref, greedy_sample, greedy_sample_ref,
+                                      sample_tokens, sample_tokens_ref)
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(1)
+    for T in (1, 7):                                                          # greedy_sample
+        copies = [(torch.randn(1, T, V, device=dev, generator=g),) for _ in range(cold_copies(T * V * 4))]
+        (x,) = copies[0]
+        got, want = greedy_sample(x), greedy_sample_ref(x)
+        exact = torch.equal(got, want)
+        rows.append(_row("greedy_sample", f"B=1 T={T} V={V} fp32", exact, 0.0 if exact else float("inf"), exact,
+                         torch.equal(got, greedy_sample(x, pdl=True)),
+                         _time(greedy_sample, copies), _time(greedy_sample_ref, copies), T * V * 4 + T * 8,
+                         pdl_time_us=_time(lambda a: greedy_sample(a, pdl=True), copies)))
+    for temp in (0.0, 1.0):                                                   # chain_accept
+        def draw() -> tuple:
+            target_logits = 3 * torch.randn(1, K + 1, V, device=dev, generator=g)
+            temperature = torch.full((1,), temp, device=dev)
+            top_k, top_p = torch.zeros(1, dtype=torch.long, device=dev), torch.ones(1, device=dev)
+            target_probs = torch.ops.lingc.filtered_probs(target_logits, temperature, top_k, top_p)
+            draft_logits = target_logits[:, :K] + torch.randn(1, K, V, device=dev, generator=g)
+            draft_probs = torch.ops.lingc.filtered_probs(draft_logits, temperature, top_k, top_p)
+            draft_ids = target_logits[:, :K].argmax(-1) if temp <= 0 else draft_logits.argmax(-1)
+            draft_ids[:, 4:] = (draft_ids[:, 4:] + 1) % V                     # greedy: accept 4 of 6
+            u = torch.rand(1, K + 1, device=dev, generator=g)
+            return draft_ids, draft_probs, target_probs, target_logits, temperature, u
+        per_copy = 3 * (K + 1) * V * 4
+        copies = [draw() for _ in range(cold_copies(per_copy))]
+        got, want = chain_accept(*copies[0]), chain_accept_ref(*copies[0])
+        exact = _equal(got, want)
+        p_stop = copies[0][2][0, got[0].long() - 1].gather(-1, got[1][:, got[0].long() - 1].view(1, 1))
+        ok = exact or (torch.equal(got[0], want[0]) and bool((p_stop > 0).all()))
+        moved = (K + 1) * V * 4 if temp <= 0 else (2 * K + 1) * V * 4
+        rows.append(_row("chain_accept", f"B=1 K={K} V={V} temperature={temp}", ok, 0.0 if exact else float("inf"),
+                         exact, _equal(got, chain_accept(*copies[0], pdl=True)),
+                         _time(chain_accept, copies), _time(chain_accept_ref, copies), moved,
+                         pdl_time_us=_time(lambda *a: chain_accept(*a, pdl=True), copies),
+                         accept_len=int(got[0][0])))
+    for T in (1, 7):                                                          # sample_tokens
+        def draw_probs() -> tuple:
+            probs = torch.softmax(2 * torch.randn(1, T, V, device=dev, generator=g), dim=-1)
+            return probs, torch.rand(1, T, device=dev, generator=g)
+        copies = [draw_probs() for _ in range(cold_copies(T * V * 4))]
+        got, want = sample_tokens(*copies[0]), sample_tokens_ref(*copies[0])
+        exact = torch.equal(got, want)
+        positive = bool((copies[0][0].gather(-1, got.unsqueeze(-1)) > 0).all())
+        rows.append(_row("sample_tokens", f"B=1 T={T} V={V}", exact or positive, 0.0 if exact else float("inf"),
+                         exact, torch.equal(got, sample_tokens(*copies[0], pdl=True)),
+                         _time(sample_tokens, copies), _time(sample_tokens_ref, copies), T * V * 4,
+                         pdl_time_us=_time(lambda *a: sample_tokens(*a, pdl=True), copies)))
+    return rows
+
+
+def run(device: torch.device) -> list[dict]:
+    import lingc  # noqa: F401  (registers the reference ops)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return _router_rows(device) + _sample_rows(device)
+
+
+if __name__ == "__main__":
+    for row in run(torch.device("cuda")):
+        print(json.dumps(row))

@@ -1,0 +1,359 @@
+"""Token selection kernels: greedy argmax, speculative chain accept, inverse-CDF sampling; launchers and references.
+
+`greedy_sample(logits [B, T, V]) -> int64 [B, T]` matches `torch.ops.lingc.greedy_sample` (lingc/ops/sample.py):
+the argmax over V, lowest id on ties, and (as torch) a NaN counts as the maximum, so the first NaN wins. V
+(157184) is split into chunks of CHUNK ids over a grid (rows, chunks): stage 1 writes each chunk's (max, id)
+partial, stage 2 (one program per row) merges the row's partials. Everything is an exact compare, so the result
+is bit-for-bit the reference's and independent of CHUNK and of the other rows.
+
+`chain_accept(draft_ids, draft_probs, target_probs, target_logits, temperature, u)` matches
+`torch.ops.lingc.chain_accept` (lingc/ops/spec.py). Two launches:
+    stage 1, grid (B*(K+1), chunks): greedy rows (temperature <= 0) write argmax partials of target_logits;
+        sampled rows write, for every position i, the chunk sums of the residual max(0, p_t - p_d) (p_d = 0 at
+        i = K) and of p_t (the fallback when the residual is all zero), since the stop position is not yet known
+    stage 2, grid (B,): greedy rows merge the partials into the K+1 target argmaxes and accept while
+        draft == argmax; sampled rows accept while u_i * max(p_d, 1e-20) < p_t (the reference's fp32 ops, so the
+        same bits), then draw the stop token from the residual (or p_t) at the stop position by inverse CDF
+        with u_K; accept_len and all K+1 tokens are written.
+`sample_tokens(probs [B, T, V], u [B, T])` matches `torch.ops.lingc.sample_tokens` with the same inverse CDF
+(stage 1: chunk sums of probs; stage 2: one program per row picks the token).
+
+Inverse CDF: the token is the first id whose running sum exceeds u * total. The kernel sums in fp32 in its own
+order (chunk sums, then an in-chunk scan) where torch's cumsum uses another (CPU: a double accumulator), so
+the drawn token can differ from the reference's only when u * total lies within a few fp32 ulps of a CDF
+boundary (probability ~1e-7 per draw). The drawn token always has positive mass (a chunk is picked only if
+its sum is positive, an id only where the scan steps up); u * total >= total gives V - 1 as the reference.
+Greedy rows and every accept decision are exact.
+
+Bytes: greedy reads B*T*V logits (4 B) once; chain_accept greedy reads (K+1)*V logits, sampled rows read
+(2K+1)*V probabilities in stage 1 and 2*CHUNK in stage 2; partials are 12 B per chunk.
+
+PDL placement (shared/docs/kernels.md section 1.5): nothing these kernels read is a weight, so with the
+constexpr PDL on every kernel calls `gdc_wait()` before its first load and `gdc_launch_dependents()` after its
+last load of data an earlier kernel wrote. With PDL off no GDC call is emitted.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lingc.kernels.pdl import pdl_supported
+import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
+
+# Tunables (read at call time). CHUNK is the ids per stage-1 program; no result depends on it (argmax is exact;
+# the sampled path's fp32 sums do depend on it, but never on the number of rows).
+CHUNK = 2048
+NUM_WARPS = 4
+MAX_CHUNKS = 8192
+_NO_ID = 1 << 30                 # id of padding lanes, above every vocabulary id
+
+
+@triton.jit
+def _argmax_chunk(x_row_ptr, cols, V, NO_ID: tl.constexpr):
+    """(max, first id of the max) of x[cols] (a NaN wins as the maximum, first NaN first)."""
+    m = cols < V
+    x = tl.load(x_row_ptr + cols, mask=m, other=float("-inf")).to(tl.float32)
+    ids = tl.where(m, cols, NO_ID)
+    return _argmax_merge(x, ids, NO_ID)
+
+
+@triton.jit
+def _argmax_merge(vals, ids, NO_ID: tl.constexpr):
+    """(max, its lowest id) over candidates (vals, ids); NaN candidates beat all, the lowest id among them."""
+    nan = vals != vals
+    nan_id = tl.min(tl.where(nan, ids, NO_ID), axis=0)
+    best = tl.max(tl.where(nan, float("-inf"), vals), axis=0)
+    best_id = tl.min(tl.where(vals == best, ids, NO_ID), axis=0)
+    has_nan = nan_id < NO_ID
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, nan_id, best_id)
+
+
+@triton.jit
+def _greedy_partials_kernel(x_ptr, val_ptr, id_ptr, T, stride_b, stride_t, V, n_chunks,
+                            CHUNK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    x_row_ptr = x_ptr + (row // T).to(tl.int64) * stride_b + (row % T).to(tl.int64) * stride_t
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    val, idx = _argmax_chunk(x_row_ptr, c * CHUNK + tl.arange(0, CHUNK), V, NO_ID)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(val_ptr + row * n_chunks + c, val)
+    tl.store(id_ptr + row * n_chunks + c, idx)
+
+
+@triton.jit
+def _greedy_final_kernel(val_ptr, id_ptr, out_ptr, n_chunks, C_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
+                         PDL: tl.constexpr):
+    row = tl.program_id(0)
+    cc = tl.arange(0, C_BLOCK)
+    cm = cc < n_chunks
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    vals = tl.load(val_ptr + row * n_chunks + cc, mask=cm, other=float("-inf"))
+    ids = tl.load(id_ptr + row * n_chunks + cc, mask=cm, other=NO_ID)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _, idx = _argmax_merge(vals, ids, NO_ID)
+    tl.store(out_ptr + row, idx.to(tl.int64))
+
+
+@triton.jit
+def _chunk_mass(p_row_ptr, q_row_ptr, cols, V, has_q, residual):
+    """The sampled masses of ids `cols`: max(0, p - q) if residual (q = 0 unless has_q), else p; 0 past V."""
+    m = cols < V
+    p = tl.load(p_row_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    q = tl.load(q_row_ptr + cols, mask=m & has_q, other=0.0).to(tl.float32)
+    return tl.where(residual, tl.maximum(p - q, 0.0), p)
+
+
+@triton.jit
+def _inverse_cdf(sums, cc, n_chunks, u, p_row_ptr, q_row_ptr, V, has_q, residual,
+                 CHUNK: tl.constexpr, NO_ID: tl.constexpr):
+    """The id whose CDF interval holds u * total, from chunk sums [C_BLOCK] (0 past n_chunks) and one chunk."""
+    incl = tl.cumsum(sums, axis=0)                                              # non-decreasing
+    target = u * tl.max(incl, axis=0)
+    chunk = tl.sum(((incl <= target) & (cc < n_chunks)).to(tl.int32), axis=0)   # first chunk ending above target
+    base = tl.max(tl.where(cc < chunk, incl, 0.0), axis=0)                      # mass before that chunk
+    past = chunk >= n_chunks                                                    # u * total rounded up to total
+    chunk = tl.minimum(chunk, n_chunks - 1)
+    j = tl.arange(0, CHUNK)
+    mass = _chunk_mass(p_row_ptr, q_row_ptr, chunk * CHUNK + j, V, has_q, residual)
+    above = base + tl.cumsum(mass, axis=0) > target
+    first = tl.min(tl.where(above, j, NO_ID), axis=0)
+    last_pos = tl.max(tl.where(mass > 0, j, -1), axis=0)                       # if the in-chunk scan fell short
+    pick = chunk * CHUNK + tl.where(first < NO_ID, first, last_pos)
+    return tl.where(past, V - 1, pick)
+
+
+@triton.jit
+def _chain_partials_kernel(logits_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, val_ptr, id_ptr, sum_ptr, V, n_chunks,
+                           K: tl.constexpr, CHUNK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)                       # b * (K+1) + i
+    c = tl.program_id(1)
+    b = row // (K + 1)
+    i = row % (K + 1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    temp = tl.load(temp_ptr + b).to(tl.float32)
+    if temp <= 0:
+        val, idx = _argmax_chunk(logits_ptr + row.to(tl.int64) * V, cols, V, NO_ID)
+        tl.store(val_ptr + row * n_chunks + c, val)
+        tl.store(id_ptr + row * n_chunks + c, idx)
+    else:
+        t_row = tprobs_ptr + row.to(tl.int64) * V
+        d_row = dprobs_ptr + (b * K + tl.minimum(i, K - 1)).to(tl.int64) * V
+        res = _chunk_mass(t_row, d_row, cols, V, i < K, True)
+        pt = _chunk_mass(t_row, d_row, cols, V, False, False)
+        tl.store(val_ptr + row * n_chunks + c, tl.sum(res, axis=0))
+        tl.store(sum_ptr + row * n_chunks + c, tl.sum(pt, axis=0))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _chain_final_kernel(draft_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, u_ptr, val_ptr, id_ptr, sum_ptr,
+                        len_ptr, tok_ptr, V, n_chunks, K: tl.constexpr, KP1_BLOCK: tl.constexpr,
+                        C_BLOCK: tl.constexpr, CHUNK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    cc = tl.arange(0, C_BLOCK)
+    cm = cc < n_chunks
+    kk = tl.arange(0, KP1_BLOCK)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    temp = tl.load(temp_ptr + b).to(tl.float32)
+    drafts = tl.load(draft_ptr + b * K + kk, mask=kk < K, other=0).to(tl.int64)   # [KP1_BLOCK]
+    run = b * 0 + 1                                                              # int32 scalars
+    accepted = b * 0
+    if temp <= 0:
+        # greedy: accept while the draft equals the target's argmax; the stop token is the argmax there
+        argmaxes = tl.zeros([KP1_BLOCK], dtype=tl.int64)
+        for i in tl.static_range(K + 1):
+            row = b * (K + 1) + i
+            vals = tl.load(val_ptr + row * n_chunks + cc, mask=cm, other=float("-inf"))
+            ids = tl.load(id_ptr + row * n_chunks + cc, mask=cm, other=NO_ID)
+            _, am = _argmax_merge(vals, ids, NO_ID)
+            argmaxes = tl.where(kk == i, am.to(tl.int64), argmaxes)
+            if i < K:
+                d = tl.load(draft_ptr + b * K + i).to(tl.int64)
+                run = run & (d == am).to(tl.int32)
+                accepted = accepted + run
+        stop = tl.sum(tl.where(kk == accepted, argmaxes, 0), axis=0)
+    else:
+        # sampled: accept while u_i * max(p_d, 1e-20) < p_t at the draft id (the reference's fp32 ops)
+        for i in tl.static_range(K):
+            d = tl.load(draft_ptr + b * K + i).to(tl.int64)
+            p_t = tl.load(tprobs_ptr + (b * (K + 1) + i).to(tl.int64) * V + d).to(tl.float32)
+            p_d = tl.maximum(tl.load(dprobs_ptr + (b * K + i).to(tl.int64) * V + d).to(tl.float32), 1e-20)
+            u_i = tl.load(u_ptr + b * (K + 1) + i).to(tl.float32)
+            run = run & (u_i * p_d < p_t).to(tl.int32)
+            accepted = accepted + run
+        # stop token: inverse CDF with u_K over the residual at the stop position (p_t if the residual is 0)
+        row = b * (K + 1) + accepted
+        res_sums = tl.load(val_ptr + row * n_chunks + cc, mask=cm, other=0.0)
+        pt_sums = tl.load(sum_ptr + row * n_chunks + cc, mask=cm, other=0.0)
+        residual = tl.max(res_sums, axis=0) > 0
+        u_k = tl.load(u_ptr + b * (K + 1) + K).to(tl.float32)
+        stop = _inverse_cdf(tl.where(residual, res_sums, pt_sums), cc, n_chunks, u_k,
+                            tprobs_ptr + row.to(tl.int64) * V,
+                            dprobs_ptr + (b * K + tl.minimum(accepted, K - 1)).to(tl.int64) * V,
+                            V, accepted < K, residual, CHUNK, NO_ID).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(len_ptr + b, (accepted + 1).to(tl.int32))
+    tokens = tl.where(kk == accepted, stop, drafts)                              # position K: 0 unless the stop
+    tl.store(tok_ptr + b * (K + 1) + kk, tokens, mask=kk < K + 1)
+
+
+@triton.jit
+def _chunk_sums_kernel(p_ptr, sum_ptr, T, stride_b, stride_t, V, n_chunks, CHUNK: tl.constexpr,
+                       PDL: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    p_row_ptr = p_ptr + (row // T).to(tl.int64) * stride_b + (row % T).to(tl.int64) * stride_t
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    mass = _chunk_mass(p_row_ptr, p_row_ptr, c * CHUNK + tl.arange(0, CHUNK), V, False, False)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(sum_ptr + row * n_chunks + c, tl.sum(mass, axis=0))
+
+
+@triton.jit
+def _sample_final_kernel(p_ptr, u_ptr, sum_ptr, out_ptr, T, stride_b, stride_t, stride_ub, stride_ut, V, n_chunks,
+                         C_BLOCK: tl.constexpr, CHUNK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    cc = tl.arange(0, C_BLOCK)
+    p_row_ptr = p_ptr + (row // T).to(tl.int64) * stride_b + (row % T).to(tl.int64) * stride_t
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    sums = tl.load(sum_ptr + row * n_chunks + cc, mask=cc < n_chunks, other=0.0)
+    u = tl.load(u_ptr + (row // T) * stride_ub + (row % T) * stride_ut).to(tl.float32)
+    token = _inverse_cdf(sums, cc, n_chunks, u, p_row_ptr, p_row_ptr, V, False, False, CHUNK, NO_ID)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def _chunks(V: int) -> tuple[int, int]:
+    """(number of chunks, its power-of-two block) for a vocabulary of V ids."""
+    n_chunks = triton.cdiv(V, CHUNK)
+    if n_chunks > MAX_CHUNKS:
+        raise ValueError(f"sample: vocabulary {V} needs {n_chunks} chunks of {CHUNK}, more than {MAX_CHUNKS}")
+    return n_chunks, triton.next_power_of_2(n_chunks)
+
+
+def _bt_v(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x as a float [B, T, V] tensor with unit last stride (copying only if needed)."""
+    if x.dim() != 3 or not x.dtype.is_floating_point or x.shape[-1] == 0:
+        raise ValueError(f"sample: {name} must be a float [B, T, V] tensor with V > 0, got {list(x.shape)} {x.dtype}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(pdl: bool, device: torch.device) -> tuple[bool, dict]:
+    pdl = pdl and pdl_supported(device)
+    return pdl, ({"launch_pdl": True} if pdl else {})
+
+
+def greedy_sample(logits: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """argmax over V of logits [B, T, V] -> int64 [B, T] (lowest id on ties, first NaN wins), two launches."""
+    logits = _bt_v(logits, "logits")
+    B, T, V = logits.shape
+    out = torch.empty((B, T), dtype=torch.int64, device=logits.device)
+    rows = B * T
+    if rows == 0:
+        return out
+    n_chunks, c_block = _chunks(V)
+    vals = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
+    pdl, launch = _launch(pdl, logits.device)
+    _greedy_partials_kernel[(rows, n_chunks)](logits, vals, ids, T, logits.stride(0), logits.stride(1), V, n_chunks,
+                                              CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, num_warps=NUM_WARPS, **launch)
+    _greedy_final_kernel[(rows,)](vals, ids, out, n_chunks, C_BLOCK=c_block, NO_ID=_NO_ID, PDL=pdl,
+                                  num_warps=NUM_WARPS, **launch)
+    return out
+
+
+def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                 target_logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, *, pdl: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accept_len int32 [B], tokens int64 [B, K+1]) as torch.ops.lingc.chain_accept, two launches."""
+    if draft_ids.dim() != 2 or draft_ids.dtype.is_floating_point or draft_ids.dtype == torch.bool:
+        raise ValueError(f"chain_accept: draft_ids must be an integer [B, K] tensor, got {list(draft_ids.shape)} "
+                         f"{draft_ids.dtype}")
+    B, K = draft_ids.shape
+    V = target_logits.shape[-1]
+    want = {"draft_probs": (draft_probs, (B, K, V)), "target_probs": (target_probs, (B, K + 1, V)),
+            "target_logits": (target_logits, (B, K + 1, V)), "temperature": (temperature, (B,)),
+            "u": (u, (B, K + 1))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape or not t.dtype.is_floating_point:
+            raise ValueError(f"chain_accept: {name} must be a float {list(shape)} tensor, "
+                             f"got {list(t.shape)} {t.dtype}")
+    if K < 1 or V < 1:
+        raise ValueError(f"chain_accept: want K >= 1 draft tokens and V >= 1, got K={K}, V={V}")
+    dev = draft_ids.device
+    accept_len = torch.empty((B,), dtype=torch.int32, device=dev)
+    tokens = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
+    if B == 0:
+        return accept_len, tokens
+    draft_ids, draft_probs, target_probs, target_logits, temperature, u = (
+        t.contiguous() for t in (draft_ids, draft_probs, target_probs, target_logits, temperature, u))
+    n_chunks, c_block = _chunks(V)
+    vals = torch.empty((B * (K + 1), n_chunks), dtype=torch.float32, device=dev)
+    ids = torch.empty((B * (K + 1), n_chunks), dtype=torch.int32, device=dev)
+    sums = torch.empty((B * (K + 1), n_chunks), dtype=torch.float32, device=dev)
+    pdl, launch = _launch(pdl, dev)
+    _chain_partials_kernel[(B * (K + 1), n_chunks)](
+        target_logits, target_probs, draft_probs, temperature, vals, ids, sums, V, n_chunks,
+        K=K, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, num_warps=NUM_WARPS, **launch)
+    _chain_final_kernel[(B,)](
+        draft_ids, target_probs, draft_probs, temperature, u, vals, ids, sums, accept_len, tokens, V, n_chunks,
+        K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl,
+        num_warps=NUM_WARPS, **launch)
+    return accept_len, tokens
+
+
+def sample_tokens(probs: torch.Tensor, u: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """One token per position from probs [B, T, V] with uniforms u [B, T] (inverse CDF) -> int64 [B, T]."""
+    probs = _bt_v(probs, "probs")
+    B, T, V = probs.shape
+    if tuple(u.shape) != (B, T) or not u.dtype.is_floating_point:
+        raise ValueError(f"sample_tokens: u must be a float [{B}, {T}] tensor, got {list(u.shape)} {u.dtype}")
+    out = torch.empty((B, T), dtype=torch.int64, device=probs.device)
+    rows = B * T
+    if rows == 0:
+        return out
+    n_chunks, c_block = _chunks(V)
+    sums = torch.empty((rows, n_chunks), dtype=torch.float32, device=probs.device)
+    pdl, launch = _launch(pdl, probs.device)
+    _chunk_sums_kernel[(rows, n_chunks)](probs, sums, T, probs.stride(0), probs.stride(1), V, n_chunks,
+                                         CHUNK=CHUNK, PDL=pdl, num_warps=NUM_WARPS, **launch)
+    _sample_final_kernel[(rows,)](probs, u, sums, out, T, probs.stride(0), probs.stride(1), u.stride(0), u.stride(1),
+                                  V, n_chunks, C_BLOCK=c_block, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl,
+                                  num_warps=NUM_WARPS, **launch)
+    return out
+
+
+def greedy_sample_ref(logits: torch.Tensor) -> torch.Tensor:
+    """lingc's reference argmax."""
+    return torch.ops.lingc.greedy_sample(logits)
+
+
+def chain_accept_ref(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     target_logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """lingc's reference chain accept."""
+    return torch.ops.lingc.chain_accept(draft_ids, draft_probs, target_probs, target_logits, temperature, u)
+
+
+def sample_tokens_ref(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """lingc's reference inverse-CDF sampler."""
+    return torch.ops.lingc.sample_tokens(probs, u)
+
+
+LOWERINGS = {"greedy_sample": greedy_sample, "chain_accept": chain_accept, "sample_tokens": sample_tokens}
