@@ -20,18 +20,20 @@ padded_i / BM blocks of each representative, and total. Every pair's expert owns
 blocks, so the blocks in use fit in NP_BLOCK and one [NP_BLOCK, NP_BLOCK] masked store writes them all.
 The padding lanes carry id E, larger than every real id, so they never enter a real offset, and are masked off.
 
-The launcher pre-fills sorted_pairs with NP and block_expert with -1, so the cells the kernel does not write
-(padding inside an expert's last block, the tail past the total) hold the sentinels the reference has. Those
-two fills are separate torch launches ahead of the kernel (so in a PDL chain the kernel's predecessor is the
-fill, not the router).
+The kernel writes every output element itself, so no torch op sits between it and the router in a PDL
+chain: it first fills all of sorted_pairs with NP and all of block_expert with -1 (FILL_BLOCK cells per
+step), then a CTA barrier (`tl.debug_barrier`, bar.sync: the fills of every warp are visible before any
+later store), then scatters the pairs and the blocks' experts over the fills and stores the total.
 
 Registers grow as NP^2 (techniques.md: about 4 us at NP = 64 on the GPU, spilling badly by NP = 256), so the
 single program is used for numel <= MAX_PAIRS only; larger inputs go to the reference op. A generic
 multi-kernel version (count / scan / scatter) for numel > MAX_PAIRS is future work.
 
-PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, `gdc_wait()` precedes the load
-of the expert ids (written by the router kernel) and `gdc_launch_dependents()` follows the last store. With
-PDL off no GDC call is emitted at all: the Triton interpreter cannot run them (kernels.md section 1.2).
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, `gdc_wait()` is the first
+statement (the expert ids come from the router kernel, and even the sentinel fills must not start while an
+earlier kernel may still use the memory), and `gdc_launch_dependents()` follows the load of the expert ids,
+the last dependent load. With PDL off no GDC call is emitted at all: the Triton interpreter cannot run them
+(kernels.md section 1.2).
 """
 
 from __future__ import annotations
@@ -47,17 +49,27 @@ from lingc.ops.moe import align_sizes
 # Tunables. The single program holds [NP_BLOCK, NP_BLOCK] int32 tiles, so it is gated on the pair count.
 MAX_PAIRS = 64          # numel above this goes to the reference op (dispatch gate of techniques.md section 6)
 MIN_NP_BLOCK = 16       # smallest pair block (tl.arange wants a power of two; keeps tiny tiles warp-sized)
+FILL_BLOCK = 1024       # sentinel cells written per step (E=128, BM=16: 2 steps for sorted_pairs)
 NUM_WARPS = 4
 
 
 @triton.jit
-def _moe_align_pairs_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM,
-                            NP_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    offs = tl.arange(0, NP_BLOCK)
-    valid = offs < NP
+def _moe_align_pairs_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM, MAX_PADDED, BLOCKS,
+                            NP_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
+    offs = tl.arange(0, NP_BLOCK)
+    valid = offs < NP
     e = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)        # [NP_BLOCK], padding lanes = E
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    # sentinels everywhere first (padding inside each expert's last block, the tail past the total)
+    fill = tl.arange(0, FILL)
+    for start in range(0, MAX_PADDED, FILL):
+        tl.store(sorted_ptr + start + fill, tl.full((FILL,), 0, tl.int32) + NP, mask=start + fill < MAX_PADDED)
+    for start in range(0, BLOCKS, FILL):
+        tl.store(block_expert_ptr + start + fill, tl.full((FILL,), -1, tl.int32), mask=start + fill < BLOCKS)
+    tl.debug_barrier()  # every warp's fills land before the scatters below overwrite some of them
     e_i = e[:, None]                                                     # [NP_BLOCK, 1] row pair i
     e_j = e[None, :]                                                     # [1, NP_BLOCK] column pair j
     valid_j = valid[None, :]
@@ -76,9 +88,11 @@ def _moe_align_pairs_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP
     own = rep[:, None] & (b < (padded // BM)[:, None])                   # [NP_BLOCK, NP_BLOCK]
     tl.store(block_expert_ptr + (offset // BM)[:, None] + b, e_i + 0 * b, mask=own)
     tl.store(total_ptr, total)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
+
+def _new_int32(n: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised int32 output (the kernel writes every element; tests poison it here)."""
+    return torch.empty((n,), dtype=torch.int32, device=device)
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False,
@@ -97,14 +111,15 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int, pdl: boo
         return moe_align_ref(expert_ids, num_experts, block_m)
     flat = expert_ids.reshape(-1).contiguous()  # [NP]
     max_padded, blocks = align_sizes(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
-    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=flat.device)
-    total = torch.empty((1,), dtype=torch.int32, device=flat.device)
+    sorted_pairs = _new_int32(max_padded, flat.device)
+    block_expert = _new_int32(blocks, flat.device)
+    total = _new_int32(1, flat.device)
     pdl = pdl and pdl_supported(flat.device)
     launch = {"launch_pdl": True} if pdl else {}
     np_block = max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs))
     _moe_align_pairs_kernel[(1,)](flat, sorted_pairs, block_expert, total, num_pairs, num_experts, block_m,
-                                  NP_BLOCK=np_block, PDL=pdl, num_warps=NUM_WARPS, **launch)
+                                  max_padded, blocks, NP_BLOCK=np_block, FILL=FILL_BLOCK, PDL=pdl,
+                                  num_warps=NUM_WARPS, **launch)
     return sorted_pairs, block_expert, total
 
 
@@ -112,3 +127,6 @@ def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lingc's reference moe_align."""
     return torch.ops.lingc.moe_align(expert_ids, num_experts, block_m)
+
+
+LOWERINGS = {"moe_align": moe_align}

@@ -1,16 +1,31 @@
-"""lingc.kernels.moe_align in the Triton interpreter against torch.ops.lingc.moe_align, at decode-sized pair counts."""
+"""lingc.kernels.moe_align in the Triton interpreter against torch.ops.lingc.moe_align, at decode-sized pair counts.
+
+Every output buffer the launcher allocates is poisoned first (autouse fixture), so each comparison also checks
+that the kernel itself wrote every element: sentinels inside padded blocks, the -1 / NP tails and the total.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lingc.kernels.moe_align import MAX_PAIRS, moe_align, moe_align_ref
+import lingc.kernels.moe_align as moe_align_module
+from lingc.kernels.moe_align import FILL_BLOCK, LOWERINGS, MAX_PAIRS, moe_align, moe_align_ref
 
 # [N, k] with N*k in {1, 4, 9, 24, 54, 64}: a draft step (1 x 9), a verify chain (6 x 9), the gate (8 x 8)
 SHAPES = [(1, 1), (1, 4), (1, 9), (3, 8), (6, 9), (8, 8)]
 EXPERTS = [16, 128]
 BLOCKS = [4, 16]
+
+
+POISON = -0x2152411  # an int32 no output cell can legitimately hold
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's output buffers start as POISON instead of whatever torch.empty returns."""
+    monkeypatch.setattr(moe_align_module, "_new_int32",
+                        lambda n, device: torch.full((n,), POISON, dtype=torch.int32, device=device))
 
 
 def _ids(n: int, k: int, num_experts: int, distinct: int | None, seed: int) -> torch.Tensor:
@@ -84,6 +99,20 @@ def test_docstring_worked_example() -> None:
     assert block_expert.tolist() == [1, 2, 3, 4, -1, -1, -1]
     assert total.tolist() == [16]
     _check(ids, 5, 4)
+
+
+@pytest.mark.parametrize("num_experts,block_m", [(513, 16), (129, 16), (8, 128)])
+def test_every_element_written_with_multi_step_fills(num_experts: int, block_m: int) -> None:
+    """Outputs longer than one fill step (513 experts: 7749 cells, 485 blocks; BM=128: 128 cells per expert)."""
+    ids = _ids(6, 9, num_experts, None, seed=num_experts + block_m)
+    got = moe_align(ids, num_experts, block_m)
+    assert got[0].numel() > FILL_BLOCK or got[1].numel() * block_m > FILL_BLOCK
+    assert all(not (t == POISON).any() for t in got), "an output cell was left unwritten"
+    _check(ids, num_experts, block_m)
+
+
+def test_lowerings_export_the_launcher() -> None:
+    assert LOWERINGS == {"moe_align": moe_align}
 
 
 def test_int64_ids() -> None:

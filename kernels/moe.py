@@ -1,0 +1,403 @@
+"""Fused-MoE Triton kernels: grouped up/down GEMMs over moe_align's blocks, SwiGLU, and the weighted combine.
+
+Jobs (reference ops in lingc/ops/moe.py; letters N tokens, k experts per token, NP = N*k pairs, h hidden,
+I expert width, E experts, BM = block_m):
+    moe_up        x [N, h] @ w13[e].T for every pair -> [NP, 2I]               (grouped GEMM, plain epilogue)
+    moe_up_act    the same on gate/up-interleaved w13, SwiGLU in the epilogue -> [NP, I]
+    silu_and_mul  SwiGLU of [gate | up] halves: [..., 2I] -> [..., I]
+    moe_down      act [NP, I] @ w2[e].T for every pair -> [NP, h]               (grouped GEMM, unweighted)
+    moe_combine   sum_j w[n, j] * expert_out[n*k + j] in fp32, cast, + shared_out -> [N, h]
+
+Grouped GEMM: one program per (N-tile, block of BM sorted rows). It reads `total` and exits at once when its
+block starts at or past it, else reads the block's expert from block_expert and its BM pair indices from
+sorted_pairs, masks the sentinel rows (pair >= NP), loads A rows `pair // top_k` (x for the up-GEMM, top_k = 1
+for the down-GEMM reading act rows), streams the expert's [BLOCK_N, K] weight tile once in BLOCK_K steps
+through `tl.dot` on a TILE_M = max(16, BM) row tile (16 is the tensor cores' minimum M), and stores only the
+valid pair rows. The grid has min(blocks, NP) block rows (no more can be in use: an expert with c pairs owns
+ceil(c / BM) <= c blocks), so at decode (8 pairs on 8 experts) every program does work.
+
+Numerics:
+  * GEMMs accumulate in fp32 and round once to the activation dtype. BLOCK_K, the row tile and the dot
+    instruction are fixed (never chosen from NP), and each output element is its own row-by-column dot, so
+    a pair row's bits do not depend on its position in a block, on the other pairs, or on NP (decode == verify).
+    Against the reference (F.linear / bmm per pair) the summation order differs: tolerance, not bits.
+    bf16/fp16 GEMMs use the tensor cores (mma with fp32 accumulation); fp32 inputs, and every dtype under the
+    interpreter (its tl.dot cannot multiply bf16, which it stores as uint16), run an IEEE fp32 dot instead.
+  * SwiGLU as `swiglu` in lingc/ops/moe.py: gate and up (already rounded to the activation dtype, exactly as
+    moe_up stores them) widened to fp32, silu = g / (1 + exp(-g)) with an IEEE division, clamped when
+    limit > 0 (min(silu, L) * clamp(u, -L, L)), one rounding of the product. The fused epilogue rounds the
+    fp32 accumulators to the activation dtype first, so moe_up_act == silu_and_mul(moe_up) bit for bit.
+    On CUDA, exp is libdevice's __nv_expf without FTZ and division is div.rn, which is what torch's CUDA silu
+    compiles to (expf / IEEE division), so silu_and_mul is meant to be bit-exact vs the reference there;
+    the interpreter (no libdevice) uses tl.exp, so on CPU it is within tolerance.
+  * moe_combine: products w * float(e) rounded in fp32 (kernels launch with fp fusion off: no FMA
+    contraction), summed over j in a fixed order, cast, then + shared_out in fp32 rounded once (torch's
+    low-precision add). The order is `COMBINE_ORDER[device type]`: torch's CPU sum over the k axis is
+    sequential (for h a multiple of its vector chunk), torch's CUDA reduction keeps 4 accumulators
+    (acc[j % 4] += p_j, then ((acc0 + acc1) + acc2) + acc3); matching the device's order makes the kernel
+    bit-exact vs the reference formula. Either order is row invariant.
+
+Bytes moved at decode (bf16, Ling-3.0-tiny h=1536, I=512, 8 distinct experts): moe_up / moe_up_act read
+8 x 2I x h x 2 B = 25.2 MB of w13 (+ x, out: KB); moe_down reads 8 x h x I x 2 B = 12.6 MB of w2; silu_and_mul
+and moe_combine move KB. In general: distinct experts x expert bytes (+ activations).
+
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, `gdc_wait()` comes first in
+every kernel, since even the GEMMs' weight tiles depend on block_expert, written by moe_align (no weight
+prefetch is possible), and all stores follow it. `gdc_launch_dependents()` follows the last load of data an
+earlier kernel wrote (the K loop's A rows, the SwiGLU inputs, the combine inputs). With PDL off no GDC call
+is emitted (the interpreter cannot run them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lingc.kernels.pdl import pdl_supported
+import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
+from lingc.ops.moe import align_sizes
+
+
+class GemmConfig(NamedTuple):
+    """Tiling of a grouped GEMM. block_k changes the summation order: fixed per model, never chosen from NP."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Tunables. Decode has 8 active blocks, so the N-tiles must supply the CTAs: the up-GEMM (N = 2I = 1024)
+# gets 8 x 32 = 256 programs, the down-GEMM (N = h = 1536) 8 x 48 = 384, each streaming a 32-row weight
+# tile over K in 256-byte rows with 3 tiles in flight (num_stages 4).
+UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
+DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)   # moe_down
+MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
+ACT_BLOCK = 1024             # silu_and_mul: output columns per program (I = 512: one program per row)
+ACT_NUM_WARPS = 4
+COMBINE_BLOCK_H = 512        # moe_combine: hidden columns per program
+COMBINE_NUM_WARPS = 4
+SEQUENTIAL, INTERLEAVE4 = 0, 1   # moe_combine summation orders over k (see the module docstring)
+COMBINE_ORDER = {"cpu": SEQUENTIAL, "cuda": INTERLEAVE4}
+# no FMA contraction (products and sums round separately, as torch's kernels do); libdevice exp without FTZ
+FP_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+@triton.jit
+def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """silu(gate) * up in fp32 (clamped when HAS_LIMIT), unrounded; gate and up in any float dtype."""
+    g = gate.to(tl.float32)
+    u = up.to(tl.float32)
+    if LIBDEVICE_EXP:
+        e = tl.extra.cuda.libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    act = tl.math.div_rn(g, 1.0 + e)
+    if HAS_LIMIT:
+        act = tl.minimum(act, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
+    return act * u
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                     num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
+                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
+                     LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    total = tl.load(total_ptr)
+    if pid_m * BLOCK_M >= total:
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = tl.arange(0, TILE_M)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs)  # [TILE_M]
+    valid = pairs < num_pairs
+    rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]                                    # [TILE_M, BK]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy="evict_first")
+        else:
+            k_ok = k0 + offs_k < K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if IEEE_DOT:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    h = acc.to(out_ptr.dtype.element_ty)  # the one rounding moe_up stores; the fused epilogue starts from it
+    out_rows = out_ptr + pairs.to(tl.int64)[:, None] * stride_om
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(h, (TILE_M, BLOCK_N // 2, 2)))  # interleaved: even columns gate, odd up
+        act = _swiglu(gate, up, limit, HAS_LIMIT, LIBDEVICE_EXP).to(out_ptr.dtype.element_ty)
+        offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_rows + offs_o[None, :], act, mask=valid[:, None] & (offs_o < N // 2)[None, :])
+    else:
+        tl.store(out_rows + offs_n[None, :], h, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _silu_and_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, inter, limit,
+                         BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                         PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    up = tl.load(h_ptr + row * stride_h + inter + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    act = _swiglu(gate, up, limit, HAS_LIMIT, LIBDEVICE_EXP).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, act, mask=mask)
+
+
+@triton.jit
+def _moe_combine_kernel(e_ptr, w_ptr, s_ptr, out_ptr, H, stride_e, stride_w, stride_s, stride_o,
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr, PDL: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc0 = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(w_ptr + n * stride_w + j).to(tl.float32)
+        e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=mask, other=0.0).to(tl.float32)
+        p = e * w
+        if ORDER == 0:
+            acc0 = acc0 + p
+        else:  # accumulator j % 4 (torch's CUDA reduction with 4 accumulators per thread)
+            if j % 4 == 0:
+                acc0 = acc0 + p
+            elif j % 4 == 1:
+                acc1 = acc1 + p
+            elif j % 4 == 2:
+                acc2 = acc2 + p
+            else:
+                acc3 = acc3 + p
+    shared = tl.load(s_ptr + n * stride_s + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    routed = acc0
+    if ORDER == 1:
+        routed = ((acc0 + acc1) + acc2) + acc3
+    out_ty = out_ptr.dtype.element_ty
+    out = (routed.to(out_ty).to(tl.float32) + shared.to(tl.float32)).to(out_ty)
+    tl.store(out_ptr + n * stride_o + cols, out, mask=mask)
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _float_dtype(t: torch.Tensor, op: str, name: str) -> None:
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def _check_align(op: str, sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
+                 num_pairs: int, num_experts: int, block_m: int) -> None:
+    """moe_align's outputs must be int32 vectors of the sizes align_sizes gives for these NP, E, BM."""
+    if block_m < 1:
+        raise ValueError(f"{op}: block_m must be >= 1, got {block_m}")
+    max_padded, blocks = align_sizes(num_pairs, num_experts, block_m)
+    for name, t, n in (("sorted_pairs", sorted_pairs, max_padded), ("block_expert", block_expert, blocks),
+                       ("total", total, 1)):
+        if t.dtype != torch.int32 or t.shape != (n,):
+            raise ValueError(f"{op}: {name} is {list(t.shape)} {t.dtype}, want [{n}] int32 "
+                             f"(moe_align of {num_pairs} pairs, {num_experts} experts, block_m {block_m})")
+
+
+def _out(op: str, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if out.shape != shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"{op}: out is {list(out.shape)} {out.dtype}, want contiguous {list(shape)} {like.dtype}")
+    return out
+
+
+def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
+                  block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
+                  swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig) -> torch.Tensor:
+    """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K]."""
+    _float_dtype(a, op, "activations")
+    if a.dim() != 2 or w.dim() != 3 or w.shape[2] != a.shape[1] or w.dtype != a.dtype:
+        raise ValueError(f"{op}: activations {list(a.shape)} {a.dtype} and weights {list(w.shape)} {w.dtype}: "
+                         "want [R, K] and [E, N, K] of one dtype")
+    num_experts, n, k = w.shape
+    if swiglu and n % 2:
+        raise ValueError(f"{op}: interleaved w13 has {n} rows, want an even number (gate/up pairs)")
+    if config.block_n % 2 or config.block_k < 16:
+        raise ValueError(f"{op}: bad tiling {config}")
+    num_pairs = a.shape[0] * top_k
+    _check_align(op, sorted_pairs, block_expert, total, num_pairs, num_experts, block_m)
+    out = _out(op, out, (num_pairs, n // 2 if swiglu else n), a)
+    if num_pairs == 0 or n == 0:
+        return out
+    if k == 0:
+        raise ValueError(f"{op}: empty reduction (K = 0)")
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if w.stride(2) != 1:
+        raise ValueError(f"{op}: weights must be contiguous along K (stride {w.stride()})")
+    pdl = pdl and pdl_supported(a.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    interpret = _interpreting()
+    grid = (triton.cdiv(n, config.block_n), min(block_expert.numel(), num_pairs))
+    _moe_gemm_kernel[grid](
+        a, w, out, sorted_pairs, block_expert, total,
+        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
+        TOP_K=top_k, BLOCK_M=block_m, TILE_M=max(MIN_TILE_M, triton.next_power_of_2(block_m)),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
+        SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
+        LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
+    return out
+
+
+def moe_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+           total: torch.Tensor, top_k: int, block_m: int, *, pdl: bool = False, out: torch.Tensor | None = None,
+           config: GemmConfig | None = None) -> torch.Tensor:
+    """Grouped up-GEMM: x [N, h], w13 [E, 2I, h] -> [NP, 2I] in x.dtype (pair p reads token p // top_k).
+
+    `config` overrides UP_CONFIG (benchmark sweeps; lingc never passes it); pdl is dropped where unsupported.
+    """
+    return _grouped_gemm("moe_up", x, w13, sorted_pairs, block_expert, total, top_k, block_m, 0.0,
+                         False, pdl, out, config or UP_CONFIG)
+
+
+def moe_up_act(x: torch.Tensor, w13_interleaved: torch.Tensor, sorted_pairs: torch.Tensor,
+               block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float, *,
+               pdl: bool = False, out: torch.Tensor | None = None, config: GemmConfig | None = None,
+               ) -> torch.Tensor:
+    """moe_up with the SwiGLU epilogue on gate/up-interleaved w13 (row 2j gate_j, 2j+1 up_j): [NP, I].
+
+    Bit-identical to silu_and_mul(moe_up(x, w13, ...), limit) on the non-interleaved w13.
+    """
+    return _grouped_gemm("moe_up_act", x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m,
+                         limit, True, pdl, out, config or UP_CONFIG)
+
+
+def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+             total: torch.Tensor, block_m: int, *, pdl: bool = False, out: torch.Tensor | None = None,
+             config: GemmConfig | None = None) -> torch.Tensor:
+    """Grouped down-GEMM, unweighted: act [NP, I], w2 [E, h, I] -> [NP, h] in act.dtype (pair p reads row p)."""
+    return _grouped_gemm("moe_down", act, w2, sorted_pairs, block_expert, total, 1, block_m, 0.0,
+                         False, pdl, out, config or DOWN_CONFIG)
+
+
+def silu_and_mul(h: torch.Tensor, limit: float, *, pdl: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU on concatenated [gate | up] rows: h [..., 2I] -> [..., I] (limit 0: no clamp)."""
+    _float_dtype(h, "silu_and_mul", "h")
+    if h.dim() == 0 or h.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: h is {list(h.shape)}, want [..., 2I]")
+    inter = h.shape[-1] // 2
+    out = _out("silu_and_mul", out, (*h.shape[:-1], inter), h)
+    h2 = h.reshape(-1, 2 * inter)  # [R, 2I]
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    out2 = out.view(-1, inter)  # [R, I]
+    if h2.shape[0] == 0 or inter == 0:
+        return out
+    pdl = pdl and pdl_supported(h.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    block = min(ACT_BLOCK, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(h2.shape[0], triton.cdiv(inter, block))](
+        h2, out2, h2.stride(0), out2.stride(0), inter, float(limit),
+        BLOCK=block, HAS_LIMIT=limit > 0, LIBDEVICE_EXP=h.is_cuda and not _interpreting(), PDL=pdl,
+        num_warps=ACT_NUM_WARPS, **FP_OPTIONS, **launch)
+    return out
+
+
+def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: torch.Tensor, *,
+                pdl: bool = False, out: torch.Tensor | None = None, order: int | None = None) -> torch.Tensor:
+    """sum_j w[n, j] * expert_out[n*k + j] (fp32), cast, + shared_out: [NP, h], [N, k], [N, h] -> [N, h].
+
+    `order` overrides COMBINE_ORDER[device type] (SEQUENTIAL or INTERLEAVE4; for the GPU check).
+    """
+    _float_dtype(expert_out, "moe_combine", "expert_out")
+    _float_dtype(shared_out, "moe_combine", "shared_out")
+    if topk_weights.dim() != 2 or shared_out.dim() != 2 or expert_out.dim() != 2:
+        raise ValueError(f"moe_combine: want expert_out [NP, h], topk_weights [N, k], shared_out [N, h]; got "
+                         f"{list(expert_out.shape)}, {list(topk_weights.shape)}, {list(shared_out.shape)}")
+    n, k = topk_weights.shape
+    h = shared_out.shape[1]
+    if shared_out.shape[0] != n or expert_out.shape != (n * k, h):
+        raise ValueError(f"moe_combine: expert_out {list(expert_out.shape)}, topk_weights {list(topk_weights.shape)}"
+                         f", shared_out {list(shared_out.shape)}: want [N*k, h], [N, k], [N, h]")
+    out = _out("moe_combine", out, (n, h), shared_out)
+    if n == 0 or h == 0:
+        return out
+    e2, s2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (expert_out, shared_out))
+    order = COMBINE_ORDER.get(shared_out.device.type, SEQUENTIAL) if order is None else order
+    pdl = pdl and pdl_supported(shared_out.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    block = min(COMBINE_BLOCK_H, triton.next_power_of_2(h))
+    _moe_combine_kernel[(n, triton.cdiv(h, block))](
+        e2, topk_weights, s2, out, h, e2.stride(0), topk_weights.stride(0), s2.stride(0), out.stride(0),
+        TOP_K=k, BLOCK_H=block, ORDER=order, PDL=pdl, num_warps=COMBINE_NUM_WARPS, **FP_OPTIONS, **launch)
+    return out
+
+
+def interleave_w13(w13: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, h] gate rows then up rows -> gate/up interleaved (row 2j = gate_j, row 2j+1 = up_j), a copy."""
+    num_experts, two_i, h = w13.shape
+    return w13.view(num_experts, 2, two_i // 2, h).transpose(1, 2).reshape(num_experts, two_i, h).contiguous()
+
+
+def moe_up_ref(x, w13, sorted_pairs, block_expert, total, top_k, block_m):
+    """lingc's reference up-GEMM."""
+    return torch.ops.lingc.moe_up(x, w13, sorted_pairs, block_expert, total, top_k, block_m)
+
+
+def moe_up_act_ref(x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m, limit):
+    """lingc's reference up-GEMM + SwiGLU on interleaved w13."""
+    return torch.ops.lingc.moe_up_act(x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m, limit)
+
+
+def silu_and_mul_ref(h, limit):
+    """lingc's reference SwiGLU on [gate | up] halves."""
+    return torch.ops.lingc.silu_and_mul(h, limit)
+
+
+def moe_down_ref(act, w2, sorted_pairs, block_expert, total, block_m):
+    """lingc's reference down-GEMM."""
+    return torch.ops.lingc.moe_down(act, w2, sorted_pairs, block_expert, total, block_m)
+
+
+def moe_combine_ref(expert_out, topk_weights, shared_out):
+    """lingc's reference combine."""
+    return torch.ops.lingc.moe_combine(expert_out, topk_weights, shared_out)
+
+
+LOWERINGS = {
+    "moe_up": moe_up,
+    "moe_up_act": moe_up_act,
+    "silu_and_mul": silu_and_mul,
+    "moe_down": moe_down,
+    "moe_combine": moe_combine,
+}
