@@ -1,0 +1,668 @@
+"""KDA (Kimi Delta Attention) decode / verify Triton kernels: short conv, gated delta rule, commit, gated RMSNorm.
+
+Letters as in lingc/ops/kda.py: B batch, T chain positions (1 decode, <= 16 verify), H heads, D head dim,
+P = H * D, W conv width, S pool slots, TS staging positions (>= T). Each launcher takes the positional
+parameters of its `torch.ops.lingc.*` reference, then keyword-only `pdl`:
+
+    kda_conv(x [B,T,P], weight [P,1,W] fp32, conv_pool [S,P,W-1], slots [B])    -> y [B,T,P]     (pool updated)
+    kda_conv_staged(..., staging [B,TS,P,W-1])                                  -> y             (pool read only)
+    kda_recurrent(q, k, v, f [B,T,H,D], b [B,T,H], A_log [H], dt_bias [P], state_pool [S,H,D,D] fp32,
+                  slots [B], lower_bound)                                       -> o [B,T,H,D]   (pool updated)
+    kda_recurrent_staged(..., slots, staging [B,TS,H,D,D] fp32, lower_bound)    -> o             (pool read only)
+    kda_commit(pool [S,...], slots [B], staging [B,TS,...], accept_len [B])      -> None: pool[slot] = staging[b, a-1]
+    gated_rmsnorm(x [...,D], weight [D], gate [...,D], eps)                     -> [...,D]
+
+and the stretch op (no lingc op yet), one launch for a whole KDA token mixer after the projections:
+
+    kda_fused_verify(q_raw, k_raw, v_raw [B,T,P], f [B,T,H,D], b [B,T,H], conv_q_w, conv_k_w, conv_v_w [P,1,W] fp32,
+                     conv_q_pool, conv_k_pool, conv_v_pool [S,P,W-1], A_log [H], dt_bias [P],
+                     state_pool [S,H,D,D] fp32, slots [B], staging_q, staging_k, staging_v [B,TS,P,W-1],
+                     staging_state [B,TS,H,D,D] fp32, lower_bound)                        -> o [B,T,H,D]
+        == kda_recurrent_staged(kda_conv_staged(q_raw, conv_q_w, conv_q_pool, slots, staging_q).view(B,T,H,D), ...,
+                                state_pool, slots, staging_state, lower_bound)  (with k, v likewise), pools read only;
+        with the same BLOCK_V / warps it has the separate kernels' bits (tests; the bench checks it on the
+        GPU). Each V tile recomputes the q/k convs of its whole head (they are tiny) and stages its own slice of
+        the q/k/v windows. There is no in-place (decode) twin: every V tile of a head reads the head's q/k conv
+        windows, so none may update them before all have read (no inter-CTA ordering inside one launch), and
+        one program per head spills at D = 128. Decode uses the separate kernels.
+
+Recurrence tiling: grid (B*H, cdiv(D, BLOCK_V)); a program keeps its [D, BLOCK_V] fp32 slice of the head's state
+(K rows, V columns) in registers across the T positions. Per position it loads the whole q_t, k_t, f_t of its
+head (the L2 norms, the K-axis gate and the K-axis dot products need all D) and its BLOCK_V slice of v_t, then
+    g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)), beta = sigmoid(b),
+    q = q * rsqrt(sum q^2 + 1e-6) * D^-0.5, k = k * rsqrt(sum k^2 + 1e-6),
+    S = exp(g)[:, None] * S;  S = S + k[:, None] * (beta * (v - sum_k(S * k[:, None])))[None, :];
+    o = sum_k(S * q[:, None]).
+The next position's inputs are loaded before the current position is computed (software prefetch), so the
+chain pays one input latency, not T. Decode writes S back to the pool at the end; verify writes each
+position's S to staging[b, t] and leaves the pool alone. The conv kernel (grid (B, cdiv(P, CONV_BLOCK_P)))
+and the fused kernel take T as a constexpr and unroll the positions (at most 16 variants), so every
+position's loads can be issued up front.
+
+Numerics: fp32 inside, outputs rounded once to the activation dtype. Every launch turns fp contraction off
+(`enable_fp_fusion=False`) and, on the GPU, uses libdevice expf and IEEE division (PRECISE), as torch's CUDA
+elementwise kernels do: the conv (taps summed in the reference's order, j = 0..W-1) is then bit-exact against
+the torch reference on the GPU, and the recurrence differs from the einsum reference only through summation
+order. The interpreter (no libdevice) uses tl.exp and numpy division instead.
+
+Row invariance: a position's arithmetic does not depend on T or on other positions (in the recurrence T is a
+runtime loop bound; Triton's T == 1 specialisation unrolls it but keeps the layouts, checked in the TTGIR; the
+conv is elementwise; BLOCK_V / warps are module constants, not functions of T), so position t of a verify
+chain has the bits of a decode step from the same state, and staged + commit(a) == a decode steps, bit for
+bit. Tunables that change a layout (BLOCK_V, REC_WARPS, NORM_ROWS) must stay the same for T = 1 and T > 1 for
+this to hold on the GPU.
+
+Bytes per call (H = 16, D = 128, P = 2048, B = 1, bf16 activations):
+    kda_recurrent          state read + write 2 * H*D*D*4 = 2 MiB (1 MiB each way), inputs ~ 4*T*P*2 + weights
+    kda_recurrent_staged   state read 1 MiB + staging write T MiB
+    kda_commit             read + write H*D*D*4 = 1 MiB each (recurrent), 2*P*(W-1)*2 (a conv window)
+    kda_conv(_staged)      x T*P*2, y T*P*2, weight P*W*4, pool/staging windows P*(W-1)*2 (per position staged)
+    gated_rmsnorm          x, gate, out T*P*2 each
+
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, weights (conv weights, A_log,
+dt_bias, norm weight) are loaded before `gdc_wait()`; slots, pools, staging and activations after it;
+`gdc_launch_dependents()` follows the last load of data an earlier kernel wrote: after the position loop (each
+position's inputs are loaded inside it), and after the in-place conv window update (its loads and stores are
+split by a CTA barrier). With PDL off no GDC call is emitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from lingc.kernels.pdl import pdl_supported
+import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
+
+# Tunables. Recurrence: V columns of S per program and its warps (the same for decode and verify: they set
+# the K-axis reduction layout, hence the bits). B*H*cdiv(D, BLOCK_V) programs: 128 at Ling-3.0-tiny B = 1.
+BLOCK_V = 16
+REC_WARPS = 4
+FUSED_WARPS = 4         # kda_fused_verify (same BLOCK_V as the recurrence)
+CONV_BLOCK_P = 256      # channels per conv program
+MAX_CONV_WIDTH = 4      # the conv taps are spelled out (w0..w3); Ling uses W = 4
+CONV_WARPS = 4
+COMMIT_BLOCK = 2048     # elements per commit program (1 MiB recurrent state -> 128 programs)
+COMMIT_WARPS = 4
+NORM_ROWS = 4           # gated RMSNorm rows per program (sets the layout: constant, never a function of T)
+NORM_WARPS = 4
+L2NORM_EPS = tl.constexpr(1e-6)  # fla's l2norm: eps inside the root (lingc.ops.norm.l2norm)
+
+
+# ---------------------------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    """expf as torch's CUDA kernels compute it (libdevice) on the GPU; tl.exp in the interpreter."""
+    if PRECISE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _sigmoid(x, PRECISE: tl.constexpr):
+    """1 / (1 + exp(-x)) with an IEEE division, as torch.sigmoid / F.silu on CUDA."""
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, PRECISE))
+
+
+@triton.jit
+def _in_range(r, n, ALL: tl.constexpr):
+    """r < n; a constant all-true mask when ALL (lets the compiler vectorise the masked loads and stores)."""
+    if ALL:
+        m = tl.full(r.shape, 1, tl.int1)
+    else:
+        m = r < n
+    return m
+
+
+@triton.jit
+def _tap_weight(w_ptr, ch, mask, j: tl.constexpr, W: tl.constexpr):
+    """Conv weight column j (fp32 [channels]) of weight [P, 1, W]; zeros for j >= W (unused taps)."""
+    if j < W:
+        w = tl.load(w_ptr + ch * W + j, mask=mask, other=0.0)
+    else:
+        w = tl.zeros(ch.shape, tl.float32)
+    return w
+
+
+@triton.jit
+def _window_value(pool_row, x_row, s_xt, i, mask, W: tl.constexpr):
+    """Element i of the conv window (pool[0 .. W-2], then x[0], x[1], ...) for a vector of channels, x's dtype."""
+    in_pool = i < W - 1
+    pv = tl.load(pool_row + i, mask=mask & in_pool, other=0.0)
+    xv = tl.load(x_row + (i - (W - 1)) * s_xt, mask=mask & (i >= W - 1), other=0.0)
+    return tl.where(in_pool, pv.to(xv.dtype), xv)
+
+
+@triton.jit
+def _conv_at(pool_row, x_row, s_xt, t, mask, w0, w1, w2, w3, W: tl.constexpr, PRECISE: tl.constexpr):
+    """silu(sum_j w_j * window[t + j]) in fp32: taps summed j = 0 .. W-1 one by one, as the reference does."""
+    y = _window_value(pool_row, x_row, s_xt, t, mask, W).to(tl.float32) * w0
+    y = y + _window_value(pool_row, x_row, s_xt, t + 1, mask, W).to(tl.float32) * w1
+    if W > 2:
+        y = y + _window_value(pool_row, x_row, s_xt, t + 2, mask, W).to(tl.float32) * w2
+    if W > 3:
+        y = y + _window_value(pool_row, x_row, s_xt, t + 3, mask, W).to(tl.float32) * w3
+    return tl.math.div_rn(y, 1.0 + _exp(-y, PRECISE))
+
+
+@triton.jit
+def _store_window(dst_row, pool_row, x_row, s_xt, start, mask, W: tl.constexpr, IN_PLACE: tl.constexpr):
+    """dst_row[c] = window[start + c] for c < W-1. All loads come first; IN_PLACE (dst is the pool being read)
+    adds a CTA barrier between them and the stores, since a channel may be held by more than one thread."""
+    e0 = _window_value(pool_row, x_row, s_xt, start, mask, W)
+    if W > 2:
+        e1 = _window_value(pool_row, x_row, s_xt, start + 1, mask, W)
+    if W > 3:
+        e2 = _window_value(pool_row, x_row, s_xt, start + 2, mask, W)
+    if IN_PLACE:
+        tl.debug_barrier()
+    ty = dst_row.dtype.element_ty
+    tl.store(dst_row, e0.to(ty), mask=mask)
+    if W > 2:
+        tl.store(dst_row + 1, e1.to(ty), mask=mask)
+    if W > 3:
+        tl.store(dst_row + 2, e2.to(ty), mask=mask)
+
+
+@triton.jit
+def _sum_sq(x, S):
+    """sum(x^2) of a [DB] vector as a scalar, summed as a [DB, BV] tile.
+
+    A 1-D sum's order follows the vector's layout, and the compiler lays the 1-D loads of q and k out
+    differently in different specialisations (it may rematerialise them in the state's slice layout), so decode
+    and verify could round differently. The broadcast tile gets the default blocked layout of its shape and warp
+    count instead (checked in the TTGIR: identical for decode, T == 1, and verify), whose K split is the same for
+    every column: the columns are equal and their max is the sum exactly."""
+    x2 = tl.broadcast_to(x[:, None], S.shape)
+    return tl.max(tl.sum(x2 * x2, axis=0), axis=0)
+
+
+@triton.jit
+def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: tl.constexpr):
+    """One position of the gated delta rule on a [DB, BV] state slice; returns (S', o [BV] fp32).
+
+    q, k, f [DB] (the whole head), v [BV], bt the scalar b, a = exp(A_log[h]), dtb [DB] fp32 dt_bias."""
+    qf = q.to(tl.float32)
+    kf = k.to(tl.float32)
+    qn = qf * tl.math.rsqrt(_sum_sq(qf, S) + L2NORM_EPS) * scale
+    kn = kf * tl.math.rsqrt(_sum_sq(kf, S) + L2NORM_EPS)
+    g = lower_bound * _sigmoid(a * (f.to(tl.float32) + dtb), PRECISE)
+    decay = tl.where(kmask, _exp(g, PRECISE), 0.0)
+    beta = _sigmoid(bt.to(tl.float32), PRECISE)
+    S = S * decay[:, None]
+    err = beta * (v.to(tl.float32) - tl.sum(S * kn[:, None], axis=0))
+    S = S + kn[:, None] * err[None, :]
+    o = tl.sum(S * qn[:, None], axis=0)
+    return S, o
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr,
+                     P, s_xb, s_xt, s_pool, s_stb, s_stt,
+                     T: tl.constexpr, W: tl.constexpr, BLOCK_P: tl.constexpr,
+                     STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    rp = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pm = rp < P
+    w0 = _tap_weight(w_ptr, rp, pm, 0, W)
+    w1 = _tap_weight(w_ptr, rp, pm, 1, W)
+    w2 = _tap_weight(w_ptr, rp, pm, 2, W)
+    w3 = _tap_weight(w_ptr, rp, pm, 3, W)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pool_row = pool_ptr + slot * s_pool + rp * (W - 1)                                 # [BLOCK_P] window starts
+    x_row = x_ptr + b * s_xb + rp
+    for t in tl.static_range(T):                      # unrolled: every position's loads can be issued up front
+        y = _conv_at(pool_row, x_row, s_xt, t, pm, w0, w1, w2, w3, W, PRECISE)
+        tl.store(y_ptr + (b * T + t) * P + rp, y.to(y_ptr.dtype.element_ty), mask=pm)
+        if STAGED:                                                                    # window after position t
+            _store_window(staging_ptr + b * s_stb + t * s_stt + rp * (W - 1), pool_row, x_row, s_xt, t + 1, pm,
+                          W, False)
+    if not STAGED:                                                                    # loads, barrier, stores
+        _store_window(pool_row, pool_row, x_row, s_xt, T, pm, W, True)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr,
+                          staging_ptr, o_ptr, T, H,
+                          s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_fb, s_ft, s_fh, s_bb, s_bt, s_bh,
+                          s_stb, s_stt, scale, lower_bound,
+                          D: tl.constexpr, DB: tl.constexpr, BV: tl.constexpr,
+                          STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    rk = tl.arange(0, DB)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    km = _in_range(rk, D, D == DB)
+    vm = _in_range(rv, D, D % BV == 0)
+    a = _exp(tl.load(a_log_ptr + h).to(tl.float32), PRECISE)
+    dtb = tl.load(dt_bias_ptr + h * D + rk, mask=km, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    tile = h * D * D + rk[:, None] * D + rv[None, :]                                   # [DB, BV] in a [H, D, D] state
+    tmask = km[:, None] & vm[None, :]
+    S = tl.load(pool_ptr + slot * H * D * D + tile, mask=tmask, other=0.0)
+    q_row = q_ptr + b * s_qb + h * s_qh + rk
+    k_row = k_ptr + b * s_kb + h * s_kh + rk
+    v_row = v_ptr + b * s_vb + h * s_vh + rv
+    f_row = f_ptr + b * s_fb + h * s_fh + rk
+    b_row = b_ptr + b * s_bb + h * s_bh
+    q = tl.load(q_row, mask=km, other=0.0)
+    k = tl.load(k_row, mask=km, other=0.0)
+    v = tl.load(v_row, mask=vm, other=0.0)
+    f = tl.load(f_row, mask=km, other=0.0)
+    bt = tl.load(b_row)
+    for t in range(T):
+        nxt = t + 1 < T                                                               # prefetch position t + 1
+        q_n = tl.load(q_row + (t + 1) * s_qt, mask=km & nxt, other=0.0)
+        k_n = tl.load(k_row + (t + 1) * s_kt, mask=km & nxt, other=0.0)
+        v_n = tl.load(v_row + (t + 1) * s_vt, mask=vm & nxt, other=0.0)
+        f_n = tl.load(f_row + (t + 1) * s_ft, mask=km & nxt, other=0.0)
+        b_n = tl.load(b_row + (t + 1) * s_bt, mask=nxt, other=0.0)
+        S, o = _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, km, PRECISE)
+        tl.store(o_ptr + ((b * T + t) * H + h) * D + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
+        if STAGED:
+            tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
+        q, k, v, f, bt = q_n, k_n, v_n, f_n, b_n
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if not STAGED:
+        tl.store(pool_ptr + slot * H * D * D + tile, S, mask=tmask)
+
+
+@triton.jit
+def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_ptr, cq_ptr, ck_ptr, cv_ptr,
+                      a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, sq_ptr, sk_ptr, sv_ptr, staging_ptr, o_ptr,
+                      H, s_xb, s_xt, s_fb, s_ft, s_fh, s_bb, s_bt, s_bh, s_cpool, s_cstb, s_cstt, s_stb, s_stt,
+                      scale, lower_bound,
+                      T: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+                      PRECISE: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    rk = tl.arange(0, DB)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    km = _in_range(rk, D, D == DB)
+    vm = _in_range(rv, D, D % BV == 0)
+    ck = h * D + rk                                                                   # q/k channels of head h
+    cv = h * D + rv                                                                   # v channels of this tile
+    wq0 = _tap_weight(wq_ptr, ck, km, 0, W)
+    wq1 = _tap_weight(wq_ptr, ck, km, 1, W)
+    wq2 = _tap_weight(wq_ptr, ck, km, 2, W)
+    wq3 = _tap_weight(wq_ptr, ck, km, 3, W)
+    wk0 = _tap_weight(wk_ptr, ck, km, 0, W)
+    wk1 = _tap_weight(wk_ptr, ck, km, 1, W)
+    wk2 = _tap_weight(wk_ptr, ck, km, 2, W)
+    wk3 = _tap_weight(wk_ptr, ck, km, 3, W)
+    wv0 = _tap_weight(wv_ptr, cv, vm, 0, W)
+    wv1 = _tap_weight(wv_ptr, cv, vm, 1, W)
+    wv2 = _tap_weight(wv_ptr, cv, vm, 2, W)
+    wv3 = _tap_weight(wv_ptr, cv, vm, 3, W)
+    a = _exp(tl.load(a_log_ptr + h).to(tl.float32), PRECISE)
+    dtb = tl.load(dt_bias_ptr + h * D + rk, mask=km, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    tile = h * D * D + rk[:, None] * D + rv[None, :]
+    tmask = km[:, None] & vm[None, :]
+    S = tl.load(pool_ptr + slot * H * D * D + tile, mask=tmask, other=0.0)
+    cq_row = cq_ptr + slot * s_cpool + ck * (W - 1)
+    ck_row = ck_ptr + slot * s_cpool + ck * (W - 1)
+    cv_row = cv_ptr + slot * s_cpool + cv * (W - 1)
+    qx_row = qx_ptr + b * s_xb + ck
+    kx_row = kx_ptr + b * s_xb + ck
+    vx_row = vx_ptr + b * s_xb + cv
+    f_row = f_ptr + b * s_fb + h * s_fh + rk
+    b_row = b_ptr + b * s_bb + h * s_bh
+    # the q/k channels whose staged windows this V tile writes (its own slice; all tiles compute all of them)
+    own = km & (rk >= tl.program_id(1) * BV) & (rk < tl.program_id(1) * BV + BV)
+    for t in tl.static_range(T):                      # unrolled: every position's loads can be issued up front
+        q = _conv_at(cq_row, qx_row, s_xt, t, km, wq0, wq1, wq2, wq3, W, PRECISE).to(qx_ptr.dtype.element_ty)
+        k = _conv_at(ck_row, kx_row, s_xt, t, km, wk0, wk1, wk2, wk3, W, PRECISE).to(kx_ptr.dtype.element_ty)
+        v = _conv_at(cv_row, vx_row, s_xt, t, vm, wv0, wv1, wv2, wv3, W, PRECISE).to(vx_ptr.dtype.element_ty)
+        f = tl.load(f_row + t * s_ft, mask=km, other=0.0)
+        bt = tl.load(b_row + t * s_bt)
+        S, o = _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, km, PRECISE)
+        tl.store(o_ptr + ((b * T + t) * H + h) * D + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
+        tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
+        cst = b * s_cstb + t * s_cstt
+        _store_window(sq_ptr + cst + ck * (W - 1), cq_row, qx_row, s_xt, t + 1, own, W, False)
+        _store_window(sk_ptr + cst + ck * (W - 1), ck_row, kx_row, s_xt, t + 1, own, W, False)
+        _store_window(sv_ptr + cst + cv * (W - 1), cv_row, vx_row, s_xt, t + 1, vm, W, False)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _kda_commit_kernel(pool_ptr, slots_ptr, staging_ptr, accept_ptr, N, TS, s_pool, s_stb, s_stt,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pick = tl.minimum(tl.maximum(tl.load(accept_ptr + b).to(tl.int64) - 1, 0), TS - 1)
+    val = tl.load(staging_ptr + b * s_stb + pick * s_stt + offs, mask=m)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(pool_ptr + slot * s_pool + offs, val.to(pool_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, R, HR, N, s_xm, s_xh, s_gm, s_gh, inv_n, eps,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)               # row = m * HR + h
+    cols = tl.arange(0, BLOCK_N)
+    cm = cols < N
+    m = (rows < R)[:, None] & cm[None, :]
+    x_off = (rows // HR) * s_xm + (rows % HR) * s_xh
+    g_off = (rows // HR) * s_gm + (rows % HR) * s_gh
+    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + g_off[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)       # mean as torch: sum * (1/N)
+    out = x * rstd[:, None] * w[None, :] * _sigmoid(g, PRECISE)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+def _launch_opts(pdl: bool, num_warps: int) -> dict:
+    opts = {"num_warps": num_warps, "enable_fp_fusion": False}
+    if pdl:
+        opts["launch_pdl"] = True
+    return opts
+
+
+def _precise(device: torch.device) -> bool:
+    """libdevice expf needs the compiled GPU path; the interpreter cannot run extern calls."""
+    return device.type == "cuda" and not triton.knobs.runtime.interpret
+
+
+def _fail(op: str, msg: str) -> None:
+    raise ValueError(f"{op}: {msg}")
+
+
+def _check_slots(op: str, slots: torch.Tensor, B: int) -> None:
+    if slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64):
+        _fail(op, f"slots is {list(slots.shape)} {slots.dtype}, want [{B}] int32/int64")
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    """t with a unit-stride last dim (copied only if it has none)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_conv(op: str, x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+                staging: torch.Tensor | None) -> tuple[int, int, int, int]:
+    if x.dim() != 3 or not x.is_floating_point():
+        _fail(op, f"x is {list(x.shape)} {x.dtype}, want a float [B, T, P]")
+    B, T, P = x.shape
+    if weight.dim() != 3 or weight.shape[:2] != (P, 1) or not 2 <= weight.shape[2] <= MAX_CONV_WIDTH \
+            or weight.dtype != torch.float32:
+        _fail(op, f"weight is {list(weight.shape)} {weight.dtype}, want [{P}, 1, W] float32 with 2 <= W <= "
+                  f"{MAX_CONV_WIDTH}")
+    W = weight.shape[2]
+    if conv_pool.dim() != 3 or conv_pool.shape[1:] != (P, W - 1) or not conv_pool.is_contiguous():
+        _fail(op, f"conv_pool is {list(conv_pool.shape)}, want a contiguous [S, {P}, {W - 1}]")
+    _check_slots(op, slots, B)
+    if staging is not None and (staging.dim() != 4 or staging.shape[0] != B or staging.shape[1] < T
+                                or staging.shape[2:] != (P, W - 1) or not staging.is_contiguous()):
+        _fail(op, f"staging is {list(staging.shape)}, want a contiguous [{B}, >= {T}, {P}, {W - 1}]")
+    return B, T, P, W
+
+
+def _conv(op: str, x, weight, conv_pool, slots, staging, pdl: bool) -> torch.Tensor:
+    B, T, P, W = _check_conv(op, x, weight, conv_pool, slots, staging)
+    x = _inner(x)
+    y = torch.empty((B, T, P), dtype=x.dtype, device=x.device)
+    if B * T == 0:
+        return y
+    pdl = pdl and pdl_supported(x.device)
+    st = staging if staging is not None else conv_pool
+    grid = (B, triton.cdiv(P, CONV_BLOCK_P))
+    _kda_conv_kernel[grid](x, weight, conv_pool, slots, st, y, P, x.stride(0), x.stride(1), conv_pool.stride(0),
+                           st.stride(0), st.stride(1) if staging is not None else 0, T=T,
+                           W=W,
+                           BLOCK_P=CONV_BLOCK_P, STAGED=staging is not None, PRECISE=_precise(x.device), PDL=pdl,
+                           **_launch_opts(pdl, CONV_WARPS))
+    return y
+
+
+def kda_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, *,
+             pdl: bool = False) -> torch.Tensor:
+    """silu(causal depthwise conv) over x [B, T, P] continuing conv_pool[slots]; updates the pool (lingc.kda_conv)."""
+    return _conv("kda_conv", x, weight, conv_pool, slots, None, pdl)
+
+
+def kda_conv_staged(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+                    staging: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """kda_conv for a verify chain: the pool is read only, the window after position t goes to staging[b, t]."""
+    return _conv("kda_conv_staged", x, weight, conv_pool, slots, staging, pdl)
+
+
+def _check_recurrent(op: str, q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging) -> tuple[int, ...]:
+    if q.dim() != 4 or not q.is_floating_point():
+        _fail(op, f"q is {list(q.shape)} {q.dtype}, want a float [B, T, H, D]")
+    B, T, H, D = q.shape
+    for name, t in (("k", k), ("v", v), ("f", f)):
+        if t.shape != q.shape or not t.is_floating_point():
+            _fail(op, f"{name} is {list(t.shape)} {t.dtype}, want float {list(q.shape)} (as q)")
+    if b.shape != (B, T, H):
+        _fail(op, f"b is {list(b.shape)}, want [{B}, {T}, {H}]")
+    if A_log.shape != (H,) or dt_bias.numel() != H * D or not dt_bias.is_contiguous():
+        _fail(op, f"A_log is {list(A_log.shape)}, dt_bias {list(dt_bias.shape)}; want [{H}] and contiguous [{H * D}]")
+    if state_pool.dim() != 4 or state_pool.shape[1:] != (H, D, D) or state_pool.dtype != torch.float32 \
+            or not state_pool.is_contiguous():
+        _fail(op, f"state_pool is {list(state_pool.shape)} {state_pool.dtype}, "
+                  f"want contiguous [S, {H}, {D}, {D}] float32")
+    _check_slots(op, slots, B)
+    if staging is not None and (staging.dim() != 5 or staging.shape[0] != B or staging.shape[1] < T
+                                or staging.shape[2:] != (H, D, D) or staging.dtype != torch.float32
+                                or not staging.is_contiguous()):
+        _fail(op, f"staging is {list(staging.shape)} {staging.dtype}, "
+                  f"want contiguous [{B}, >= {T}, {H}, {D}, {D}] float32")
+    return B, T, H, D
+
+
+def _recurrent(op: str, q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging, lower_bound: float,
+               pdl: bool, block_v: int | None, num_warps: int | None) -> torch.Tensor:
+    B, T, H, D = _check_recurrent(op, q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging)
+    q, k, v, f = (_inner(t) for t in (q, k, v, f))
+    o = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    if B * T == 0:
+        return o
+    pdl = pdl and pdl_supported(q.device)
+    db = triton.next_power_of_2(D)
+    bv = min(block_v or BLOCK_V, db)
+    st = staging if staging is not None else state_pool
+    grid = (B * H, triton.cdiv(D, bv))
+    _kda_recurrent_kernel[grid](
+        q, k, v, f, b, A_log, dt_bias, state_pool, slots, st, o, T, H,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *f.stride()[:3], *b.stride(),
+        st.stride(0), st.stride(1) if staging is not None else 0, D ** -0.5, lower_bound,
+        D=D, DB=db, BV=bv, STAGED=staging is not None, PRECISE=_precise(q.device), PDL=pdl,
+        **_launch_opts(pdl, num_warps or REC_WARPS))
+    return o
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                  lower_bound: float, *, pdl: bool = False, block_v: int | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
+    """Gated delta rule over T positions from and into state_pool[slots] (lingc.kda_recurrent).
+
+    block_v / num_warps override the tunables (benchmark sweeps only: they change the bits)."""
+    return _recurrent("kda_recurrent", q, k, v, f, b, A_log, dt_bias, state_pool, slots, None, lower_bound,
+                      pdl, block_v, num_warps)
+
+
+def kda_recurrent_staged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                         staging: torch.Tensor, lower_bound: float, *, pdl: bool = False,
+                         block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """kda_recurrent for a verify chain: the pool is read only, the state after position t goes to staging[b, t]."""
+    return _recurrent("kda_recurrent_staged", q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging,
+                      lower_bound, pdl, block_v, num_warps)
+
+
+def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, accept_len: torch.Tensor, *,
+               pdl: bool = False, block: int | None = None, num_warps: int | None = None) -> None:
+    """pool[slots[b]] = staging[b, clamp(accept_len[b] - 1, 0, TS - 1)] (lingc.kda_commit); any trailing shape."""
+    op = "kda_commit"
+    B = staging.shape[0] if staging.dim() >= 2 else -1
+    if staging.dim() < 2 or staging.shape[2:] != pool.shape[1:]:
+        _fail(op, f"staging is {list(staging.shape)}, want [B, TS, {', '.join(map(str, pool.shape[1:]))}] (pool "
+                  f"{list(pool.shape)})")
+    if not pool.is_contiguous() or not staging.is_contiguous():
+        _fail(op, "pool and staging must be contiguous")
+    _check_slots(op, slots, B)
+    if accept_len.shape != (B,) or accept_len.dtype not in (torch.int32, torch.int64):
+        _fail(op, f"accept_len is {list(accept_len.shape)} {accept_len.dtype}, want [{B}] int32/int64")
+    N = math.prod(pool.shape[1:])
+    if B == 0 or N == 0 or staging.shape[1] == 0:
+        return None
+    pdl = pdl and pdl_supported(pool.device)
+    blk = block or COMMIT_BLOCK
+    _kda_commit_kernel[(B, triton.cdiv(N, blk))](pool, slots, staging, accept_len, N, staging.shape[1],
+                                                 pool.stride(0), staging.stride(0), staging.stride(1),
+                                                 BLOCK=blk, PDL=pdl, **_launch_opts(pdl, num_warps or COMMIT_WARPS))
+    return None
+
+
+def _rows3(t: torch.Tensor, N: int) -> torch.Tensor:
+    """t [..., HR, N] as [M, HR, N] with a unit-stride last dim: a view for the head views of a fused projection
+    ([B, T, H, D] slices of [B, T, 5P + H], whose rows are not evenly strided), copied only if it cannot be."""
+    t3 = t.reshape(-1, t.shape[-2], N) if t.dim() >= 2 else t.reshape(1, 1, N)
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
+
+
+def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, *,
+                  pdl: bool = False) -> torch.Tensor:
+    """rmsnorm(x) * weight * sigmoid(gate) over the last dim in fp32, cast to x.dtype (lingc.gated_rmsnorm)."""
+    op = "gated_rmsnorm"
+    N = x.shape[-1]
+    if weight.shape != (N,) or gate.shape != x.shape:
+        _fail(op, f"x is {list(x.shape)}, weight {list(weight.shape)}, gate {list(gate.shape)}; "
+                  f"want weight [{N}] and gate like x")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x3, g3 = _rows3(x, N), _rows3(gate, N)                                           # [M, HR, N]
+    R = x3.shape[0] * x3.shape[1]
+    if R == 0:
+        return out
+    pdl = pdl and pdl_supported(x.device)
+    _gated_rmsnorm_kernel[(triton.cdiv(R, NORM_ROWS),)](
+        x3, weight, g3, out, R, x3.shape[1], N, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), 1.0 / N, eps,
+        ROWS=NORM_ROWS, BLOCK_N=triton.next_power_of_2(N), PRECISE=_precise(x.device), PDL=pdl,
+        **_launch_opts(pdl, NORM_WARPS))
+    return out
+
+
+def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                     conv_q_w: torch.Tensor, conv_k_w: torch.Tensor, conv_v_w: torch.Tensor,
+                     conv_q_pool: torch.Tensor, conv_k_pool: torch.Tensor, conv_v_pool: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                     staging_q: torch.Tensor, staging_k: torch.Tensor, staging_v: torch.Tensor,
+                     staging_state: torch.Tensor, lower_bound: float, *, pdl: bool = False,
+                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Three staged convs + staged recurrence in one launch (see the module docstring); all pools read only.
+
+    block_v / num_warps override BLOCK_V / FUSED_WARPS (benchmark sweeps only)."""
+    op = "kda_fused_verify"
+    if f.dim() != 4:
+        _fail(op, f"f is {list(f.shape)}, want [B, T, H, D]")
+    B, T, H, D = f.shape
+    for name, x, w, pool, st in (("q", q_raw, conv_q_w, conv_q_pool, staging_q),
+                                 ("k", k_raw, conv_k_w, conv_k_pool, staging_k),
+                                 ("v", v_raw, conv_v_w, conv_v_pool, staging_v)):
+        if x.shape != (B, T, H * D) or x.stride() != q_raw.stride() or x.dtype != q_raw.dtype:
+            _fail(op, f"{name}_raw is {list(x.shape)} {x.dtype} {x.stride()}, want [{B}, {T}, {H * D}] "
+                      f"with q_raw's dtype and strides")
+        _check_conv(op, x, w, pool, slots, st)
+        if w.shape != conv_q_w.shape or pool.shape != conv_q_pool.shape or st.shape != staging_q.shape:
+            _fail(op, "the three convs need one weight, pool and staging shape")
+    _check_recurrent(op, f, f, f, f, b, A_log, dt_bias, state_pool, slots, staging_state)
+    if q_raw.stride(-1) != 1 or f.stride(-1) != 1:
+        _fail(op, "q_raw, k_raw, v_raw and f need a unit-stride last dim")
+    o = torch.empty((B, T, H, D), dtype=q_raw.dtype, device=q_raw.device)
+    if B * T == 0:
+        return o
+    pdl = pdl and pdl_supported(q_raw.device)
+    db = triton.next_power_of_2(D)
+    bv = min(block_v or BLOCK_V, db)
+    _kda_fused_kernel[(B * H, triton.cdiv(D, bv))](
+        q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool, conv_v_pool,
+        A_log, dt_bias, state_pool, slots, staging_q, staging_k, staging_v, staging_state, o,
+        H, q_raw.stride(0), q_raw.stride(1), *f.stride()[:3], *b.stride(), conv_q_pool.stride(0),
+        staging_q.stride(0), staging_q.stride(1), staging_state.stride(0), staging_state.stride(1),
+        D ** -0.5, lower_bound, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], PRECISE=_precise(q_raw.device), PDL=pdl,
+        **_launch_opts(pdl, num_warps or FUSED_WARPS))
+    return o
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+def kda_conv_ref(x, weight, conv_pool, slots):
+    return torch.ops.lingc.kda_conv(x, weight, conv_pool, slots)
+
+
+def kda_conv_staged_ref(x, weight, conv_pool, slots, staging):
+    return torch.ops.lingc.kda_conv_staged(x, weight, conv_pool, slots, staging)
+
+
+def kda_recurrent_ref(q, k, v, f, b, A_log, dt_bias, state_pool, slots, lower_bound):
+    return torch.ops.lingc.kda_recurrent(q, k, v, f, b, A_log, dt_bias, state_pool, slots, lower_bound)
+
+
+def kda_recurrent_staged_ref(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging, lower_bound):
+    return torch.ops.lingc.kda_recurrent_staged(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging, lower_bound)
+
+
+def kda_commit_ref(pool, slots, staging, accept_len):
+    return torch.ops.lingc.kda_commit(pool, slots, staging, accept_len)
+
+
+def gated_rmsnorm_ref(x, weight, gate, eps):
+    return torch.ops.lingc.gated_rmsnorm(x, weight, gate, eps)
+
+
+def kda_fused_verify_ref(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool,
+                         conv_v_pool, A_log, dt_bias, state_pool, slots, staging_q, staging_k, staging_v,
+                         staging_state, lower_bound):
+    """The lingc ops kda_fused_verify replaces: three staged convs, then the staged recurrence."""
+    heads = f.shape
+    q = torch.ops.lingc.kda_conv_staged(q_raw, conv_q_w, conv_q_pool, slots, staging_q).view(heads)
+    k = torch.ops.lingc.kda_conv_staged(k_raw, conv_k_w, conv_k_pool, slots, staging_k).view(heads)
+    v = torch.ops.lingc.kda_conv_staged(v_raw, conv_v_w, conv_v_pool, slots, staging_v).view(heads)
+    return torch.ops.lingc.kda_recurrent_staged(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging_state,
+                                                lower_bound)
+
+
+LOWERINGS: dict[str, Callable] = {
+    "kda_conv": kda_conv,
+    "kda_conv_staged": kda_conv_staged,
+    "kda_recurrent": kda_recurrent,
+    "kda_recurrent_staged": kda_recurrent_staged,
+    "kda_commit": kda_commit,
+    "gated_rmsnorm": gated_rmsnorm,
+}
