@@ -200,7 +200,10 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", check_ha
             raise ArtifactError(f"{art.path}: weight file {rel} is not covered by the manifest's hashes")
         with safe_open(art.path / rel, framework="pt", device=str(device)) as f:
             for key in f.keys():
-                weights[key] = f.get_tensor(key)
+                t = f.get_tensor(key)
+                # safetensors places tensors at 8-byte offsets; CPU BLAS picks its kernel (and its rounding) by
+                # alignment, so a reloaded program keeps its bits only on the allocator's 64-byte alignment
+                weights[key] = t.clone() if t.device.type == "cpu" and t.data_ptr() % 64 else t
     wanted = m["weights"]["tensors"]
     if set(wanted) != set(weights):
         raise ArtifactError(f"{art.path}: weights on disk {sorted(set(weights) ^ set(wanted))[:5]} "

@@ -3,11 +3,15 @@
 from lingc.passes.base import Pass, PassRecord
 from lingc.passes.bf16_router import Bf16Router
 from lingc.passes.capture_metadata import CaptureMetadata
+from lingc.passes.fuse_add_norm import FuseAddNorm
 from lingc.passes.fuse_index_chains import FuseIndexChains
+from lingc.passes.fuse_moe_align import FuseMoeAlign
+from lingc.passes.fuse_projections import FuseProjections
 from lingc.passes.fuse_swiglu import FuseSwiglu
 from lingc.passes.partition import Partition
 from lingc.passes.pdl import Pdl
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, FuseIndexChains, CaptureMetadata, Bf16Router, Pdl)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, FuseIndexChains, CaptureMetadata, Bf16Router,
+                                                     FuseProjections, FuseAddNorm, FuseMoeAlign, Pdl)}
 
 __all__ = ["PASSES", "Pass", "PassRecord"]

@@ -34,7 +34,7 @@ class Bf16Router(Pass):
         for graph in program.graphs.values():
             for lin in calls(graph, "linear"):
                 weight = lin.args[1]
-                is_router = any(c.target is OPS.router_topk for c in consumers(lin))
+                is_router = any(c.target in (OPS.router_topk, OPS.router_align) for c in consumers(lin))
                 if not (is_router or weight.target == LM_HEAD):
                     continue
                 if program.weights[weight.target].dtype != torch.bfloat16 and weight.target not in lowered:

@@ -1,8 +1,9 @@
 """pdl: find the maximal kernel chains that programmatic dependent launch can overlap, and annotate them.
 
 Chains (techniques.md section 5), per layer:
-    router  rmsnorm -> linear (gate) -> router_topk
-    moe     moe_align -> moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
+    router  [add_]rmsnorm -> linear (gate) -> router_topk | router_align
+    moe     [moe_align ->] moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
+            (after fuse_moe_align the align is inside router_align, which ends the router chain)
     kda     kda_conv[_staged] (q, k, v) -> kda_recurrent[_staged] | kda_chunk -> gated_rmsnorm
 A chain only overlaps if its kernels are adjacent on the stream, so kernels that sit between two chain
 members but need nothing from the chain (KDA's k/v/f/b/g projections, the shared expert) move to just
@@ -41,11 +42,11 @@ def _router_chain(topk: fx.Node) -> list[fx.Node]:
     if gate.target is not OPS.linear:
         return [topk]
     norm = producer(gate.args[0])
-    return ([norm] if norm.target is OPS.rmsnorm else []) + [gate, topk]
+    return ([norm] if norm.target in (OPS.rmsnorm, OPS.add_rmsnorm) else []) + [gate, topk]
 
 
 def _moe_chain(align: fx.Node) -> list[fx.Node]:
-    chain = [align]
+    chain = [align] if align.target is OPS.moe_align else []     # a router_align heads the router chain
     node = align
     for wanted in ((OPS.moe_up, OPS.moe_up_act), (OPS.silu_and_mul,), (OPS.moe_down,), (OPS.moe_combine,)):
         nxt = next((c for c in consumers(node) if c.target in wanted), None)
@@ -127,12 +128,14 @@ class Pdl(Pass):
         moved_all: list[str] = []
         for gname, graph in program.graphs.items():
             found: list[tuple[str, list[fx.Node]]] = []
-            found += [("router", _router_chain(n)) for n in calls(graph, "router_topk")]
-            found += [("moe", _moe_chain(n)) for n in calls(graph, "moe_align")]
+            found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
+            found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align") for n in calls(graph, op)]
             found += [("kda", _kda_chain(n)) for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged")
                       for n in calls(graph, op)]
             seen: Counter[str] = Counter()    # the draft graph runs the MTP layer several times
             for kind, chain in found:
+                if not chain:
+                    continue
                 pieces, moved = _make_adjacent(graph, chain)
                 moved_all += [f"{gname}:{m}" for m in moved]
                 if not pieces:

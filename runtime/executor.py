@@ -11,7 +11,6 @@ get one buffer per graph. The same code runs eagerly on CPU and is what the GPU 
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from lingc.ops import op_name
-from lingc.program import Program, TensorMeta
+from lingc.program import Program
 
 SHARED_ROLES = ("state:", "relay:", "staging:", "slots", "page_table")
 

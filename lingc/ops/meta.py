@@ -99,7 +99,10 @@ def emit_tokens(out_tokens: torch.Tensor, out_len: torch.Tensor, slots: torch.Te
     idx = slots.long()
     n = tokens.shape[1]
     out_tokens[idx, :n] = tokens.to(out_tokens.dtype)
-    out_len[idx] = n if count is None else count.to(out_len.dtype)
+    if count is None:       # index_fill_: `out_len[idx] = n` would copy a CPU scalar (not allowed in CUDA graphs)
+        out_len.index_fill_(0, idx, n)
+    else:
+        out_len[idx] = count.to(out_len.dtype)
 
 
 @emit_tokens.register_fake

@@ -1,4 +1,4 @@
-"""MoE ops: grouped sigmoid router, moe_align, expert up/down GEMMs, SwiGLU (+clamp) and the combine.
+"""MoE ops: sigmoid router, moe_align, both fused (router_align), expert up/down GEMMs, SwiGLU (+clamp), combine.
 
 Letters: N tokens, E experts, k experts per token, NP = N * k (token, expert) pairs, h hidden,
 I expert intermediate size, BM the GEMM block (rows of one expert per block).
@@ -66,17 +66,21 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     """
     flat = expert_ids.reshape(-1).long()
     num_pairs = flat.numel()
+    dev = flat.device
     max_padded, blocks = align_sizes(num_pairs, num_experts, block_m)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # no host reads (bincount and repeat_interleave would size their outputs from device values), so the
+    # op can run inside a CUDA graph: counts by scatter_add, each block's expert by a search in the ends
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
     order = torch.sort(flat, stable=True).indices                                      # pairs by expert
-    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
+    rank = torch.arange(num_pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
     sorted_pairs[starts[flat[order]] + rank] = order.to(torch.int32)
-    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=flat.device)
-    block_expert[: int(padded.sum()) // block_m] = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device), padded // block_m).to(torch.int32)
+    block_start = torch.arange(blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_start < ends[-1], block_expert, -1).to(torch.int32)
     total = padded.sum().view(1).to(torch.int32)
     return sorted_pairs, block_expert, total
 
@@ -91,22 +95,60 @@ def _(expert_ids, num_experts, block_m):
 register("moe_align")
 
 
+@torch.library.custom_op("lingc::router_align", mutates_args=())
+def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                 routed_scaling_factor: float, num_experts: int, block_m: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """router_topk then moe_align of its expert ids in one op (fuse_moe_align).
+
+    logits [N, E] fp32 -> (weights f32 [N, k], ids i32 [N, k], sorted_pairs i32 [NP + E*(BM-1)],
+    block_expert i32 [blocks], total i32 [1]); each output is exactly what the two ops return.
+    """
+    weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor)
+    sorted_pairs, block_expert, total = moe_align(ids, num_experts, block_m)
+    return weights, ids, sorted_pairs, block_expert, total
+
+
+@router_align.register_fake
+def _(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, num_experts, block_m):
+    N = logits.shape[0]
+    max_padded, blocks = align_sizes(N * top_k, num_experts, block_m)
+    new = lambda shape, dtype: logits.new_empty(shape, dtype=dtype)  # noqa: E731
+    return (new((N, top_k), torch.float32), new((N, top_k), torch.int32), new((max_padded,), torch.int32),
+            new((blocks,), torch.int32), new((1,), torch.int32))
+
+
+register("router_align")
+
+
 def pair_experts(sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
                  num_pairs: int, block_m: int) -> torch.Tensor:
     """Expert of each pair [NP], recovered from moe_align's outputs (what a GEMM block would read)."""
     rows = torch.arange(sorted_pairs.numel(), device=sorted_pairs.device)
     valid = (sorted_pairs < num_pairs) & (rows < total.long())
-    out = torch.empty(num_pairs, dtype=torch.long, device=sorted_pairs.device)
-    out[sorted_pairs[valid].long()] = block_expert[rows[valid] // block_m].long()
-    return out
+    # invalid rows all land in a spare last slot (no boolean indexing: it would read a count on the host)
+    dest = torch.where(valid, sorted_pairs.long(), num_pairs)
+    out = torch.zeros(num_pairs + 1, dtype=torch.long, device=sorted_pairs.device)
+    out.scatter_(0, dest, block_expert[rows // block_m].long())
+    return out[:num_pairs]
 
 
 def _grouped_gemm(x_rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """out[p] = x_rows[p] @ weights[experts[p]].T. x_rows [NP, K], weights [E, N, K].
 
-    Decode-sized calls (NP <= 64) go pair by pair, so every pair's bits are independent of how many
-    pairs share its expert (verify must match decode); larger calls do one matmul per expert present.
+    CPU, decode-sized calls (NP <= 64) go pair by pair, so every pair's bits are independent of how many
+    pairs share its expert (verify must match decode); larger CPU calls do one matmul per expert present.
+    Those loops read expert ids on the host; on CUDA the op instead stays free of host reads (so the
+    reference model can be captured, e.g. by torch.compile): a gather of each pair's expert weights and a
+    batched GEMM for small calls, every expert on every row and a gather for large ones. (lingc's own GPU
+    path runs the Triton grouped GEMMs of lingc.kernels.moe instead.)
     """
+    if x_rows.is_cuda:
+        if x_rows.shape[0] <= 64:
+            return torch.bmm(weights[experts], x_rows.unsqueeze(-1)).squeeze(-1)
+        E, N, _ = weights.shape
+        every = (x_rows @ weights.reshape(E * N, -1).T).view(-1, E, N)                   # [NP, E, N]
+        return every.gather(1, experts.view(-1, 1, 1).expand(-1, 1, N)).squeeze(1)
     out = x_rows.new_empty((x_rows.shape[0], weights.shape[1]))
     if x_rows.shape[0] <= 64:
         for p, e in enumerate(experts.tolist()):

@@ -1,4 +1,4 @@
-"""Norm and gate ops: rmsnorm, gated_rmsnorm (KDA o_norm), sigmoid_gate (MLA head gate), l2norm helper.
+"""Norm and gate ops: rmsnorm, add_rmsnorm, gated_rmsnorm (KDA o_norm), sigmoid_gate (MLA head gate), l2norm helper.
 
 All compute in fp32 and round once to the input dtype, Llama style: normalise, cast back, then scale
 by the weight (shared/docs/architecture.md section 3).
@@ -25,6 +25,27 @@ def _(x, weight, eps):
 
 
 register("rmsnorm")
+
+
+@torch.library.custom_op("lingc::add_rmsnorm", mutates_args=())
+def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one op (fuse_add_norm): (rmsnorm(residual + x), residual + x).
+
+    residual, x [..., N] of one dtype, weight [N]. The same arithmetic as lingc.add then lingc.rmsnorm,
+    so both outputs are bit-identical to the pair's; the Triton kernel (kernels/rmsnorm.py) returns them
+    in this order too.
+    """
+    new_residual = residual + x                                        # lingc.add
+    return rmsnorm(new_residual, weight, eps), new_residual
+
+
+@add_rmsnorm.register_fake
+def _(residual, x, weight, eps):
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+register("add_rmsnorm")
 
 
 @torch.library.custom_op("lingc::gated_rmsnorm", mutates_args=())

@@ -30,10 +30,16 @@ def test_graph_text_shows_shapes_and_dtypes(tiny_program, tiny_program_bf16):
 def test_pass_annotations_and_weight_info_print(tiny_program):
     program = PassManager(["all"]).run(tiny_program).program
     text = graph_text("decode", program.graphs["decode"], program.weight_info)
-    assert line_of(text, "L1_mlp_moe_up_act").endswith("# f32[4,64]  pdl=moe@L1 2/4 early layout=gu_interleaved")
-    assert line_of(text, "L1_mlp_moe_align").endswith("pdl=moe@L1 1/4")
+    # fuse_moe_align put the align inside router_align, which ends the router chain; the MoE chain starts at the up-GEMM
+    assert line_of(text, "L1_mlp_moe_up_act").endswith("# f32[4,64]  pdl=moe@L1 1/3 layout=gu_interleaved")
+    assert line_of(text, "L1_mlp_router_align").endswith("pdl=router@L1 3/3 early")
     assert line_of(text, "L1_mlp_gate_linear").endswith("# f32[1,16]  pdl=router@L1 2/3 early dtype=bf16")
     assert line_of(text, "w_L1_mlp_experts_w13_interleaved").endswith("# f32[16,128,128] layout=gu_interleaved")
+    assert line_of(text, "w_L0_attention_fused_qkvfbg_weight").endswith(
+        "# f32[644,128] fused_from=['model.layers.0.attention.q_proj.weight', 'model.layers.0.attention.k_proj.weight', "
+        "'model.layers.0.attention.v_proj.weight', 'model.layers.0.attention.f_proj.weight', "
+        "'model.layers.0.attention.b_proj.weight', 'model.layers.0.attention.g_proj.weight'] "
+        "split=[128, 128, 128, 128, 4, 128]")
 
 
 def test_program_text_orders_graphs_under_the_header(tiny_program):

@@ -12,11 +12,8 @@ the GPU's bf16 MMA multiplies (exact products, fp32 accumulation).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-import triton.language as tl
-from triton.runtime import interpreter
 
 from lingc.kernels.linear import (LOWERINGS, MAX_ROWS, LinearConfig, LinearWorkspace, device_workspace, linear,
                                   linear_ref, pick_config, workspace_need)
@@ -34,22 +31,6 @@ NO_SPLIT = LinearConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stag
 CONFIGS = {"dot-split4": SPLIT, "dot-nosplit": NO_SPLIT, "fma-split4": FMA_SPLIT, "fma-nosplit": FMA}
 # (N, K): N and K not multiples of the blocks (tails), and multiples (the unmasked EVEN_K path)
 SHAPES = [(40, 100), (17, 257)]
-
-
-@pytest.fixture(autouse=True)
-def _bf16_dot_as_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def widen(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        bits = h.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def _inputs(lead: tuple[int, ...], n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,

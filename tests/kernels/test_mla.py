@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
-import triton.language as tl
-from triton.runtime import interpreter
 
 import lingc.kernels.mla as mla
 from lingc.kernels.mla import (mla_attention, mla_attention_ref, mla_cache_write, mla_cache_write_ref, rope,
