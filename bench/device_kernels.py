@@ -36,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default="kernels.json")
     ap.add_argument("--families", default="", help="comma-separated bench/kernel_<family>.py to run (default all)")
+    ap.add_argument("--family-timeout", type=int, default=0, help="seconds per family before it is cut off (0: none)")
     args = ap.parse_args()
     import lingc  # noqa: F401  (registers the reference ops)
     from lingc.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, pdl_supported, rmsnorm, rmsnorm_ref
@@ -81,14 +82,24 @@ def main() -> None:
               "note": "per-launch times without CUDA graphs (host launch overhead included); not the step benchmark"}
     for row in rows:
         print(json.dumps(row))
-    result["families"] = run_families(args.families)
+    result["families"] = run_families(args.families, args.family_timeout)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
 
 
-def run_families(only: str) -> dict:
-    """Each bench/kernel_<family>.py's run(device) rows, or its error; prints one line per row."""
+class _Timeout(Exception):
+    pass
+
+
+def run_families(only: str, timeout_s: int = 0) -> dict:
+    """Each bench/kernel_<family>.py's run(device) rows, or its error; prints one line per row.
+    With timeout_s, a family still running after that many seconds is cut off (SIGALRM) and recorded as such."""
     import importlib
+    import signal
+
+    def alarm(signum, frame):
+        raise _Timeout()
+    signal.signal(signal.SIGALRM, alarm)
     import traceback
     from pathlib import Path
     here = Path(__file__).resolve().parent
@@ -100,11 +111,19 @@ def run_families(only: str) -> dict:
         if wanted and family not in wanted:
             continue
         try:
-            rows = importlib.import_module(path.stem).run(torch.device("cuda"))
+            signal.alarm(timeout_s)
+            rows = importlib.import_module(path.stem).run(torch.device("cuda", torch.cuda.current_device()))
+        except _Timeout:
+            out[family] = {"error": f"cut off after {timeout_s} s"}
+            print(f"{family}: cut off after {timeout_s} s", flush=True)
+            torch.cuda.synchronize()
+            continue
         except Exception:  # noqa: BLE001  (one family's failure must not lose the others)
             out[family] = {"error": traceback.format_exc()[-3000:]}
             print(f"{family}: ERROR {out[family]['error'][-600:]}", flush=True)
             continue
+        finally:
+            signal.alarm(0)
         out[family] = rows
         for r in rows:
             print(f"{family:15s} {str(r.get('kernel')):22s} {str(r.get('shape')):28s} ok={r.get('ok')} "

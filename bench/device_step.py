@@ -122,7 +122,10 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     exe = Executor(program, "cuda", "triton", pdl=pdl)
     fill_context(exe, model.config)
     row: dict = {"passes": passes or ["(none)"], "pdl_launches": pdl}
-    step_names = {"step": ("step",), "nextn": NEXTN_GRAPHS if "partition" in passes else ()}
+    from lingc.passes import PASSES
+    from lingc.passes.manager import resolve
+    partitioned = any(cls.name == "partition" for cls in resolve(passes, PASSES)) if passes else False
+    step_names = {"step": ("step",), "nextn": NEXTN_GRAPHS if partitioned else ()}
     if with_floor:
         row["bytes"] = {}
         for g in ("step",) + step_names["nextn"]:
@@ -204,7 +207,20 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also run the engine end to end (1024 tokens)")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
     ap.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens of the end-to-end run")
+    ap.add_argument("--merge-peers", nargs="*", default=None, metavar="NAME=FILE",
+                    help="no GPU work: add peer results (bench/peers.py JSON) to the --json file and re-summarize")
     args = ap.parse_args()
+    if args.merge_peers is not None:
+        with open(args.json) as f:
+            result = json.load(f)
+        for item in args.merge_peers:
+            name, path = item.split("=", 1)
+            with open(path) as f:
+                result.setdefault("peers", {})[name] = json.load(f)
+        summarize(result)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        return
     import lingc  # noqa: F401
     from lingc.init import random_model
     from lingc.presets import preset
@@ -242,7 +258,10 @@ def main() -> None:
         try:
             row = measure_config(model, traced, passes, bandwidth, with_floor=name in ("none", "partition", "all"))
         except Exception as e:  # noqa: BLE001  (one failing config must not lose the others)
-            row = {"passes": passes, "error": f"{type(e).__name__}: {e}"}
+            import traceback
+            row = {"passes": passes, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
+            gc.collect()
+            torch.cuda.empty_cache()
         row["name"] = name
         rows.append(row)
         print(json.dumps({k: row.get(k) for k in ("name", "step", "nextn", "error", "compile_capture_s")},

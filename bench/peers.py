@@ -1,13 +1,14 @@
 """Peers for the step benchmark, each in its own process (memory isolation, a hard time limit):
 
-    torch_compile  lingc's reference model running its own decode_step / nextn_step (lingc/steps.py, the functions
+    torch_compile_decode / torch_compile_nextn (reported together as torch_compile)
+                   lingc's reference model running its own decode_step / nextn_step (lingc/steps.py, the functions
                    lingc traces) under torch.compile(mode="max-autotune"), which captures CUDA graphs
     transformers   transformers' BailingHybridForCausalLM, eager, decode with its cache. transformers 5.23 has no
                    q-LoRA and no MTP (shared/docs/architecture.md), so this peer runs Ling-3.0-tiny with a single
                    q_proj (q_lora_rank None: 9.4 MB more per MLA layer) and times the plain decode step only
 
 Both use the same context as bench/device_step.py (8192 tokens). Run by device_step.py --peers, or alone:
-    python3 bench/peers.py torch_compile --json out.json
+    python3 bench/peers.py torch_compile_decode --json out.json
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _events_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def torch_compile_peer(context: int) -> dict:
+def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "nextn_step")) -> dict:
     from lingc.init import random_model
     from lingc.presets import preset
     from lingc.state import ModelState
@@ -87,6 +88,9 @@ def torch_compile_peer(context: int) -> dict:
 
     out: dict = {"mode": "max-autotune"}
     for key, nextn in (("decode_step", False), ("nextn_step", True)):
+        if key not in steps:
+            continue
+        print(f"compiling {key} (max-autotune)", flush=True)
         reset()
         step = torch.compile(Step(nextn), mode="max-autotune")
         t0 = time.perf_counter()
@@ -139,7 +143,9 @@ def transformers_peer(context: int) -> dict:
     return out
 
 
-PEERS = {"torch_compile": torch_compile_peer, "transformers": transformers_peer}
+PEERS = {"torch_compile_decode": lambda context: torch_compile_peer(context, ("decode_step",)),
+         "torch_compile_nextn": lambda context: torch_compile_peer(context, ("nextn_step",)),
+         "transformers": transformers_peer}
 
 
 def run_peers(model, options, context: int, timeout_s: int = 420) -> dict:
@@ -162,6 +168,9 @@ def run_peers(model, options, context: int, timeout_s: int = 420) -> dict:
         except subprocess.TimeoutExpired:
             results[name] = {"error": f"timed out after {timeout_s} s"}
         print(name, json.dumps(results[name])[:600], flush=True)
+    compiled = {(f"{name}_error" if k == "error" else k): v
+                for name in ("torch_compile_decode", "torch_compile_nextn") for k, v in results.pop(name).items()}
+    results["torch_compile"] = compiled      # decode_step_ms and nextn_step_ms, each compiled in its own process
     return results
 
 

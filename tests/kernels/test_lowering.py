@@ -1,0 +1,83 @@
+"""The triton backend end to end in the interpreter: the lowering table, and test-tiny run through the kernels.
+
+Every op on the decode byte path must lower to a Triton launcher; a whole test-tiny program lowered to the
+kernels must give the reference's logits (within bf16 tolerance) and tokens; and greedy NEXTN on the kernels
+must equal plain decode on the kernels, which holds only if every kernel is row invariant (a verify chain
+position computes exactly what a decode step computes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lingc.kernels.lowering import kernel_table
+from lingc.ops import OPS
+from lingc.runtime.engine import Engine, Request
+from lingc.runtime.executor import Executor
+
+@pytest.fixture(autouse=True)
+def _few_linear_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's cost is per program: the table's 4-feature `fma` tiles for test-tiny's small weights make
+    a NEXTN step take ~100 s. One 64 x 128 `dot` config for every shape (still independent of M, so still row
+    invariant) makes it ~9 s; the table's configs themselves are tested in test_linear.py."""
+    import lingc.kernels.linear as linear
+    config = linear.LinearConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=1)
+    monkeypatch.setattr(linear, "pick_config", lambda n, k, dtype: config)
+
+
+HOT_OPS = {"rmsnorm", "add_rmsnorm", "linear", "router_topk", "router_align", "moe_align", "moe_up", "moe_up_act",
+           "silu_and_mul", "moe_down", "moe_combine", "kda_conv", "kda_conv_staged", "kda_recurrent",
+           "kda_recurrent_staged", "kda_commit", "gated_rmsnorm", "mla_attention", "mla_cache_write", "rope",
+           "sigmoid_gate", "greedy_sample", "chain_accept", "filtered_probs"}
+
+
+def test_every_hot_op_has_a_kernel() -> None:
+    table = kernel_table()
+    assert HOT_OPS <= table.keys(), f"no Triton kernel for {sorted(HOT_OPS - table.keys())}"
+    assert table.keys() <= OPS.keys(), f"launchers for unknown ops {sorted(table.keys() - OPS.keys())}"
+
+
+def test_unknown_backend_is_refused(tiny_program_bf16) -> None:
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        Executor(tiny_program_bf16, "cpu", backend="cuda")
+
+
+def _decode(exe: Executor, ids: list[int]) -> torch.Tensor:
+    """Feed ids one by one through the `decode` graph (slot 0); logits of every step, fp32 [len, V]."""
+    exe.buffers.tensors["slots"].zero_()
+    pt = exe.buffers.tensors["page_table"]
+    pt.copy_(torch.arange(pt.numel(), dtype=pt.dtype).view(pt.shape))
+    out = []
+    for pos, t in enumerate(ids):
+        exe.input("decode", "input_ids").fill_(t)
+        exe.input("decode", "positions").fill_(pos)
+        logits, _ = exe.run("decode")
+        out.append(logits.float().reshape(-1).clone())
+    return torch.stack(out)
+
+
+def test_decode_on_kernels_matches_reference(tiny_program_bf16) -> None:
+    ref, tri = Executor(tiny_program_bf16, "cpu"), Executor(tiny_program_bf16, "cpu", backend="triton")
+    counts = tri.kernel_counts("decode")
+    assert sum(n for k, n in counts.items() if k.startswith("triton:")) > 0
+    assert not {k[len("lingc."):] for k in counts if k.startswith("lingc.")} & kernel_table().keys(), counts
+    ids = [5, 17, 300, 42, 7]
+    want, got = _decode(ref, ids), _decode(tri, ids)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_greedy_nextn_equals_plain_on_kernels(tiny_partitioned_bf16) -> None:
+    """Row invariance of every kernel: the verify chain reproduces decode's tokens exactly."""
+    prompt, n = [11, 22, 33], 6
+    out = {spec: Engine(tiny_partitioned_bf16, "cpu", spec, backend="triton").generate(
+        Request(prompt, n, ignore_eos=True)).tokens for spec in ("nextn", "none")}
+    assert len(out["none"]) == n
+    assert out["nextn"] == out["none"]
+
+
+@pytest.fixture(scope="module")
+def tiny_partitioned_bf16(tiny_program_bf16):
+    from lingc.passes.manager import PassManager
+    return PassManager(["all"]).run(tiny_program_bf16).program
