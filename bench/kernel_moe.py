@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import cold_copies, graph_time_us, nbytes  # noqa: E402
+from timing import cold_copies, graph_time_or_none, kernel_row, nbytes  # noqa: E402
 
 H, INTER, E, TOP_K, BLOCK_M = 1536, 512, 128, 8, 16
 CALLS = 16                      # distinct routings per timed graph
@@ -46,20 +46,10 @@ TUNE = [(16, 128, 4, 4), (32, 64, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 
 
 def _time(calls: list[Callable]) -> float | None:
     """Median graph-replay time per call, or None if the calls cannot be captured."""
-    try:
-        return graph_time_us(calls)
-    except Exception as err:  # noqa: BLE001  (a reference op with a host read cannot be captured)
-        print(f"# not timed: {type(err).__name__}: {err}", file=sys.stderr)
-        torch.cuda.synchronize()
-        return None
+    return graph_time_or_none(calls)
 
 
-def _row(kernel: str, shape: str, ok: bool, max_abs_err: float, bit_exact: bool, pdl_equal: bool,
-         time_us: float | None, ref_time_us: float | None, bytes_: int, **extra) -> dict:
-    gbps = bytes_ / (time_us * 1e3) if time_us else None
-    return {"kernel": kernel, "shape": shape, "ok": bool(ok and pdl_equal), "max_abs_err": float(max_abs_err),
-            "bit_exact": bool(bit_exact), "pdl_equal": bool(pdl_equal), "time_us": time_us,
-            "ref_time_us": ref_time_us, "bytes": int(bytes_), "gbps": gbps, **extra}
+_row = kernel_row
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool, bool]:

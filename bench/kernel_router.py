@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import cold_copies, graph_time_us, nbytes  # noqa: E402
+from timing import cold_copies, graph_time_or_none, kernel_row, nbytes  # noqa: E402
 
 E, TOP_K, N_GROUP, TOPK_GROUP, SCALE, BLOCK_M = 128, 8, 8, 4, 2.5, 16
 V, K = 157184, 6
@@ -31,20 +31,10 @@ V, K = 157184, 6
 
 def _time(fn: Callable, copies: list) -> float | None:
     """Median graph-replay time of fn over the input copies, or None if it cannot be captured (host sync)."""
-    try:
-        return graph_time_us([lambda c=c: fn(*c) for c in copies])
-    except Exception as err:  # noqa: BLE001  (a reference op with a host read cannot be captured)
-        print(f"# not timed: {type(err).__name__}: {err}", file=sys.stderr)
-        torch.cuda.synchronize()
-        return None
+    return graph_time_or_none([lambda c=c: fn(*c) for c in copies])
 
 
-def _row(kernel: str, shape: str, ok: bool, max_abs_err: float, bit_exact: bool, pdl_equal: bool,
-         time_us: float | None, ref_time_us: float | None, bytes_: int, **extra) -> dict:
-    gbps = bytes_ / (time_us * 1e3) if time_us else None
-    return {"kernel": kernel, "shape": shape, "ok": bool(ok and pdl_equal), "max_abs_err": float(max_abs_err),
-            "bit_exact": bool(bit_exact), "pdl_equal": bool(pdl_equal), "time_us": time_us,
-            "ref_time_us": ref_time_us, "bytes": int(bytes_), "gbps": gbps, **extra}
+_row = kernel_row
 
 
 def _equal(a, b) -> bool:

@@ -73,3 +73,24 @@ def hbm_bandwidth_gbps(size_bytes: int = 4 * 2**30, repeats: int = 10) -> float:
         times.append(start.elapsed_time(end) * 1e-3)
     del src, dst
     return 2 * n / statistics.median(times) / 1e9
+
+
+def graph_time_or_none(calls: Sequence[Callable[[], object]]) -> float | None:
+    """graph_time_us(calls), or None (with a note on stderr) when the calls cannot be captured in a CUDA graph,
+    e.g. a reference op that reads a device value on the host."""
+    import sys
+    try:
+        return graph_time_us(calls)
+    except Exception as err:  # noqa: BLE001
+        print(f"# not timed: {type(err).__name__}: {err}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
+def kernel_row(kernel: str, shape: str, ok: bool, max_abs_err: float, bit_exact: bool, pdl_equal: bool,
+               time_us: float | None, ref_time_us: float | None, bytes_: int, **extra) -> dict:
+    """One result row of a kernel bench (bench/kernel_<family>.py), with GB/s from bytes and time."""
+    gbps = bytes_ / (time_us * 1e3) if time_us else None
+    return {"kernel": kernel, "shape": shape, "ok": bool(ok and pdl_equal), "max_abs_err": float(max_abs_err),
+            "bit_exact": bool(bit_exact), "pdl_equal": bool(pdl_equal), "time_us": time_us,
+            "ref_time_us": ref_time_us, "bytes": int(bytes_), "gbps": gbps, **extra}

@@ -7,14 +7,14 @@ are redrawn until every decision has a margin (group cut, expert cut) far above 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from lingc.kernels.router import MAX_PAIRS, router_align, router_align_ref, router_topk, router_topk_ref
 from lingc.ops.moe import moe_align
+from kernel_support import poisoned_empty  # noqa: E402  (tests/kernels is on sys.path)
 
 SCALE = 2.5
 MARGIN = 1e-5
@@ -50,20 +50,6 @@ def _inputs(N: int, E: int, n_group: int, topk_group: int, top_k: int, dtype: to
     raise AssertionError("could not draw router inputs with margins")
 
 
-@contextlib.contextmanager
-def _poisoned_empty() -> Iterator[None]:
-    """torch.empty returns NaN (floats) / -777 (ints) inside the block, so an unwritten output cell shows."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan") if t.dtype.is_floating_point else -777)
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
 
 
 def _assert_same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
@@ -93,7 +79,7 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_router_topk_matches_reference(N: int, E: int, n_group: int, topk_group: int, top_k: int,
                                        dtype: torch.dtype, assert_kernel_close: Callable) -> None:
     x, bias = _inputs(N, E, n_group, topk_group, top_k, dtype, seed=N * 7919 + E + top_k)
-    with _poisoned_empty():
+    with poisoned_empty():
         got = router_topk(x, bias, n_group, topk_group, top_k, SCALE)
     _assert_same_routing(got, router_topk_ref(x, bias, n_group, topk_group, top_k, SCALE), assert_kernel_close)
     _assert_kernel_order(x, bias, got[1])
@@ -133,7 +119,7 @@ def test_router_align_matches_reference(N: int, E: int, n_group: int, topk_group
     x, bias = _inputs(1 if repeat_rows else N, E, n_group, topk_group, top_k, torch.float32, seed=N * 31 + block_m)
     x = x.expand(N, E).contiguous() if repeat_rows else x
     assert N * top_k <= MAX_PAIRS
-    with _poisoned_empty():
+    with poisoned_empty():
         got = router_align(x, bias, n_group, topk_group, top_k, SCALE, E, block_m)
     w, ids = router_topk(x, bias, n_group, topk_group, top_k, SCALE)
     assert torch.equal(got[0], w) and torch.equal(got[1], ids), "fused routing differs from router_topk"

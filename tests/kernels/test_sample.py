@@ -8,8 +8,6 @@ fixed seeds here do not hit.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,25 +15,12 @@ import torch
 import lingc.kernels.sample as sample
 from lingc.kernels.sample import (chain_accept, chain_accept_ref, greedy_sample, greedy_sample_ref, sample_tokens,
                                   sample_tokens_ref)
+from kernel_support import poisoned_empty  # noqa: E402  (tests/kernels is on sys.path)
 
 V = 4999                        # 3 chunks of 2048, the last one ragged
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@contextlib.contextmanager
-def _poisoned_empty() -> Iterator[None]:
-    """torch.empty returns NaN (floats) / -777 (ints) inside the block, so an unwritten output cell shows."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan") if t.dtype.is_floating_point else -777)
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -49,7 +34,7 @@ def _gen(seed: int) -> torch.Generator:
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_greedy_matches_reference(B: int, T: int, dtype: torch.dtype) -> None:
     logits = torch.randn(B, T, V, generator=_gen(B * 10 + T)).to(dtype)
-    with _poisoned_empty():
+    with poisoned_empty():
         got = greedy_sample(logits)
     assert got.dtype == torch.int64 and torch.equal(got, greedy_sample_ref(logits))
 
@@ -120,7 +105,7 @@ def _chain_inputs(B: int, K: int, temperature: list[float], reject_at: list[int]
 
 
 def _check_chain(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _poisoned_empty():
+    with poisoned_empty():
         got = chain_accept(*inputs)
     want = chain_accept_ref(*inputs)
     assert got[0].dtype == torch.int32 and got[1].dtype == torch.int64
@@ -181,7 +166,7 @@ def test_sample_tokens_matches_reference(monkeypatch: pytest.MonkeyPatch) -> Non
     u[0, 0], u[1, 1], u[3, 2] = 0.0, 1 - 2**-24, 1 - 2**-24
     for chunk in (2048, 64):
         monkeypatch.setattr(sample, "CHUNK", chunk)
-        with _poisoned_empty():
+        with poisoned_empty():
             got = sample_tokens(probs, u)
         assert torch.equal(got, sample_tokens_ref(probs, u)), f"CHUNK {chunk}"
         assert bool((probs.gather(-1, got.unsqueeze(-1)) > 0).all())
