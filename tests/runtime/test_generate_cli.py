@@ -131,3 +131,17 @@ def test_text_output(runner, artifacts):
     assert r.exit_code == 0, text
     assert "prompt (3 tokens): [11, 22, 33]" in text and "text: w" in text
     assert "(simulated accept length 2.0)" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "cuda"], "unknown backend 'cuda'; known: reference, triton"),
+    (["--device", "cpu", "--cuda-graphs"], None),       # --cuda-graphs is ignored off CUDA, not an error
+])
+def test_backend_options(runner, artifacts, args, message):
+    r = runner.invoke(app, ["generate", str(artifacts["plain"]), "--prompt-ids", PROMPT_IDS, "--max-new-tokens", "2",
+                            "--json", *args])
+    text = " ".join(ANSI.sub("", r.output).split())
+    if message is None:
+        assert r.exit_code == 0, text
+    else:
+        assert r.exit_code == 2 and "Traceback" not in r.output and message in text, text

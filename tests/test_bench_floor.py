@@ -1,0 +1,51 @@
+"""bench/floor.py, the byte floor behind every floor_ratio the benchmark reports, counted on test-tiny.
+
+The counts are checked against figures derived independently from the config and the program's weights:
+every weight the step graph reads once, only the experts the router chose, one embedding row, the KDA state
+read and written, the MLA rows up to the position.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from lingc.runtime.executor import Executor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from floor import step_bytes  # noqa: E402
+
+SEQ_LEN = 10
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_step_bytes_on_test_tiny(tiny_program_bf16) -> None:
+    program, c = tiny_program_bf16, tiny_program_bf16.config
+    exe = Executor(program, "cpu")
+    exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
+    pt = exe.buffers.tensors["page_table"]
+    pt.copy_(torch.arange(pt.numel(), dtype=pt.dtype).view(pt.shape))
+    got = step_bytes(exe, "step")
+
+    used = {n.target for n in program.graphs["step"].nodes if n.op == "get_attr"}
+    stacks = {k for k in used if k.endswith(("experts.w13", "experts.w2"))}
+    table = next(k for k in used if k.endswith("word_embeddings.weight"))
+    dense = sum(_size(program.weights[k]) for k in used - stacks - {table})
+    assert got["weights"] == dense + c.hidden_size * program.weights[table].element_size()
+
+    moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
+    per_expert = sum(_size(program.weights[k][0]) for k in stacks) // len(moe_layers)
+    assert got["experts"] == len(moe_layers) * c.num_experts_per_tok * per_expert   # top-k distinct, one token
+
+    kda = [i for i in range(c.num_hidden_layers) if not c.is_mla_layer(i)]
+    state = c.kda_heads * c.head_dim * c.head_dim * 4
+    conv = c.kda_dim * (c.short_conv_kernel_size - 1) * 2
+    assert got["kda_state"] == len(kda) * (2 * state + 3 * 2 * conv)
+
+    mla = c.num_hidden_layers - len(kda)
+    assert got["mla_cache"] == mla * (SEQ_LEN + 1) * c.mla_latent_dim * 2
