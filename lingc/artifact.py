@@ -2,7 +2,7 @@
 
     art/manifest.json          config, options, programs, pass records, stages, sha256 of every file
     art/graphs/<program>.json  the JSON IR (lingc.ir.serialize)
-    art/weights/*.safetensors  weights (one file set per TP rank later; rank 0 today)
+    art/weights/rank<r>-*.safetensors  weights, one file set per TP rank (rank0 only when tp = 1)
     art/trace/NN-<pass>.txt    the readable program after each stage (00 = traced)
 
 Writing goes to a temporary sibling directory renamed into place at the end, so a failed compile
@@ -32,7 +32,9 @@ from lingc.ir.serialize import IRError, graph_from_json, graph_to_json
 from lingc.program import Program
 
 FORMAT = "lingc-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1          # what a tp = 1 artifact is written as (unchanged since version 1)
+TP_FORMAT_VERSION = 2       # tp > 1: adds weights.ranks (one file set per rank); version-1 readers refuse it
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 WEIGHT_SHARD_BYTES = 2 * 2**30
 
@@ -60,19 +62,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_weights(program: Program, root: Path) -> list[str]:
-    (root / "weights").mkdir()
+def _write_weights(weights: dict[str, torch.Tensor], root: Path, rank: int = 0) -> list[str]:
+    (root / "weights").mkdir(exist_ok=True)
     files, shard, size = [], {}, 0
 
     def flush() -> None:
         nonlocal shard, size
-        name = f"weights/rank0-{len(files):05d}.safetensors"
+        name = f"weights/rank{rank}-{len(files):05d}.safetensors"
         save_file(shard, root / name, metadata={"format": "pt"})
         files.append(name)
         shard, size = {}, 0
 
-    for key in sorted(program.weights):
-        t = program.weights[key].detach().to("cpu").contiguous()
+    for key in sorted(weights):
+        t = weights[key].detach().to("cpu").contiguous()
         if shard and size + t.numel() * t.element_size() > WEIGHT_SHARD_BYTES:
             flush()
         shard[key] = t.clone() if any(t.data_ptr() == s.data_ptr() for s in shard.values()) else t
@@ -90,8 +92,10 @@ def _is_artifact(path: Path) -> bool:
 
 
 def write_artifact(result: Any, out: str | Path, source: str = "", force: bool = True,
-                   extra_files: list[Path] = ()) -> Path:
-    """Write a CompileResult (program + stages) to `out` atomically; returns the path."""
+                   extra_files: list[Path] = (), rank_weights: list[dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write a CompileResult (program + stages) to `out` atomically; returns the path.
+
+    rank_weights (compile --tp N): every rank's weights, rank 0's being the program's; one file set each."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not _is_artifact(out):
         raise ArtifactError(f"{out}: exists, is not empty and is not a lingc artifact; refusing to overwrite it")
@@ -103,7 +107,7 @@ def write_artifact(result: Any, out: str | Path, source: str = "", force: bool =
     try:
         for f in extra_files:                          # tokenizer files travel with the artifact, hashed
             shutil.copyfile(f, tmp / f.name)
-        _write_into(result, tmp, source)
+        _write_into(result, tmp, source, rank_weights)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)       # a failed write leaves nothing behind, not even the .partial
         raise
@@ -118,7 +122,7 @@ def write_artifact(result: Any, out: str | Path, source: str = "", force: bool =
     return out
 
 
-def _write_into(result: Any, tmp: Path, source: str) -> None:
+def _write_into(result: Any, tmp: Path, source: str, rank_weights: list | None = None) -> None:
     """Write graphs, trace snapshots, weights and the manifest into the (empty) directory `tmp`."""
     program: Program = result.program
     (tmp / "graphs").mkdir()
@@ -133,14 +137,19 @@ def _write_into(result: Any, tmp: Path, source: str) -> None:
         rel = f"trace/{stage.index:02d}-{stage.name}.txt"
         (tmp / rel).write_text(stage.text)
         stages.append({"index": stage.index, "name": stage.name, "file": rel})
-    weight_files = _write_weights(program, tmp)
+    ranks = rank_weights or [program.weights]
+    tp = len(ranks)
+    if tp != int(program.options.get("tp", 1)):
+        raise ArtifactError(f"{len(ranks)} weight sets for a program sharded for {program.options.get('tp', 1)} ranks")
+    rank_files = [_write_weights(ws, tmp, r) for r, ws in enumerate(ranks)]
+    weight_files = rank_files[0]
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "format": FORMAT, "format_version": FORMAT_VERSION if tp == 1 else TP_FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": source, "command": " ".join(sys.argv[1:]) if sys.argv else "",
-        "config": program.config.to_dict(), "options": program.options, "tp": 1,
+        "config": program.config.to_dict(), "options": program.options, "tp": tp,
         "programs": programs,
-        "weights": {"files": weight_files, "info": program.weight_info,
+        "weights": {"files": weight_files, **({"ranks": rank_files} if tp > 1 else {}), "info": program.weight_info,
                     "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
                                 for k, v in sorted(program.weights.items())}},
         "passes": [r.to_json() for r in result.records],
@@ -150,8 +159,9 @@ def _write_into(result: Any, tmp: Path, source: str) -> None:
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def read_manifest(path: str | Path, check_hashes: bool = True) -> Artifact:
-    """Read and check manifest.json (format, files present, hashes); loads no graph or weight."""
+def read_manifest(path: str | Path, check_hashes: bool = True, rank: int | None = None) -> Artifact:
+    """Read and check manifest.json (format, files present, hashes); loads no graph or weight.
+    With `rank`, other ranks' weight files are checked for presence but not hashed (each rank hashes its own)."""
     path = Path(path)
     mf = path / MANIFEST
     if not mf.exists():
@@ -162,23 +172,37 @@ def read_manifest(path: str | Path, check_hashes: bool = True) -> Artifact:
         raise ArtifactError(f"{mf}: not valid JSON ({e})") from None
     if manifest.get("format") != FORMAT:
         raise ArtifactError(f"{mf}: format is {manifest.get('format')!r}, want {FORMAT!r}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{mf}: format_version {manifest.get('format_version')}, this lingc reads {FORMAT_VERSION}")
+    if manifest.get("format_version") not in READ_VERSIONS:
+        raise ArtifactError(f"{mf}: format_version {manifest.get('format_version')}, this lingc reads "
+                            f"{' and '.join(map(str, READ_VERSIONS))}")
+    tp = manifest.get("tp", 1)
+    ranks = manifest.get("weights", {}).get("ranks") if isinstance(manifest.get("weights"), dict) else None
+    if not isinstance(tp, int) or tp < 1 or (tp > 1 and (not isinstance(ranks, list) or len(ranks) != tp)):
+        raise ArtifactError(f"{mf}: tp is {tp!r} but weights.ranks lists "
+                            f"{len(ranks) if isinstance(ranks, list) else 'no'} weight sets")
+    if manifest.get("format_version") == FORMAT_VERSION and tp != 1:
+        raise ArtifactError(f"{mf}: format_version {FORMAT_VERSION} artifacts have one rank, this one says tp {tp}")
+    others = {f for r, files in enumerate(ranks or []) if r != rank for f in files} if rank is not None else set()
     for rel, digest in manifest.get("files", {}).items():
         f = path / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise ArtifactError(f"{mf}: file entry {rel!r} points outside the artifact")
         if not f.exists():
             raise ArtifactError(f"{path}: file {rel} listed in the manifest is missing")
-        if check_hashes and sha256_file(f) != digest:
+        if check_hashes and rel not in others and sha256_file(f) != digest:
             raise ArtifactError(f"{path}: file {rel} does not match its sha256 in the manifest (modified or corrupt)")
     return Artifact(path, manifest)
 
 
-def load_artifact(path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True) -> Artifact:
-    """Read an artifact fully: manifest, graphs (allowlisted ops only) and weights."""
-    art = read_manifest(path, check_hashes)
+def load_artifact(path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True,
+                  rank: int = 0) -> Artifact:
+    """Read an artifact fully: manifest, graphs (allowlisted ops only) and the weights of TP rank `rank`
+    (a tp > 1 artifact's graphs need all its ranks running: lingc.runtime.tp)."""
+    art = read_manifest(path, check_hashes, rank=rank)
     m = art.manifest
+    tp = m.get("tp", 1)
+    if not isinstance(rank, int) or not 0 <= rank < tp:
+        raise ArtifactError(f"{art.path}: rank {rank} does not exist; the artifact has {tp} TP rank(s)")
     listed = set(m.get("files", {}))
     config = LingConfig.from_dict(m["config"], source=str(art.path / MANIFEST))
     graphs = {}
@@ -195,7 +219,7 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", check_ha
         except IRError as e:
             raise ArtifactError(f"{art.path / entry['file']}: {e}") from None
     weights: dict[str, torch.Tensor] = {}
-    for rel in m["weights"]["files"]:
+    for rel in (m["weights"]["ranks"][rank] if tp > 1 else m["weights"]["files"]):
         if rel not in listed:
             raise ArtifactError(f"{art.path}: weight file {rel} is not covered by the manifest's hashes")
         with safe_open(art.path / rel, framework="pt", device=str(device)) as f:

@@ -1,4 +1,4 @@
-"""The `lingc` command line: thin typer commands over the library (init, compile, passes, diff, report, demo)."""
+"""The `lingc` command line: thin typer commands over the library (init, compile, passes, diff, report, generate, demo, serve, bench)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
                 verify: bool = typer.Option(False, "--verify", help="check every stage against the previous one on CPU"),
                 max_len: int = typer.Option(512, help="tokens per request, prompt + output (a multiple of 16)"),
                 prefill_tokens: int = typer.Option(32, help="tokens per prefill chunk"),
-                draft_tokens: int = typer.Option(6, help="verify width (NEXTN steps + 1)")) -> None:
+                draft_tokens: int = typer.Option(6, help="verify width (NEXTN steps + 1)"),
+                tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks: runs the tp pass last and writes one "
+                                       "weight set per rank (must divide heads, experts, vocab; docs/tp.md)")) -> None:
     """Trace the checkpoint's step programs, run the passes, and write an artifact (JSON IR + safetensors)."""
     from lingc.artifact import ArtifactError
     from lingc.checkpoint import CheckpointError
@@ -85,7 +87,7 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
     t0 = time.perf_counter()
     try:
         result = compile_checkpoint(checkpoint, out, _split(passes), _split(programs) or None, dtype, verify,
-                                    options, progress=True)
+                                    options, progress=True, tp=tp)
     except (PassOrderError, ConfigError, CheckpointError, ArtifactError, ValueError, OSError) as e:
         _fail(str(e))
     except VerifyError as e:
@@ -101,7 +103,8 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
                       str(len(r.weights_added) + len(r.weights_changed)), f"{r.ms:.1f}", v)
     console.print(table)
     shown = escape(str(out))
-    console.print(f"programs: {', '.join(result.program.graphs)}; wrote [bold]{shown}[/bold] "
+    ranks = f" ({tp} TP ranks: one weight set each)" if tp > 1 else ""
+    console.print(f"programs: {', '.join(result.program.graphs)}{ranks}; wrote [bold]{shown}[/bold] "
                   f"in {time.perf_counter() - t0:.1f} s. Inspect: lingc diff {shown} --pass NAME, lingc report {shown}")
 
 
@@ -189,16 +192,21 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
 
     from lingc.artifact import ArtifactError
     from lingc.runtime.engine import EngineError, Request, SamplingParams
-    from lingc.runtime.session import open_session
+    from lingc.runtime.tp import open_any_session
+    session = None
     try:
         on_cuda = device.startswith("cuda")
-        session = open_session(artifact, spec=spec, device=device, simulate_accept_len=simulate_accept_len,
-                               backend=backend, cuda_graphs=cuda_graphs and on_cuda, pdl=pdl and on_cuda)
+        # a TP artifact (compile --tp N) starts its N ranks here and stops them below
+        session = open_any_session(artifact, spec=spec, device=device, simulate_accept_len=simulate_accept_len,
+                                   backend=backend, cuda_graphs=cuda_graphs and on_cuda, pdl=pdl and on_cuda)
         ids = session.encode(prompt_ids, prompt)
         req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), ignore_eos)
         result = session.engine.generate(req)
     except (ArtifactError, EngineError, ValueError, OSError) as e:
         _fail(str(e))
+    finally:
+        if session is not None and hasattr(session, "close"):
+            session.close()
     summary = session.summary(ids, result)
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
@@ -249,6 +257,73 @@ def demo(workdir: Path = typer.Option(Path(".lingc-demo"), help="where to put th
                   "`--temperature 0.8` or `--simulate-accept-len 3.2` show longer chains)")
     console.print(f"inspect: lingc diff {escape(str(art_dir))} --pass partition --program verify ; "
                   f"lingc report {escape(str(art_dir))} -o report.html")
+
+
+@app.command()
+def serve(artifact: Path = typer.Argument(..., help="artifact directory (lingc compile ... --passes all)"),
+          tp: Optional[int] = typer.Option(None, "--tp", min=1, help="tensor-parallel ranks (default: the "
+                                           "artifact's; N > 1 starts N ranks through lingc.runtime.tp)"),
+          host: str = typer.Option("127.0.0.1", help="address to bind: loopback by default; 0.0.0.0 exposes the server"),
+          port: int = typer.Option(30000, min=1, max=65535, help="TCP port"),
+          api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LINGC_API_KEY",
+                                                help="require 'Authorization: Bearer KEY' on every route but /health"),
+          device: str = typer.Option("cpu", help="cpu or cuda"),
+          spec: str = typer.Option("nextn", help="nextn (MTP draft, NEXTN 5/6) or none (plain decode)"),
+          max_queue: int = typer.Option(64, min=0, help="requests that may wait behind the running one; more get 503"),
+          max_body_bytes: int = typer.Option(1 << 20, min=1, help="request bodies larger than this get 413"),
+          served_model_name: Optional[str] = typer.Option(None, help="the model id clients send (default: the "
+                                                          "artifact directory's name)"),
+          log_level: str = typer.Option("info", help="uvicorn log level (warning, info, debug)")) -> None:
+    """Serve an artifact over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions, SGLang-style
+    /generate, /health, /get_server_info, /metrics. One request decodes at a time (docs/server.md)."""
+    try:
+        from lingc.runtime.server import ServerConfig, serve as run_server
+    except ImportError as e:
+        _fail(f"lingc serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
+    import importlib
+
+    import torch
+
+    from lingc.artifact import ArtifactError
+    from lingc.runtime.engine import EngineError
+    from lingc.runtime.session import open_session
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail(f"--device {device} but torch sees no CUDA device")
+    try:
+        tp_runtime = importlib.import_module("lingc.runtime.tp")
+    except ImportError as e:
+        if e.name != "lingc.runtime.tp":
+            _fail(f"cannot import lingc.runtime.tp: {e}")
+        tp_runtime = None
+    if tp is not None and tp > 1 and tp_runtime is None:
+        _fail("tensor parallelism is not available in this build (lingc.runtime.tp is missing); serve without --tp")
+    try:
+        if tp is not None and tp > 1:
+            session = tp_runtime.open_tp_session(artifact, tp=tp, device=device, spec=spec)
+        elif tp is None and tp_runtime is not None:              # a TP artifact starts its ranks here
+            session = tp_runtime.open_any_session(artifact, spec=spec, device=device)
+        else:
+            session = open_session(artifact, spec=spec, device=device)
+    except (ArtifactError, EngineError, ValueError, OSError) as e:
+        _fail(str(e))
+    ranks = getattr(session, "tp", tp or 1)
+    name = served_model_name or artifact.resolve().name
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(f"[yellow]warning:[/yellow] serving on {escape(host)} without --api-key: anyone who can reach "
+                  "this port can use the model")
+    console.print(f"serving [bold]{escape(name)}[/bold] ({escape(str(artifact))}, spec {spec}, {device}, tp {ranks}) on "
+                  f"http://{escape(host)}:{port}  (max queue {max_queue}{', API key required' if api_key else ''})")
+    try:
+        run_server(session, ServerConfig(name, api_key, max_queue, max_body_bytes, tp=ranks, device=device),
+                   host=host, port=port, log_level=log_level)
+    finally:
+        if hasattr(session, "close"):                            # a TP session stops its ranks
+            session.close()
+
+
+from lingc.bench_cli import bench as _bench  # noqa: E402  (light: no httpx until it runs)
+
+app.command("bench", help=_bench.__doc__)(_bench)
 
 
 def main() -> None:

@@ -25,15 +25,25 @@ def default_programs(num_mtp_layers: int) -> list[str]:
 
 def compile_checkpoint(checkpoint: str | Path, out: str | Path, passes: list[str], programs: list[str] | None = None,
                        dtype: str = "bf16", verify: bool = False, options: TraceOptions | None = None,
-                       progress: bool = False) -> CompileResult:
-    """Compile `checkpoint` with `passes` and write the artifact to `out`; returns the CompileResult."""
+                       progress: bool = False, tp: int = 1) -> CompileResult:
+    """Compile `checkpoint` with `passes` and write the artifact to `out`; returns the CompileResult.
+
+    tp > 1 runs the `tp` pass after every other pass and writes one weight set per rank (docs/tp.md)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     manager = PassManager(passes, verify=verify)          # validates pass names before any heavy work
+    if tp != 1:                                           # a bad --tp fails before any weight is read
+        from lingc.config import LingConfig
+        from lingc.passes.tp import check_tp
+        check_tp(LingConfig.from_json(checkpoint), tp)
     model = load(checkpoint, dtype=DTYPES[dtype], progress=progress)
     programs = programs or default_programs(model.config.num_nextn_predict_layers)
     program = trace(model, programs, options)
     result = manager.run(program)
+    rank_weights = None
+    if tp != 1:
+        from lingc.passes.tp import run_tp_stage
+        rank_weights = run_tp_stage(result, tp, verify)
     extra = [p for p in (Path(checkpoint) / f for f in EXTRA_FILES) if p.exists()]
-    write_artifact(result, out, source=str(checkpoint), extra_files=extra)
+    write_artifact(result, out, source=str(checkpoint), extra_files=extra, rank_weights=rank_weights)
     return result

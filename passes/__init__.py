@@ -10,8 +10,12 @@ from lingc.passes.fuse_projections import FuseProjections
 from lingc.passes.fuse_swiglu import FuseSwiglu
 from lingc.passes.partition import Partition
 from lingc.passes.pdl import Pdl
+from lingc.passes.tp import TensorParallel
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, FuseIndexChains, CaptureMetadata, Bf16Router,
                                                      FuseProjections, FuseAddNorm, FuseMoeAlign, Pdl)}
+# passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
+# after every pass above, with the degree as its argument (lingc.passes.tp.run_tp_stage)
+EXPLICIT_PASSES: dict[str, type[Pass]] = {TensorParallel.name: TensorParallel}
 
-__all__ = ["PASSES", "Pass", "PassRecord"]
+__all__ = ["EXPLICIT_PASSES", "PASSES", "Pass", "PassRecord"]

@@ -277,7 +277,7 @@ def test_compile_help_shows_the_default_max_len(runner):
 
 def test_top_level_help_lists_the_commands(runner):
     text = _ok(runner.invoke(app, ["--help"]))
-    for command in ("init", "compile", "passes", "diff", "report", "generate", "demo"):
+    for command in ("init", "compile", "passes", "diff", "report", "generate", "demo", "serve", "bench"):
         assert command in text
 
 
