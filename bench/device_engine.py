@@ -1,7 +1,7 @@
 """GPU check of the engine: greedy NEXTN == plain decode on the GPU, and one real-size Ling-3.0-tiny run.
 
-The engine still runs the reference ops eagerly (kernels and CUDA graphs are the next issue), so the
-times here are a baseline of the eager reference path, not lingc's speed.
+It runs the engine with backend="reference" and without CUDA graphs (the eager reference path, the
+baseline this check was written for); bench/device_step.py measures lingc's speed (Triton kernels, CUDA graphs).
     python3 bench/device_engine.py --json $OUT/engine.json
 """
 
@@ -45,7 +45,7 @@ def main() -> None:
                                   TraceOptions(max_len=320, prefill_tokens=16))
         out = {}
         for spec in ("nextn", "none"):
-            eng = Engine(program, "cuda", spec)
+            eng = Engine(program, "cuda", spec, backend="reference", cuda_graphs=False)
             eng.generate(Request(prompt, 8, ignore_eos=True))                       # warm-up
             t0 = time.perf_counter()
             r = eng.generate(Request(prompt, 128, ignore_eos=True))
@@ -61,7 +61,7 @@ def main() -> None:
         t0 = time.perf_counter()
         program, _ = _compile(str(real), torch.bfloat16, ["all"], TraceOptions(max_len=1024, prefill_tokens=64))
         rows["real_load_trace_passes_s"] = time.perf_counter() - t0
-        eng = Engine(program, "cuda", "nextn", simulate_accept_len=3.2)
+        eng = Engine(program, "cuda", "nextn", simulate_accept_len=3.2, backend="reference", cuda_graphs=False)
         eng.generate(Request(prompt, 8, ignore_eos=True))
         r = eng.generate(Request(list(range(100, 164)), 64, ignore_eos=True))
         rows["real_nextn_mean_accept_len_simulated"] = r.mean_accept_len

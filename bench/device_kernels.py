@@ -12,24 +12,16 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import events_ms  # noqa: E402
+
 
 def _time_us(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return events_ms(fn, repeats=iters, warmup=10) * 1e3
 
 
 def main() -> None:

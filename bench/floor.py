@@ -68,5 +68,4 @@ def step_bytes(exe: Executor, graph: str) -> dict[str, int]:
             counts["mla_cache"] += rows * kv_pages.shape[-1] * kv_pages.element_size() * positions.shape[0]
 
     exe.run(graph, observe=observe)
-    torch.cuda.synchronize() if exe.device.type == "cuda" else None
     return dict(counts)

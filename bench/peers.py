@@ -24,22 +24,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import events_ms  # noqa: E402
+
 DRAFT_TOKENS = 6
-
-
-def _events_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "nextn_step")) -> dict:
@@ -102,7 +90,7 @@ def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "n
             def run() -> None:
                 reset()
                 step()
-            out[key + "_ms"] = _events_ms(run)
+            out[key + "_ms"] = events_ms(run)
     from torch._dynamo.utils import counters
     out["cudagraph_skips"] = dict(counters["inductor"]).get("cudagraph_skips", 0)
     return out

@@ -57,6 +57,22 @@ def graph_time_us(calls: Sequence[Callable[[], object]], repeats: int = 30, warm
     return statistics.median(times)
 
 
+def events_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of one eager call of fn between two CUDA events (launch overhead included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def hbm_bandwidth_gbps(size_bytes: int = 4 * 2**30, repeats: int = 10) -> float:
     """Measured device-to-device copy bandwidth (read + write bytes / time), GB/s, median of repeats."""
     n = size_bytes // 2
