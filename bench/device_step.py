@@ -34,7 +34,7 @@ CONTEXT = 8192
 DRAFT_TOKENS = 6
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
-            "capture_metadata", "pdl")
+            "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert")     # then "all" adds fuse_index_chains
 
 
 def _sync() -> None:
@@ -215,8 +215,8 @@ def main() -> None:
             result = json.load(f)
         for item in args.merge_peers:
             name, path = item.split("=", 1)
-            with open(path) as f:
-                result.setdefault("peers", {})[name] = json.load(f)
+            with open(path) as f:          # several files may name one peer (its steps compiled apart)
+                result.setdefault("peers", {}).setdefault(name, {}).update(json.load(f))
         summarize(result)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

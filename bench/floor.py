@@ -53,7 +53,15 @@ def step_bytes(exe: Executor, graph: str) -> dict[str, int]:
         for a in tensors:
             if id(a) in weight_ids:
                 counts["weights"] += _size(a)
-        if op.startswith("kda_recurrent"):
+        if op == "kda_fused_verify":                                       # 3 staged convs + staged recurrence
+            slots = args[14]
+            counts["kda_state"] += sum(2 * _size(pool[0]) * slots.numel() for pool in args[8:11])
+            counts["kda_state"] += _size(args[13][0]) * slots.numel() + _size(args[18])
+        elif op == "kda_conv_qkv":                                         # 3 in-place convs
+            counts["kda_state"] += sum(2 * _size(pool[0]) * args[9].numel() for pool in args[6:9])
+        elif op == "kda_commit_multi":
+            counts["kda_state"] += sum(2 * _size(pool[0]) * args[0].numel() for pool in args[2::2] if pool is not None)
+        elif op.startswith("kda_recurrent"):
             pool, slots = args[7], args[8]
             state = _size(pool[0]) * slots.numel()
             counts["kda_state"] += state                                   # read

@@ -3,7 +3,7 @@ chain_accept, sample_tokens) at the Ling-3.0-tiny decode shapes, against the tor
 
 Shapes: router E=128, k=8, n_group=8, topk_group=4, scale 2.5, BM=16, N in {1, 6} (decode, verify chain);
 greedy_sample V=157184, T in {1, 7}; chain_accept B=1, K=6, V=157184 (greedy: the decode hot path; sampled:
-temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}.
+temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}; uniform n in {1, 6} (bit-exact).
 
 Each row: correctness vs the reference op on the GPU (router: per-row id sets and the weight of each id, the
 reference's order being unspecified; alignment and token ids exact), pdl=True output == pdl=False output bit for
@@ -141,6 +141,16 @@ def _sample_rows(dev: torch.device) -> list[dict]:
                          exact, torch.equal(got, sample_tokens(*copies[0], pdl=True)),
                          _time(sample_tokens, copies), _time(sample_tokens_ref, copies), T * V * 4,
                          pdl_time_us=_time(lambda *a: sample_tokens(*a, pdl=True), copies)))
+    for n in (1, 6):                                                          # uniform (the counter-based RNG)
+        from lingc.kernels.sample import uniform
+        seed = torch.randint(-2**62, 2**62, (1,), device=dev, generator=g, dtype=torch.int64)
+        counter = torch.randint(0, 2**40, (1,), device=dev, generator=g, dtype=torch.int64)
+        copies = [(seed, counter, n)]
+        got, want = uniform(seed, counter, n), torch.ops.lingc.uniform(seed, counter, n)
+        exact = torch.equal(got, want)
+        rows.append(_row("uniform", f"B=1 n={n}", exact, 0.0 if exact else float("inf"), exact,
+                         torch.equal(got, uniform(seed, counter, n, pdl=True)),
+                         _time(uniform, copies), _time(torch.ops.lingc.uniform, copies), 16 + 4 * n))
     return rows
 
 

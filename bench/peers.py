@@ -3,17 +3,26 @@
     torch_compile_decode / torch_compile_nextn (reported together as torch_compile)
                    lingc's reference model running its own decode_step / nextn_step (lingc/steps.py, the functions
                    lingc traces) under torch.compile(mode="max-autotune"), which captures CUDA graphs
+    torch_compile_reduce_overhead
+                   both steps under torch.compile(mode="reduce-overhead") (CUDA graphs, no autotuning): a second
+                   torch.compile point that compiles in far less time than max-autotune
     transformers   transformers' BailingHybridForCausalLM, eager, decode with its cache. transformers 5.23 has no
                    q-LoRA and no MTP (shared/docs/architecture.md), so this peer runs Ling-3.0-tiny with a single
                    q_proj (q_lora_rank None: 9.4 MB more per MLA layer) and times the plain decode step only
 
-Both use the same context as bench/device_step.py (8192 tokens). Run by device_step.py --peers, or alone:
+All use the same context as bench/device_step.py (8192 tokens). Run by device_step.py --peers, or alone:
     python3 bench/peers.py torch_compile_decode --json out.json
+Several peer processes may share one GPU: each compiles on its own, but times its steps only while holding
+an exclusive lock (TIMING_LOCK), so no two peers time at once. A peer that runs past PEER_DUMP_S seconds
+(environment) prints every thread's stack to stderr, which says where a slow compile spends its time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import fcntl
 import json
 import os
 import statistics
@@ -28,9 +37,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import events_ms  # noqa: E402
 
 DRAFT_TOKENS = 6
+TIMING_LOCK = os.path.join(tempfile.gettempdir(), "lingc-peer-timing.lock")
 
 
-def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "nextn_step")) -> dict:
+@contextlib.contextmanager
+def timing_lock():
+    """Exclusive use of the GPU for timing, among peer processes that share it."""
+    with open(TIMING_LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "nextn_step"),
+                       mode: str = "max-autotune") -> dict:
     from lingc.init import random_model
     from lingc.presets import preset
     from lingc.state import ModelState
@@ -74,23 +96,30 @@ def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "n
     def reset() -> None:
         inputs["relay_seq_len"][0] = context
 
-    out: dict = {"mode": "max-autotune"}
+    out: dict = {"mode": mode}
     for key, nextn in (("decode_step", False), ("nextn_step", True)):
         if key not in steps:
             continue
-        print(f"compiling {key} (max-autotune)", flush=True)
+        print(f"compiling {key} ({mode})", flush=True)
         reset()
-        step = torch.compile(Step(nextn), mode="max-autotune")
+        step = torch.compile(Step(nextn), mode=mode)
         t0 = time.perf_counter()
         with torch.no_grad():
             step()
             torch.cuda.synchronize()
             out[key + "_compile_s"] = time.perf_counter() - t0
+            print(f"{key} compiled in {out[key + '_compile_s']:.0f} s", flush=True)
 
             def run() -> None:
                 reset()
                 step()
-            out[key + "_ms"] = events_ms(run)
+            for _ in range(3):          # cudagraph trees record on the first calls after compiling
+                run()
+            torch.cuda.synchronize()
+            with timing_lock():
+                out[key + "_ms"] = events_ms(run)
+                out[key + "_ms_repeat"] = events_ms(run)
+            print(f"{key}: {out[key + '_ms']:.3f} ms", flush=True)
     from torch._dynamo.utils import counters
     out["cudagraph_skips"] = dict(counters["inductor"]).get("cudagraph_skips", 0)
     return out
@@ -131,9 +160,15 @@ def transformers_peer(context: int) -> dict:
     return out
 
 
+def _timed_transformers(context: int) -> dict:
+    with timing_lock():
+        return transformers_peer(context)
+
+
 PEERS = {"torch_compile_decode": lambda context: torch_compile_peer(context, ("decode_step",)),
          "torch_compile_nextn": lambda context: torch_compile_peer(context, ("nextn_step",)),
-         "transformers": transformers_peer}
+         "torch_compile_reduce_overhead": lambda context: torch_compile_peer(context, mode="reduce-overhead"),
+         "transformers": _timed_transformers}
 
 
 def run_peers(model, options, context: int, timeout_s: int = 420) -> dict:
@@ -156,7 +191,7 @@ def run_peers(model, options, context: int, timeout_s: int = 420) -> dict:
         except subprocess.TimeoutExpired:
             results[name] = {"error": f"timed out after {timeout_s} s"}
         print(name, json.dumps(results[name])[:600], flush=True)
-    compiled = {(f"{name}_error" if k == "error" else k): v
+    compiled = {(k if k.startswith(("decode_step", "nextn_step")) else f"{name}_{k}"): v
                 for name in ("torch_compile_decode", "torch_compile_nextn") for k, v in results.pop(name).items()}
     results["torch_compile"] = compiled      # decode_step_ms and nextn_step_ms, each compiled in its own process
     return results
@@ -168,7 +203,11 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--context", type=int, default=8192)
     args = ap.parse_args()
+    if os.environ.get("PEER_DUMP_S"):
+        faulthandler.dump_traceback_later(float(os.environ["PEER_DUMP_S"]), repeat=True)
+    t0 = time.perf_counter()
     result = PEERS[args.peer](args.context)
+    result["peer_wall_s"] = time.perf_counter() - t0
     with open(args.json, "w") as f:
         json.dump(result, f, default=str)
 

@@ -12,8 +12,16 @@ parameters of its `torch.ops.lingc.*` reference, then keyword-only `pdl`:
     kda_commit(pool [S,...], slots [B], staging [B,TS,...], accept_len [B])      -> None: pool[slot] = staging[b, a-1]
     gated_rmsnorm(x [...,D], weight [D], gate [...,D], eps)                     -> [...,D]
 
-and the stretch op (no lingc op yet), one launch for a whole KDA token mixer after the projections:
+and three launch-saving composites (the fuse_kda pass puts them in the graphs; at batch 1 a KDA layer is
+launch bound), each bit-identical to the launches it replaces:
 
+    kda_conv_qkv(xq, xk, xv [B,T,P], wq, wk, wv, pool_q, pool_k, pool_v, slots) -> (q, k, v)     (pools updated)
+        == three kda_conv; grid (B, cdiv(P, CONV_BLOCK_P), 3), axis 2 picks the conv and its program runs
+        kda_conv's program body (`_conv_rows`) on that conv's pointers. Decode's convs in one launch.
+    kda_commit_multi(slots, accept_len, pool0, staging0[, pool1, staging1[, ... pool3, staging3]]) -> None
+        == kda_commit(pool_i, slots, staging_i, accept_len) per pair, any trailing shapes and dtypes; grid
+        (B, sum_i cdiv(N_i, COMMIT_BLOCK)), a program finds its pair from the cumulative block counts (host
+        shapes) and copies one block as kda_commit's program does (`_commit_rows`). A layer's 4 commits in one.
     kda_fused_verify(q_raw, k_raw, v_raw [B,T,P], f [B,T,H,D], b [B,T,H], conv_q_w, conv_k_w, conv_v_w [P,1,W] fp32,
                      conv_q_pool, conv_k_pool, conv_v_pool [S,P,W-1], A_log [H], dt_bias [P],
                      state_pool [S,H,D,D] fp32, slots [B], staging_q, staging_k, staging_v [B,TS,P,W-1],
@@ -24,7 +32,7 @@ and the stretch op (no lingc op yet), one launch for a whole KDA token mixer aft
         GPU). Each V tile recomputes the q/k convs of its whole head (they are tiny) and stages its own slice of
         the q/k/v windows. There is no in-place (decode) twin: every V tile of a head reads the head's q/k conv
         windows, so none may update them before all have read (no inter-CTA ordering inside one launch), and
-        one program per head spills at D = 128. Decode uses the separate kernels.
+        one program per head spills at D = 128. Decode uses kda_conv_qkv + kda_recurrent (2 launches, not 4).
 
 Recurrence tiling: grid (B*H, cdiv(D, BLOCK_V)); a program keeps its [D, BLOCK_V] fp32 slice of the head's state
 (K rows, V columns) in registers across the T positions. Per position it loads the whole q_t, k_t, f_t of its
@@ -58,12 +66,17 @@ Bytes per call (H = 16, D = 128, P = 2048, B = 1, bf16 activations):
     kda_commit             read + write H*D*D*4 = 1 MiB each (recurrent), 2*P*(W-1)*2 (a conv window)
     kda_conv(_staged)      x T*P*2, y T*P*2, weight P*W*4, pool/staging windows P*(W-1)*2 (per position staged)
     gated_rmsnorm          x, gate, out T*P*2 each
+    kda_conv_qkv, kda_commit_multi, kda_fused_verify: the sums of what they replace (one launch each)
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, weights (conv weights, A_log,
 dt_bias, norm weight) are loaded before `gdc_wait()`; slots, pools, staging and activations after it;
 `gdc_launch_dependents()` follows the last load of data an earlier kernel wrote: after the position loop (each
 position's inputs are loaded inside it), and after the in-place conv window update (its loads and stores are
-split by a CTA barrier). With PDL off no GDC call is emitted.
+split by a CTA barrier). With PDL off no GDC call is emitted. The composites wait and trigger as the kernels
+they replace do (kda_conv_qkv and kda_commit_multi run those kernels' program bodies).
+
+One file for the family, past the usual ~400 lines: the composites call the separate kernels' device helpers,
+and sharing them is what keeps the composites bit-identical to the kernels they replace.
 """
 
 from __future__ import annotations
@@ -207,12 +220,10 @@ def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: t
 # ---------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr,
-                     P, s_xb, s_xt, s_pool, s_stb, s_stt,
-                     T: tl.constexpr, W: tl.constexpr, BLOCK_P: tl.constexpr,
-                     STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    rp = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+def _conv_rows(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr, b, rp,
+               P, s_xb, s_xt, s_pool, s_stb, s_stt,
+               T: tl.constexpr, W: tl.constexpr, STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """One conv program's work: channels rp of batch row b over the T positions (PDL waits and triggers inside)."""
     pm = rp < P
     w0 = _tap_weight(w_ptr, rp, pm, 0, W)
     w1 = _tap_weight(w_ptr, rp, pm, 1, W)
@@ -233,6 +244,37 @@ def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr,
         _store_window(pool_row, pool_row, x_row, s_xt, T, pm, W, True)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr,
+                     P, s_xb, s_xt, s_pool, s_stb, s_stt,
+                     T: tl.constexpr, W: tl.constexpr, BLOCK_P: tl.constexpr,
+                     STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    rp = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    _conv_rows(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr, b, rp, P, s_xb, s_xt, s_pool, s_stb, s_stt,
+               T, W, STAGED, PRECISE, PDL)
+
+
+@triton.jit
+def _kda_conv_qkv_kernel(xq_ptr, xk_ptr, xv_ptr, wq_ptr, wk_ptr, wv_ptr, pq_ptr, pk_ptr, pv_ptr, slots_ptr,
+                         yq_ptr, yk_ptr, yv_ptr, P, s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_pq, s_pk, s_pv,
+                         T: tl.constexpr, W: tl.constexpr, BLOCK_P: tl.constexpr,
+                         PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """Grid axis 2 picks the conv (0 q, 1 k, 2 v); each program is exactly a kda_conv program of that conv."""
+    b = tl.program_id(0).to(tl.int64)
+    rp = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    which = tl.program_id(2)
+    if which == 0:
+        _conv_rows(xq_ptr, wq_ptr, pq_ptr, slots_ptr, pq_ptr, yq_ptr, b, rp, P, s_qb, s_qt, s_pq, 0, 0,
+                   T, W, False, PRECISE, PDL)
+    elif which == 1:
+        _conv_rows(xk_ptr, wk_ptr, pk_ptr, slots_ptr, pk_ptr, yk_ptr, b, rp, P, s_kb, s_kt, s_pk, 0, 0,
+                   T, W, False, PRECISE, PDL)
+    else:
+        _conv_rows(xv_ptr, wv_ptr, pv_ptr, slots_ptr, pv_ptr, yv_ptr, b, rp, P, s_vb, s_vt, s_pv, 0, 0,
+                   T, W, False, PRECISE, PDL)
 
 
 @triton.jit
@@ -349,19 +391,52 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
 
 
 @triton.jit
-def _kda_commit_kernel(pool_ptr, slots_ptr, staging_ptr, accept_ptr, N, TS, s_pool, s_stb, s_stt,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _commit_rows(pool_ptr, staging_ptr, slot, accept, b, blk, N, TS, s_pool, s_stb, s_stt,
+                 BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """pool[slot, blk-th BLOCK of the N elements] = staging[b, clamp(accept - 1, 0, TS - 1), same elements]."""
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    pick = tl.minimum(tl.maximum(tl.load(accept_ptr + b).to(tl.int64) - 1, 0), TS - 1)
+    pick = tl.minimum(tl.maximum(accept - 1, 0), TS - 1)
     val = tl.load(staging_ptr + b * s_stb + pick * s_stt + offs, mask=m)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(pool_ptr + slot * s_pool + offs, val.to(pool_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _kda_commit_kernel(pool_ptr, slots_ptr, staging_ptr, accept_ptr, N, TS, s_pool, s_stb, s_stt,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    accept = tl.load(accept_ptr + b).to(tl.int64)
+    _commit_rows(pool_ptr, staging_ptr, slot, accept, b, tl.program_id(1), N, TS, s_pool, s_stb, s_stt, BLOCK, PDL)
+
+
+@triton.jit
+def _kda_commit_multi_kernel(slots_ptr, accept_ptr, p0_ptr, st0_ptr, p1_ptr, st1_ptr, p2_ptr, st2_ptr, p3_ptr, st3_ptr,
+                             N0, TS0, s_p0, s_stb0, s_stt0, N1, TS1, s_p1, s_stb1, s_stt1,
+                             N2, TS2, s_p2, s_stb2, s_stt2, N3, TS3, s_p3, s_stb3, s_stt3, end0, end1, end2,
+                             PAIRS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid axis 1 runs over the pairs' blocks back to back: [0, end0) pair 0, [end0, end1) pair 1, ..."""
+    b = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    accept = tl.load(accept_ptr + b).to(tl.int64)
+    if blk < end0:
+        _commit_rows(p0_ptr, st0_ptr, slot, accept, b, blk, N0, TS0, s_p0, s_stb0, s_stt0, BLOCK, PDL)
+    elif blk < end1:
+        if PAIRS > 1:                              # absent pairs own no blocks; PAIRS only drops their code
+            _commit_rows(p1_ptr, st1_ptr, slot, accept, b, blk - end0, N1, TS1, s_p1, s_stb1, s_stt1, BLOCK, PDL)
+    elif blk < end2:
+        if PAIRS > 2:
+            _commit_rows(p2_ptr, st2_ptr, slot, accept, b, blk - end1, N2, TS2, s_p2, s_stb2, s_stt2, BLOCK, PDL)
+    else:
+        if PAIRS > 3:
+            _commit_rows(p3_ptr, st3_ptr, slot, accept, b, blk - end2, N3, TS3, s_p3, s_stb3, s_stt3, BLOCK, PDL)
 
 
 @triton.jit
@@ -461,6 +536,29 @@ def kda_conv_staged(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tens
     return _conv("kda_conv_staged", x, weight, conv_pool, slots, staging, pdl)
 
 
+def kda_conv_qkv(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                 wv: torch.Tensor, pool_q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                 slots: torch.Tensor, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three kda_conv (q, k, v; pools updated) in one launch (lingc.kda_conv_qkv): grid axis 2 picks the conv,
+    each program runs kda_conv's program body, so every output and window has kda_conv's bits."""
+    op = "kda_conv_qkv"
+    dims = [_check_conv(op, x, w, p, slots, None) for x, w, p in ((xq, wq, pool_q), (xk, wk, pool_k), (xv, wv, pool_v))]
+    if len(set(dims)) != 1:
+        _fail(op, f"the three convs have [B, T, P, W] {dims}, want one shape")
+    B, T, P, W = dims[0]
+    xq, xk, xv = (_inner(x) for x in (xq, xk, xv))
+    ys = tuple(torch.empty((B, T, P), dtype=x.dtype, device=x.device) for x in (xq, xk, xv))
+    if B * T == 0:
+        return ys
+    pdl = pdl and pdl_supported(xq.device)
+    _kda_conv_qkv_kernel[(B, triton.cdiv(P, CONV_BLOCK_P), 3)](
+        xq, xk, xv, wq, wk, wv, pool_q, pool_k, pool_v, slots, *ys, P,
+        xq.stride(0), xq.stride(1), xk.stride(0), xk.stride(1), xv.stride(0), xv.stride(1),
+        pool_q.stride(0), pool_k.stride(0), pool_v.stride(0), T=T, W=W, BLOCK_P=CONV_BLOCK_P,
+        PRECISE=_precise(xq.device), PDL=pdl, **_launch_opts(pdl, CONV_WARPS))
+    return ys
+
+
 def _check_recurrent(op: str, q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging) -> tuple[int, ...]:
     if q.dim() != 4 or not q.is_floating_point():
         _fail(op, f"q is {list(q.shape)} {q.dtype}, want a float [B, T, H, D]")
@@ -526,20 +624,25 @@ def kda_recurrent_staged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: t
                       lower_bound, pdl, block_v, num_warps)
 
 
-def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, accept_len: torch.Tensor, *,
-               pdl: bool = False, block: int | None = None, num_warps: int | None = None) -> None:
-    """pool[slots[b]] = staging[b, clamp(accept_len[b] - 1, 0, TS - 1)] (lingc.kda_commit); any trailing shape."""
-    op = "kda_commit"
+def _check_commit(op: str, pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor,
+                  accept_len: torch.Tensor, name: str = "") -> tuple[int, int]:
+    """(B, N elements per slot) of a (pool, staging) pair; `name` tells pairs apart in errors ('1: ')."""
     B = staging.shape[0] if staging.dim() >= 2 else -1
     if staging.dim() < 2 or staging.shape[2:] != pool.shape[1:]:
-        _fail(op, f"staging is {list(staging.shape)}, want [B, TS, {', '.join(map(str, pool.shape[1:]))}] (pool "
-                  f"{list(pool.shape)})")
+        _fail(op, f"{name}staging is {list(staging.shape)}, want [B, TS, {', '.join(map(str, pool.shape[1:]))}] "
+                  f"(pool {list(pool.shape)})")
     if not pool.is_contiguous() or not staging.is_contiguous():
-        _fail(op, "pool and staging must be contiguous")
+        _fail(op, f"{name}pool and staging must be contiguous")
     _check_slots(op, slots, B)
     if accept_len.shape != (B,) or accept_len.dtype not in (torch.int32, torch.int64):
         _fail(op, f"accept_len is {list(accept_len.shape)} {accept_len.dtype}, want [{B}] int32/int64")
-    N = math.prod(pool.shape[1:])
+    return B, math.prod(pool.shape[1:])
+
+
+def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, accept_len: torch.Tensor, *,
+               pdl: bool = False, block: int | None = None, num_warps: int | None = None) -> None:
+    """pool[slots[b]] = staging[b, clamp(accept_len[b] - 1, 0, TS - 1)] (lingc.kda_commit); any trailing shape."""
+    B, N = _check_commit("kda_commit", pool, slots, staging, accept_len)
     if B == 0 or N == 0 or staging.shape[1] == 0:
         return None
     pdl = pdl and pdl_supported(pool.device)
@@ -547,6 +650,40 @@ def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, a
     _kda_commit_kernel[(B, triton.cdiv(N, blk))](pool, slots, staging, accept_len, N, staging.shape[1],
                                                  pool.stride(0), staging.stride(0), staging.stride(1),
                                                  BLOCK=blk, PDL=pdl, **_launch_opts(pdl, num_warps or COMMIT_WARPS))
+    return None
+
+
+def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pool0: torch.Tensor, staging0: torch.Tensor,
+                     pool1: torch.Tensor | None = None, staging1: torch.Tensor | None = None,
+                     pool2: torch.Tensor | None = None, staging2: torch.Tensor | None = None,
+                     pool3: torch.Tensor | None = None, staging3: torch.Tensor | None = None, *,
+                     pdl: bool = False, block: int | None = None, num_warps: int | None = None) -> None:
+    """kda_commit of up to 4 (pool, staging) pairs sharing slots and accept_len, in one launch
+    (lingc.kda_commit_multi). Grid (B, blocks of pair 0 + ... + blocks of pair 3): each program copies one block
+    of one pair exactly as a kda_commit program would, so the pools get kda_commit's bits."""
+    op = "kda_commit_multi"
+    pairs = [(p, st) for p, st in ((pool0, staging0), (pool1, staging1), (pool2, staging2), (pool3, staging3))
+             if p is not None or st is not None]
+    if any(p is None or st is None for p, st in pairs):
+        _fail(op, "every pool needs its staging and every staging its pool")
+    blk = block or COMMIT_BLOCK
+    args, ends, total = [], [], 0
+    for i, (pool, staging) in enumerate(pairs):
+        B, N = _check_commit(op, pool, slots, staging, accept_len, f"pair {i}: ")    # B == len(slots) for all
+        TS = staging.shape[1]
+        total += triton.cdiv(N, blk) if N and TS else 0           # an empty pair owns no blocks
+        ends.append(total)
+        args.append((N, TS, pool.stride(0), staging.stride(0), staging.stride(1)))
+    if B == 0 or total == 0:
+        return None
+    pdl = pdl and pdl_supported(pool0.device)
+    n = len(pairs)
+    pairs += [(pool0, staging0)] * (4 - n)                        # placeholders for absent pairs: never reached
+    args += [(0, 1, 0, 0, 0)] * (4 - n)
+    ends += [total] * (4 - n)
+    _kda_commit_multi_kernel[(B, total)](slots, accept_len, *(t for pair in pairs for t in pair),
+                                         *(a for pair in args for a in pair), *ends[:3],
+                                         PAIRS=n, BLOCK=blk, PDL=pdl, **_launch_opts(pdl, num_warps or COMMIT_WARPS))
     return None
 
 
@@ -642,6 +779,16 @@ def kda_commit_ref(pool, slots, staging, accept_len):
     return torch.ops.lingc.kda_commit(pool, slots, staging, accept_len)
 
 
+def kda_conv_qkv_ref(xq, xk, xv, wq, wk, wv, pool_q, pool_k, pool_v, slots):
+    """The lingc op, whose reference is three kda_conv calls."""
+    return torch.ops.lingc.kda_conv_qkv(xq, xk, xv, wq, wk, wv, pool_q, pool_k, pool_v, slots)
+
+
+def kda_commit_multi_ref(slots, accept_len, *pairs):
+    """The lingc op, whose reference is one kda_commit per (pool, staging) pair."""
+    return torch.ops.lingc.kda_commit_multi(slots, accept_len, *pairs)
+
+
 def gated_rmsnorm_ref(x, weight, gate, eps):
     return torch.ops.lingc.gated_rmsnorm(x, weight, gate, eps)
 
@@ -649,13 +796,10 @@ def gated_rmsnorm_ref(x, weight, gate, eps):
 def kda_fused_verify_ref(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool,
                          conv_v_pool, A_log, dt_bias, state_pool, slots, staging_q, staging_k, staging_v,
                          staging_state, lower_bound):
-    """The lingc ops kda_fused_verify replaces: three staged convs, then the staged recurrence."""
-    heads = f.shape
-    q = torch.ops.lingc.kda_conv_staged(q_raw, conv_q_w, conv_q_pool, slots, staging_q).view(heads)
-    k = torch.ops.lingc.kda_conv_staged(k_raw, conv_k_w, conv_k_pool, slots, staging_k).view(heads)
-    v = torch.ops.lingc.kda_conv_staged(v_raw, conv_v_w, conv_v_pool, slots, staging_v).view(heads)
-    return torch.ops.lingc.kda_recurrent_staged(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging_state,
-                                                lower_bound)
+    """The lingc op, whose reference is what it replaces: three staged convs, then the staged recurrence."""
+    return torch.ops.lingc.kda_fused_verify(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool,
+                                            conv_k_pool, conv_v_pool, A_log, dt_bias, state_pool, slots, staging_q,
+                                            staging_k, staging_v, staging_state, lower_bound)
 
 
 LOWERINGS: dict[str, Callable] = {
@@ -665,4 +809,7 @@ LOWERINGS: dict[str, Callable] = {
     "kda_recurrent_staged": kda_recurrent_staged,
     "kda_commit": kda_commit,
     "gated_rmsnorm": gated_rmsnorm,
+    "kda_conv_qkv": kda_conv_qkv,
+    "kda_fused_verify": kda_fused_verify,
+    "kda_commit_multi": kda_commit_multi,
 }

@@ -7,6 +7,8 @@ I expert width, E experts, BM = block_m):
     silu_and_mul  SwiGLU of [gate | up] halves: [..., 2I] -> [..., I]
     moe_down      act [NP, I] @ w2[e].T for every pair -> [NP, h]               (grouped GEMM, unweighted)
     moe_combine   sum_j w[n, j] * expert_out[n*k + j] in fp32, cast, + shared_out -> [N, h]
+                  (no shared_out after fuse_shared_expert: the shared expert is pair j = k-1, weight 1.0, and the
+                  fp32 sum is cast once)
 
 Grouped GEMM: one program per (N-tile, block of BM sorted rows). It reads `total` and exits at once when its
 block starts at or past it, else reads the block's expert from block_expert and its BM pair indices from
@@ -173,7 +175,8 @@ def _silu_and_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, inter, limit,
 
 @triton.jit
 def _moe_combine_kernel(e_ptr, w_ptr, s_ptr, out_ptr, H, stride_e, stride_w, stride_s, stride_o,
-                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr, PDL: tl.constexpr):
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        PDL: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -198,14 +201,18 @@ def _moe_combine_kernel(e_ptr, w_ptr, s_ptr, out_ptr, H, stride_e, stride_w, str
                 acc2 = acc2 + p
             else:
                 acc3 = acc3 + p
-    shared = tl.load(s_ptr + n * stride_s + cols, mask=mask, other=0.0)
+    if HAS_SHARED:
+        shared = tl.load(s_ptr + n * stride_s + cols, mask=mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     routed = acc0
     if ORDER == 1:
         routed = ((acc0 + acc1) + acc2) + acc3
     out_ty = out_ptr.dtype.element_ty
-    out = (routed.to(out_ty).to(tl.float32) + shared.to(tl.float32)).to(out_ty)
+    if HAS_SHARED:
+        out = (routed.to(out_ty).to(tl.float32) + shared.to(tl.float32)).to(out_ty)
+    else:
+        out = routed.to(out_ty)
     tl.store(out_ptr + n * stride_o + cols, out, mask=mask)
 
 
@@ -333,33 +340,37 @@ def silu_and_mul(h: torch.Tensor, limit: float, *, pdl: bool = False,
     return out
 
 
-def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: torch.Tensor, *,
+def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: torch.Tensor | None = None, *,
                 pdl: bool = False, out: torch.Tensor | None = None, order: int | None = None) -> torch.Tensor:
     """sum_j w[n, j] * expert_out[n*k + j] (fp32), cast, + shared_out: [NP, h], [N, k], [N, h] -> [N, h].
 
+    Without shared_out (fuse_shared_expert: the shared expert is one of the k pairs) the sum is cast and stored.
     `order` overrides COMBINE_ORDER[device type] (SEQUENTIAL or INTERLEAVE4; for the GPU check).
     """
     _float_dtype(expert_out, "moe_combine", "expert_out")
-    _float_dtype(shared_out, "moe_combine", "shared_out")
-    if topk_weights.dim() != 2 or shared_out.dim() != 2 or expert_out.dim() != 2:
+    shared = expert_out if shared_out is None else shared_out         # the dtype and h of the output
+    _float_dtype(shared, "moe_combine", "shared_out")
+    if topk_weights.dim() != 2 or shared.dim() != 2 or expert_out.dim() != 2:
         raise ValueError(f"moe_combine: want expert_out [NP, h], topk_weights [N, k], shared_out [N, h]; got "
-                         f"{list(expert_out.shape)}, {list(topk_weights.shape)}, {list(shared_out.shape)}")
+                         f"{list(expert_out.shape)}, {list(topk_weights.shape)}, {list(shared.shape)}")
     n, k = topk_weights.shape
-    h = shared_out.shape[1]
-    if shared_out.shape[0] != n or expert_out.shape != (n * k, h):
+    h = shared.shape[1]
+    if (shared_out is not None and shared_out.shape[0] != n) or expert_out.shape != (n * k, h):
         raise ValueError(f"moe_combine: expert_out {list(expert_out.shape)}, topk_weights {list(topk_weights.shape)}"
-                         f", shared_out {list(shared_out.shape)}: want [N*k, h], [N, k], [N, h]")
-    out = _out("moe_combine", out, (n, h), shared_out)
+                         f", shared_out {list(shared.shape) if shared_out is not None else None}: want [N*k, h], "
+                         "[N, k], [N, h] or None")
+    out = _out("moe_combine", out, (n, h), shared)
     if n == 0 or h == 0:
         return out
-    e2, s2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (expert_out, shared_out))
-    order = COMBINE_ORDER.get(shared_out.device.type, SEQUENTIAL) if order is None else order
-    pdl = pdl and pdl_supported(shared_out.device)
+    e2, s2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (expert_out, shared))
+    order = COMBINE_ORDER.get(shared.device.type, SEQUENTIAL) if order is None else order
+    pdl = pdl and pdl_supported(shared.device)
     launch = {"launch_pdl": True} if pdl else {}
     block = min(COMBINE_BLOCK_H, triton.next_power_of_2(h))
     _moe_combine_kernel[(n, triton.cdiv(h, block))](
         e2, topk_weights, s2, out, h, e2.stride(0), topk_weights.stride(0), s2.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_H=block, ORDER=order, PDL=pdl, num_warps=COMBINE_NUM_WARPS, **FP_OPTIONS, **launch)
+        TOP_K=k, BLOCK_H=block, ORDER=order, HAS_SHARED=shared_out is not None, PDL=pdl,
+        num_warps=COMBINE_NUM_WARPS, **FP_OPTIONS, **launch)
     return out
 
 
@@ -389,7 +400,7 @@ def moe_down_ref(act, w2, sorted_pairs, block_expert, total, block_m):
     return torch.ops.lingc.moe_down(act, w2, sorted_pairs, block_expert, total, block_m)
 
 
-def moe_combine_ref(expert_out, topk_weights, shared_out):
+def moe_combine_ref(expert_out, topk_weights, shared_out=None):
     """lingc's reference combine."""
     return torch.ops.lingc.moe_combine(expert_out, topk_weights, shared_out)
 

@@ -8,6 +8,9 @@ Output contract of `torch.ops.lingc.moe_align` (lingc/ops/moe.py; shared/docs/te
     block_expert  int32 [cdiv(NP + E*(BM-1), BM)]   the expert of each BM-row block, -1 past the total
     total         int32 [1]               sum over experts of ceil(count_e / BM) * BM
 
+After fuse_shared_expert the ids are [N, k+1] (column k is the shared expert E - 1 of E = experts + 1): nothing
+changes here but the counts, and the shared expert's bucket (the last) holds N pairs.
+
 Pair-axis algorithm (techniques.md section 6, "pair-axis variant"): one program loads the NP expert ids into
 registers, padded to NP_BLOCK (a power of two) with the out-of-range id E, and compares them pairwise
 ([NP_BLOCK, NP_BLOCK], row i against column j):

@@ -6,14 +6,16 @@
     group   = sum of the 2 best biased scores in each of n_group groups of E / n_group experts
     keep the topk_group best groups, then the top_k best biased experts among them
     weight  = score / (sum of the k selected scores + 1e-20) * routed_scaling_factor
+With fused_shared = S > 0 (fuse_shared_expert) each row's k picks are followed by S pairs: ids E .. E+S-1 with
+weight exactly 1.0, set after the renormalisation (so the routed weights keep their bits); the row has k + S pairs.
 Output order (the reference's is unspecified): descending biased score, ties to the lower expert id; group ties
 go to the lower group id. The k selected scores are summed one by one in that order, and every other step is
 elementwise or an exact max/min, so a row's bits do not depend on the tile layout, on num_warps or on the
 other rows: `router_topk` and `router_align` give the same bits for a row.
 
 `router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`; kernels/moe_align.py documents the
-pair-axis algorithm) in ONE launch when N * top_k <= MAX_PAIRS: a single program routes the N rows side by side,
-stores weights and ids, and (after one CTA barrier so every thread sees the stored ids) aligns the N*k pairs in
+pair-axis algorithm) in ONE launch when N * (top_k + S) <= MAX_PAIRS: a single program routes the N rows side by
+side, stores weights and ids, and (after one CTA barrier so every thread sees the stored ids) aligns the pairs in
 registers (pairwise ranks, bucket counts and offsets in [NP_BLOCK, NP_BLOCK] tiles). It writes every output cell
 itself, with disjoint stores (no torch pre-fill): pair slots, the padding of each expert's last block (sentinel
 NP), the tail past the total (NP), the owned blocks' experts and -1 past the total. Larger calls run the
@@ -123,17 +125,25 @@ def _load_bias(bias_ptr, GS, n_group, G_BLOCK: tl.constexpr, GS_BLOCK: tl.conste
 
 
 @triton.jit
-def _store_rows(w_ptr, ids_ptr, rows, n_rows, weights, ids, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr):
+def _append_shared(weights, ids, first_id, TOP_K: tl.constexpr, SHARED: tl.constexpr, K_BLOCK: tl.constexpr):
+    """Columns TOP_K .. TOP_K+SHARED-1 of the [R, K_BLOCK] picks: ids first_id + j, weight 1.0 (shared experts)."""
     kk = tl.arange(0, K_BLOCK)[None, :]
-    cells = rows[:, None] * TOP_K + kk
-    mask = (rows < n_rows)[:, None] & (kk < TOP_K)
+    shared = (kk >= TOP_K) & (kk < TOP_K + SHARED)
+    return tl.where(shared, 1.0, weights), tl.where(shared, first_id + kk - TOP_K, ids)
+
+
+@triton.jit
+def _store_rows(w_ptr, ids_ptr, rows, n_rows, weights, ids, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr):
+    kk = tl.arange(0, K_BLOCK)[None, :]
+    cells = rows[:, None] * WIDTH + kk
+    mask = (rows < n_rows)[:, None] & (kk < WIDTH)
     tl.store(w_ptr + cells, weights, mask=mask)
     tl.store(ids_ptr + cells, ids, mask=mask)
 
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_row, GS, n_group, topk_group, scale,
-                        G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                        G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
                         K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) + tl.arange(0, 1)                                     # one row per program
     bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)
@@ -143,14 +153,16 @@ def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_row, GS,
                                1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K, K_BLOCK)
+    if SHARED > 0:
+        weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
+    _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
 
 
 @triton.jit
 def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                          N, stride_row, GS, n_group, topk_group, scale, E, BM, max_padded, n_blocks,
                          R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr,
-                         TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
+                         TOP_K: tl.constexpr, SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
                          NP_BLOCK: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     rows = tl.arange(0, R_BLOCK)                                                  # all N rows side by side
     bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)
@@ -160,10 +172,13 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
                                R_BLOCK, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K, K_BLOCK)
+    if SHARED > 0:
+        weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
+    _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
     tl.debug_barrier()                        # the ids stored by every thread are visible to the pair-axis loads
-    # moe_align over the NP = N * k pairs (kernels/moe_align.py): rank, bucket count and offset of each pair
-    NP = N * TOP_K
+    # moe_align over the NP = N * (k + S) pairs (kernels/moe_align.py), E experts counting the shared ones:
+    # rank, bucket count and offset of each pair
+    NP = N * (TOP_K + SHARED)
     offs = tl.arange(0, NP_BLOCK)
     pvalid = offs < NP
     e = tl.load(ids_ptr + offs, mask=pvalid, other=E)                             # [NP_BLOCK], padding = E
@@ -222,23 +237,32 @@ def _check(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_g
     return (logits if N == 0 or logits.stride(-1) == 1 else logits.contiguous()), group_size
 
 
-def _tile(n_group: int, group_size: int, top_k: int) -> dict:
+def _tile(n_group: int, group_size: int, top_k: int, fused_shared: int) -> dict:
     return dict(G_BLOCK=triton.next_power_of_2(n_group), GS_BLOCK=triton.next_power_of_2(group_size),
-                TOP_K=top_k, K_BLOCK=max(2, triton.next_power_of_2(top_k)), NO_ID=_NO_ID)
+                TOP_K=top_k, SHARED=fused_shared, K_BLOCK=max(2, triton.next_power_of_2(top_k + fused_shared)),
+                NO_ID=_NO_ID)
+
+
+def _check_shared(fused_shared: int) -> None:
+    if isinstance(fused_shared, bool) or not isinstance(fused_shared, int) or fused_shared < 0:
+        raise ValueError(f"router: fused_shared must be an int >= 0, got {fused_shared!r}")
 
 
 def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                routed_scaling_factor: float, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [N, k], ids int32 [N, k]) as torch.ops.lingc.router_topk, ids by descending biased score."""
+                routed_scaling_factor: float, fused_shared: int = 0, *,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [N, k+S], ids int32 [N, k+S]) as torch.ops.lingc.router_topk, ids by descending biased score
+    and then the S = fused_shared shared experts (E .. E+S-1, weight 1.0)."""
     logits, group_size = _check(logits, expert_bias, n_group, topk_group, top_k)
+    _check_shared(fused_shared)
     N = logits.shape[0]
-    weights = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((N, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((N, top_k + fused_shared), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((N, top_k + fused_shared), dtype=torch.int32, device=logits.device)
     if N == 0:
         return weights, ids
     pdl = pdl and pdl_supported(logits.device)
     launch = {"launch_pdl": True} if pdl else {}
-    tile = _tile(n_group, group_size, top_k)
+    tile = _tile(n_group, group_size, top_k, fused_shared)
     _router_topk_kernel[(N,)](logits, expert_bias, weights, ids, N, logits.stride(0), group_size, n_group, topk_group,
                               float(routed_scaling_factor), **tile, PDL=pdl,
                               num_warps=_num_warps(tile["G_BLOCK"] * tile["GS_BLOCK"]), **launch)
@@ -246,34 +270,39 @@ def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, t
 
 
 def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                 routed_scaling_factor: float, num_experts: int, block_m: int, *, pdl: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int = 0, *,
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights, ids, sorted_pairs, block_expert, total) = router_topk then moe_align on its ids.
 
-    N * top_k <= MAX_PAIRS: one launch of one program; larger: the router_topk kernel, then moe_align.
+    num_experts = E + fused_shared. N * (top_k + fused_shared) <= MAX_PAIRS: one launch of one program;
+    larger: the router_topk kernel, then moe_align.
     """
     logits, group_size = _check(logits, expert_bias, n_group, topk_group, top_k)
+    _check_shared(fused_shared)
     N, E = logits.shape
-    if num_experts != E or block_m < 1:
-        raise ValueError(f"router_align: want num_experts == E ({E}) and block_m >= 1, got {num_experts}, {block_m}")
-    num_pairs = N * top_k
+    if num_experts != E + fused_shared or block_m < 1:
+        raise ValueError(f"router_align: want num_experts == E + fused_shared ({E} + {fused_shared}) and "
+                         f"block_m >= 1, got {num_experts}, {block_m}")
+    width = top_k + fused_shared
+    num_pairs = N * width
     if num_pairs == 0 or num_pairs > MAX_PAIRS:
-        weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, pdl=pdl)
+        weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor,
+                                   fused_shared, pdl=pdl)
         return (weights, ids, *moe_align(ids, num_experts, block_m, pdl=pdl))
     dev = logits.device
     max_padded, n_blocks = align_sizes(num_pairs, num_experts, block_m)
-    weights = torch.empty((N, top_k), dtype=torch.float32, device=dev)
-    ids = torch.empty((N, top_k), dtype=torch.int32, device=dev)
+    weights = torch.empty((N, width), dtype=torch.float32, device=dev)
+    ids = torch.empty((N, width), dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty((max_padded,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
     total = torch.empty((1,), dtype=torch.int32, device=dev)
     pdl = pdl and pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
-    tile = _tile(n_group, group_size, top_k)
+    tile = _tile(n_group, group_size, top_k, fused_shared)
     r_block = triton.next_power_of_2(N)
     _router_align_kernel[(1,)](
         logits, expert_bias, weights, ids, sorted_pairs, block_expert, total,
-        N, logits.stride(0), group_size, n_group, topk_group, float(routed_scaling_factor), E, block_m,
+        N, logits.stride(0), group_size, n_group, topk_group, float(routed_scaling_factor), num_experts, block_m,
         max_padded, n_blocks, R_BLOCK=r_block, **tile,
         NP_BLOCK=max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs)), BM_BLOCK=max(2, triton.next_power_of_2(block_m)),
         FILL=FILL_BLOCK, PDL=pdl, num_warps=_num_warps(r_block * tile["G_BLOCK"] * tile["GS_BLOCK"]), **launch)
@@ -281,20 +310,18 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
 
 
 def router_topk_ref(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                    routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """lingc's reference router (ids in unspecified order)."""
-    return torch.ops.lingc.router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor)
+                    routed_scaling_factor: float, fused_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """lingc's reference router (routed ids in unspecified order, then the shared ones)."""
+    return torch.ops.lingc.router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor,
+                                       fused_shared)
 
 
 def router_align_ref(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                     routed_scaling_factor: float, num_experts: int, block_m: int,
+                     routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int = 0,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """lingc's reference router_align (the lingc op where registered, else router_topk then moe_align)."""
-    if hasattr(torch.ops.lingc, "router_align"):
-        return torch.ops.lingc.router_align(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor,
-                                            num_experts, block_m)
-    weights, ids = router_topk_ref(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor)
-    return (weights, ids, *torch.ops.lingc.moe_align(ids, num_experts, block_m))
+    """lingc's reference router_align."""
+    return torch.ops.lingc.router_align(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor,
+                                        num_experts, block_m, fused_shared)
 
 
 LOWERINGS = {"router_topk": router_topk, "router_align": router_align}

@@ -356,4 +356,45 @@ def sample_tokens_ref(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.ops.lingc.sample_tokens(probs, u)
 
 
-LOWERINGS = {"greedy_sample": greedy_sample, "chain_accept": chain_accept, "sample_tokens": sample_tokens}
+# ---------------------------------------------------------------------------------------------- uniform
+
+@triton.jit
+def _splitmix64(x):
+    """splitmix64 finaliser on uint64 (wrapping multiply, logical shifts): lingc.ops.spec._splitmix64's bits."""
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    seed = tl.load(seed_ptr + b).to(tl.int64).to(tl.uint64, bitcast=True)
+    counter = tl.load(counter_ptr + b).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    idx = (counter + i).to(tl.uint64, bitcast=True)
+    bits = _splitmix64(_splitmix64(seed) ^ idx)
+    value = (bits >> 40).to(tl.int64).to(tl.float32) * (1.0 / (1 << 24))
+    tl.store(out_ptr + b * N + i, value, mask=i < N)
+
+
+def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, *, pdl: bool = False) -> torch.Tensor:
+    """n uniform fp32 in [0, 1) per request from (seed, counter + i) (lingc.uniform): one launch, the reference's
+    bits (splitmix64 on the same 64-bit patterns, top 24 bits scaled by 2^-24, exact in fp32)."""
+    B = seed.shape[0]
+    out = torch.empty((B, n), dtype=torch.float32, device=seed.device)
+    if B == 0 or n == 0:
+        return out
+    pdl = pdl and pdl_supported(seed.device)
+    _uniform_kernel[(B,)](seed, counter, out, n, BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=1,
+                          **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
+LOWERINGS = {"greedy_sample": greedy_sample, "chain_accept": chain_accept, "sample_tokens": sample_tokens,
+             "uniform": uniform}

@@ -61,7 +61,8 @@ def _fuse(graph: fx.Graph, topk: fx.Node, align: fx.Node) -> fx.Node:
     _, num_experts, block_m = align.args
     align_reads = _getitems(align)
     with graph.inserting_before(topk):
-        fused = graph.call_function(OPS.router_align, (*topk.args, num_experts, block_m))
+        # router_topk's optional 7th argument (fused_shared) is router_align's 9th
+        fused = graph.call_function(OPS.router_align, (*topk.args[:6], num_experts, block_m, *topk.args[6:]))
     fused.meta = {k: topk.meta[k] for k in KEEP_META if k in topk.meta}
     fused._rename(topk.name.replace("router_topk", "router_align") if "router_topk" in topk.name
                   else topk.name + "_align")

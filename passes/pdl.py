@@ -5,6 +5,8 @@ Chains (techniques.md section 5), per layer:
     moe     [moe_align ->] moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
             (after fuse_moe_align the align is inside router_align, which ends the router chain)
     kda     kda_conv[_staged] (q, k, v) -> kda_recurrent[_staged] | kda_chunk -> gated_rmsnorm
+            (after fuse_kda: kda_conv_qkv -> kda_recurrent | kda_chunk -> gated_rmsnorm, and in verify
+            kda_fused_verify -> gated_rmsnorm)
 A chain only overlaps if its kernels are adjacent on the stream, so kernels that sit between two chain
 members but need nothing from the chain (KDA's k/v/f/b/g projections, the shared expert) move to just
 before the chain's first kernel. A kernel that needs a chain member ends the chain there.
@@ -63,7 +65,7 @@ def _moe_chain(align: fx.Node) -> list[fx.Node]:
 
 def _kda_chain(rec: fx.Node) -> list[fx.Node]:
     convs = [producer(a) for a in rec.args[:3]]
-    convs = [c for c in convs if c.target in (OPS.kda_conv, OPS.kda_conv_staged)]
+    convs = list(dict.fromkeys(c for c in convs if c.target in (OPS.kda_conv, OPS.kda_conv_staged, OPS.kda_conv_qkv)))
     norm = _only(list(consumers(rec)), OPS.gated_rmsnorm)
     return convs + [rec] + ([norm] if norm is not None else [])
 
@@ -120,7 +122,7 @@ class Pdl(Pass):
     name = "pdl"
     summary = "annotate maximal PDL chains (router, MoE, KDA); move independent kernels out of them"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
-             "fuse_index_chains", "capture_metadata")
+             "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
@@ -130,7 +132,8 @@ class Pdl(Pass):
             found: list[tuple[str, list[fx.Node]]] = []
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
             found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align") for n in calls(graph, op)]
-            found += [("kda", _kda_chain(n)) for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged")
+            found += [("kda", _kda_chain(n))
+                      for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged", "kda_fused_verify")
                       for n in calls(graph, op)]
             seen: Counter[str] = Counter()    # the draft graph runs the MTP layer several times
             for kind, chain in found:

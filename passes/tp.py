@@ -9,10 +9,13 @@ holds one set of graphs and one weight set per rank. What each weight becomes (w
     cols      split dim 1: KDA o_proj, MLA dense, dense-MLP and shared-expert down_proj    row-parallel
     gate_up   [gate; up] rows, each half split: dense-MLP and shared-expert gate_up_proj  column-parallel
     experts   split dim 0 (the expert axis): experts.w13, w13_interleaved, w2        expert-parallel
+    experts_shared  a fuse_shared_expert w13 / w2 ([E+1, ...], weight_info shared_expert = E): the rank's
+              routed chunk, then the shared expert, on every rank ([E/N + 1, ...], one shape for all ranks)
     replicate norms, q_a_proj, kv_a_proj_with_mqa (the MLA latent is shared by every head), the router
               gate and its bias, the embedding table, the MTP eh_proj
     fused     a fuse_projections weight: each part (weight_info split) by its own rule, concatenated again
-    expert_map new int32 [E] per MoE layer: global expert -> this rank's index, -1 where another rank has it
+    expert_map new int32 [E] per MoE layer: global expert -> this rank's index, -1 where another rank has it;
+              [E+1] for a fused layer: the shared expert E -> index E/N on one rank (layer % N), -1 on the others
 
 Graph rewrites (per graph; counts for test-tiny decode: 6 layers -> 12 all_reduce, 1 all_gather):
     x = lingc.linear(h, w_o_proj)                # row-parallel: a partial sum on every rank
@@ -25,6 +28,9 @@ Graph rewrites (per graph; counts for test-tiny decode: 6 layers -> 12 all_reduc
     local, sp, be, tot = lingc.ep_align(ids, expert_map, E / N, BM)    # only this rank's pairs
     up, down as before over the local experts; y = lingc.all_reduce(lingc.ep_combine(down, w, local, shared), N)
     (the shared expert's down_proj is row-parallel too; its partial joins the combine, one all_reduce per MoE)
+    After fuse_shared_expert the shared expert is pair k of every token (expert E, weight 1.0): one rank per
+    layer (layer % N, spreading the layers' shared experts over the ranks) computes it whole as its local expert
+    E/N, the others drop that pair like any other rank's; ep_combine then has no shared_out.
 
     logits = lingc.linear(x, w_lm_head)          # [B, T, V / N]
  -> logits = lingc.all_gather(lingc.linear(x, w_lm_head), -1, N)      # [B, T, V]: sampling sees every id
@@ -106,6 +112,10 @@ def check_tp(config: LingConfig, tp: int) -> None:
 def weight_rule(program: Program, name: str) -> dict[str, Any]:
     """How weight `name` is split across ranks: {"rule": ...} (fused weights: {"rule": "fused", "parts": [...]})."""
     info = program.weight_info.get(name, {})
+    if "shared_expert" in info:                    # fuse_shared_expert: routed experts [0, E), the shared one E
+        return {"rule": "experts_shared", "num_routed": int(info["shared_expert"])}
+    if "shared_owner" in info:                     # the expert map of a fused layer
+        return {"rule": "expert_map", "shared_owner": int(info["shared_owner"])}
     if "fused_from" in info:
         parts = [weight_rule(program, p)["rule"] for p in info["fused_from"]]
         bad = [p for p, r in zip(info["fused_from"], parts) if r not in ("rows", "replicate", "gate_up")]
@@ -131,6 +141,9 @@ def shard_weight(t: torch.Tensor, spec: dict[str, Any], rank: int, tp: int, name
         return t
     if rule in ("rows", "experts"):
         out = _chunk(t, 0, rank, tp, name)
+    elif rule == "experts_shared":
+        routed = spec["num_routed"]
+        out = torch.cat([_chunk(t[:routed], 0, rank, tp, name), t[routed:]])
     elif rule == "cols":
         out = _chunk(t, 1, rank, tp, name)
     elif rule == "gate_up":
@@ -157,11 +170,23 @@ def input_shard_dim(role: str) -> int | None:
     return 1 if m.group(1) == "state" else 2
 
 
-def expert_map(num_experts: int, rank: int, tp: int) -> torch.Tensor:
-    """int32 [E]: global expert -> local index on `rank` (contiguous blocks of E / tp), -1 elsewhere."""
+def expert_map(num_experts: int, rank: int, tp: int, shared_owner: int | None = None) -> torch.Tensor:
+    """int32 [E]: global expert -> local index on `rank` (contiguous blocks of E / tp), -1 elsewhere.
+
+    With shared_owner (a fuse_shared_expert layer) [E+1]: the shared expert E -> E / tp on that rank, else -1.
+    """
     local = num_experts // tp
     ids = torch.arange(num_experts)
-    return torch.where(ids // local == rank, ids % local, -1).to(torch.int32)
+    routed = torch.where(ids // local == rank, ids % local, -1).to(torch.int32)
+    if shared_owner is None:
+        return routed
+    return torch.cat([routed, torch.tensor([local if rank == shared_owner else -1], dtype=torch.int32)])
+
+
+def shared_owner(weight: str, tp: int) -> int:
+    """The rank that computes a fused layer's shared expert: layer % tp (the layers spread over the ranks)."""
+    m = re.search(r"layers\.(\d+)\.", weight)
+    return int(m.group(1)) % tp if m else 0
 
 
 # ---- graph rewrites ---------------------------------------------------------------------------------------
@@ -205,6 +230,7 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
     offset = 0 if src.target is OPS.moe_align else 2                     # router_align: (w, ids, sp, be, tot)
     w13 = program.weights[up.args[1].target]
     E = int(w13.shape[0])
+    routed = int(program.weight_info.get(up.args[1].target, {}).get("shared_expert", E))   # fuse_shared_expert: E-1
     block_m = src.args[2] if src.target is OPS.moe_align else src.args[7]
     if src.target is OPS.moe_align:
         ids = src.args[0]
@@ -216,11 +242,14 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
             ids.meta = _meta_from(ids, src)
             ids._rename(f"{src.name}_ids")         # descriptive names: auto getitem_N names clash on reload
     map_name = up.args[1].target.rsplit(".", 1)[0] + ".expert_map"
+    owner = shared_owner(map_name, tp) if routed < E else None
     if map_name not in program.weights:
-        program.weights[map_name] = expert_map(E, 0, tp)                   # rank 0's; the others in rank_weights
+        program.weights[map_name] = expert_map(routed, 0, tp, owner)      # rank 0's; the others in rank_weights
+        if owner is not None:
+            program.weight_info[map_name] = {"shared_owner": owner}
     map_node = get_weight_node(graph, map_name, before=up.args[1])
     with graph.inserting_before(up):
-        ep = graph.call_function(OPS.ep_align, (ids, map_node, E // tp, block_m))
+        ep = graph.call_function(OPS.ep_align, (ids, map_node, routed // tp + E - routed, block_m))
         outs = [graph.call_function(operator.getitem, (ep, i)) for i in range(4)]
     ep.meta = _meta_from(ep, src)
     ep._rename(src.name.replace("router_align", "ep_align").replace("moe_align", "ep_align")
@@ -230,9 +259,9 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
         o._rename(f"{ep.name}_{field}")
     for n in (up, down):
         n.args = (*n.args[:2], outs[1], outs[2], outs[3], *n.args[5:])
-    weights, shared = combine.args[1], combine.args[2]
+    weights, shared = combine.args[1], combine.args[2:3]              # no shared_out after fuse_shared_expert
     with graph.inserting_before(combine):
-        new = graph.call_function(OPS.ep_combine, (down, weights, outs[0], shared))
+        new = graph.call_function(OPS.ep_combine, (down, weights, outs[0], *shared))
     new.meta = {**_meta_from(new, combine), "lingc.tensor": combine.meta.get("lingc.tensor"),
                 **({"lingc.pdl": combine.meta["lingc.pdl"]} if "lingc.pdl" in combine.meta else {})}
     combine.replace_all_uses_with(new)
@@ -247,7 +276,7 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
         graph.erase_node(src)
     elif src.target is OPS.router_align and all(u.args[1] < 2 for u in src.users):
         with graph.inserting_before(src):
-            topk = graph.call_function(OPS.router_topk, tuple(src.args[:6]))
+            topk = graph.call_function(OPS.router_topk, (*src.args[:6], *src.args[8:]))    # + fused_shared
         topk.meta = {**_meta_from(topk, src), **({"lingc.pdl": src.meta["lingc.pdl"]} if "lingc.pdl" in src.meta else {})}
         for u in list(src.users):
             u.args = (topk, u.args[1])          # list(): re-pointing edits src.users
@@ -393,7 +422,8 @@ class TensorParallel(Pass):
             ws = {}
             for name, spec in specs.items():
                 if spec["rule"] == "expert_map":
-                    ws[name] = expert_map(int(program.weights[name].shape[0]), r, tp)
+                    owner = spec.get("shared_owner")
+                    ws[name] = expert_map(int(program.weights[name].shape[0]) - (owner is not None), r, tp, owner)
                 else:
                     ws[name] = shard_weight(full[name], spec, r, tp, name)
             self.rank_weights.append(ws)

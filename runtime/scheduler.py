@@ -168,6 +168,15 @@ class ServerStats:
         return "\n".join(lines) + "\n"
 
 
+def _bind_device(engine: Any) -> None:
+    """Make the engine's GPU this thread's current CUDA device: a new thread starts on cuda:0, and Triton launches on
+    the current device (a TP rank's engine on cuda:1 would otherwise launch its kernels on the wrong GPU)."""
+    device = getattr(getattr(engine, "exe", None), "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+        torch.cuda.set_device(device)
+
+
 class Scheduler:
     """Owns `engine` on one thread; see the module docstring."""
 
@@ -186,6 +195,7 @@ class Scheduler:
     def start(self, warmup: Request | None = None) -> None:
         """Start the thread; a warm-up request (first-call initialisation) runs first, outside the stats."""
         if warmup is not None:
+            _bind_device(self.engine)
             self.engine.generate(warmup)
         self.thread.start()
 
@@ -229,6 +239,7 @@ class Scheduler:
 
     # ---- the scheduler thread ---------------------------------------------------------------
     def _loop(self) -> None:
+        _bind_device(self.engine)
         while True:
             with self.cond:
                 while not self.waiting and not self.stopping:

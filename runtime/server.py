@@ -835,3 +835,39 @@ def serve(session: Any, config: ServerConfig, host: str = "127.0.0.1", port: int
     """Run the server until interrupted (what `lingc serve` calls)."""
     import uvicorn
     uvicorn.run(create_app(session, config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """The app `lingc serve` runs, served by uvicorn from a daemon thread of this process: for tests and in-process
+    benchmarks (bench/device_serve.py). The constructor returns once the port accepts connections (after the
+    warm-up request); `url`, `served` (the app's state), `stop()`. port 0 binds a free port (IPv4 hosts only)."""
+
+    def __init__(self, session: Any, config: ServerConfig, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", start_timeout_s: float = 300.0):
+        import socket
+        import threading
+
+        import uvicorn
+        self.app = create_app(session, config)
+        self.served = self.app.state.served
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="lingc-serve",
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the server thread for {self.url} stopped before it started (see its log)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server at {self.url} did not start within {start_timeout_s:g} s")
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Graceful shutdown: uvicorn stops accepting, the scheduler thread stops, the thread is joined."""
+        self.server.should_exit = True
+        self.thread.join(timeout_s)

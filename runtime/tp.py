@@ -56,6 +56,8 @@ STARTUP_TIMEOUT_S = 300.0         # spawn + import + artifact load, per worker
 KEY_WINDOW = 64                   # control keys kept in the store (a worker is never more than a few behind)
 _WAIT_FOREVER = datetime.timedelta(days=365)
 _ACTIVE: list["TPRuntime"] = []   # at most one per process: torch.distributed has one default group
+# NVLink SHARP / multicast off: the H200 machines require it (shared/docs/kernels.md section 7b); every process
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class TPError(EngineError):
@@ -69,13 +71,18 @@ def _device_for(device: str, local_rank: int) -> str:
     return device
 
 
+def nccl_environment() -> None:
+    """Set NCCL_ENV in this process (and so in the ranks it spawns afterwards), overriding any other value."""
+    os.environ.update(NCCL_ENV)
+
+
 def _init_group(store: Any, rank: int, world: int, device: str, timeout_s: float) -> None:
+    """Join the process group: NCCL on this rank's GPU (made the current device first), gloo on CPU."""
     import torch.distributed as dist
 
     from lingc.ops.dist import set_group
     if device.startswith("cuda"):
-        for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ.setdefault(k, v)                     # shared/docs/kernels.md section 7b
+        nccl_environment()                                  # before the communicator exists: NCCL reads it then
         torch.cuda.set_device(torch.device(device))
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s), device_id=torch.device(device))
@@ -429,6 +436,8 @@ def open_tp_session(artifact: str | Path, tp: int | None = None, device: str = "
     if run is not None and run["rank"] != 0:
         _worker_main(run["rank"], world, run["addr"], run["port"], artifact, device, spec, engine_kw, timeout_s,
                      torch.get_num_threads(), run["local_rank"], run)   # never returns (exits the process)
+    if device.startswith("cuda"):
+        nccl_environment()                          # before spawning: the workers inherit it
     rt = TPRuntime(world, device, timeout_s)
     _ACTIVE.append(rt)
     try:

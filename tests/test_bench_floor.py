@@ -49,3 +49,22 @@ def test_step_bytes_on_test_tiny(tiny_program_bf16) -> None:
 
     mla = c.num_hidden_layers - len(kda)
     assert got["mla_cache"] == mla * (SEQ_LEN + 1) * c.mla_latent_dim * 2
+
+
+def test_fused_kda_ops_count_the_same_state_bytes(tiny_program_bf16) -> None:
+    """fuse_kda's kda_conv_qkv / kda_fused_verify / kda_commit_multi move the bytes the ops they replace move."""
+    from lingc.ops import OPS
+    from lingc.passes.manager import PassManager
+
+    def kda_bytes(program) -> dict[str, int]:
+        exe = Executor(program, "cpu")
+        exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
+        return {g: step_bytes(exe, g).get("kda_state", 0) for g in ("step", "draft", "verify", "extend")}
+
+    parted = PassManager(["partition"]).run(tiny_program_bf16).program
+    fused = PassManager(["partition", "fuse_kda"]).run(tiny_program_bf16).program
+    targets = {n.target for g in fused.graphs.values() for n in g.nodes}
+    assert {OPS.kda_conv_qkv, OPS.kda_fused_verify, OPS.kda_commit_multi} <= targets
+    want, got = kda_bytes(parted), kda_bytes(fused)
+    assert want["step"] > 0 and want["verify"] > 0
+    assert got == want

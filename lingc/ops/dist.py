@@ -59,8 +59,14 @@ def fold_sum(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, world_size: int, group: Any) -> list[torch.Tensor]:
+    """Every rank's x, in rank order. CUDA: one all_gather_into_tensor into a [W, ...] buffer (a single NCCL call
+    with one output, which CUDA-graph capture takes as is; the list form copies out of a flat buffer)."""
     import torch.distributed as dist
     x = x.contiguous()
+    if x.is_cuda:
+        out = x.new_empty((world_size, *x.shape))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return list(out.unbind(0))
     parts = [torch.empty_like(x) for _ in range(world_size)]
     dist.all_gather(parts, x, group=group)
     return parts
@@ -78,7 +84,7 @@ def all_reduce(x: torch.Tensor, world_size: int) -> torch.Tensor:
     group = _check_group("all_reduce", world_size)
     if x.is_cuda:
         import torch.distributed as dist
-        acc = x.float()
+        acc = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)   # never reduce into x itself
         dist.all_reduce(acc, group=group)
         return acc.to(x.dtype)
     return fold_sum(_gather(x, world_size, group), x.dtype)
@@ -168,9 +174,10 @@ register("ep_align")
 
 @torch.library.custom_op("lingc::ep_combine", mutates_args=())
 def ep_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
-               shared_out: torch.Tensor) -> torch.Tensor:
+               shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """moe_combine over this rank's pairs: sum_j [local_ids[n, j] >= 0] w[n, j] * expert_out[n*k + j] in fp32,
-    cast to the activation dtype, plus shared_out (this rank's partial of the shared expert).
+    cast to the activation dtype, plus shared_out (this rank's partial of the shared expert; None after
+    fuse_shared_expert, where the shared expert is a pair, local to one rank).
 
     expert_out [NP, h] (rows of other ranks' pairs are never written by the grouped GEMMs: they are
     selected away, not multiplied by 0, so garbage there cannot leak), topk_weights [N, k] fp32,
@@ -180,12 +187,14 @@ def ep_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, local_ids: 
     N, k = topk_weights.shape
     prod = expert_out.view(N, k, -1).float() * topk_weights.float().unsqueeze(-1)
     prod = torch.where((local_ids >= 0).view(N, k, 1), prod, torch.zeros((), dtype=prod.dtype, device=prod.device))
+    if shared_out is None:
+        return prod.sum(1).to(expert_out.dtype)
     return prod.sum(1).to(shared_out.dtype) + shared_out
 
 
 @ep_combine.register_fake
-def _(expert_out, topk_weights, local_ids, shared_out):
-    return shared_out.new_empty(shared_out.shape)
+def _(expert_out, topk_weights, local_ids, shared_out=None):
+    return expert_out.new_empty((topk_weights.shape[0], expert_out.shape[1]))
 
 
 register("ep_combine")

@@ -6,11 +6,15 @@ Letters: B batch, T tokens, H heads, D head dim (K = V = D), P = H * D, W conv w
 in fp32, and update the request's fp32 state in a pool [S, H, D, D] ([heads, K, V]) picked by
 `slots` [B]. Under speculation (techniques.md section 10) `kda_conv_staged` / `kda_recurrent_staged`
 leave the pools alone and write each chain position's post-state to a staging buffer, and
-`kda_commit` copies the last accepted one into the pool.
+`kda_commit` copies the last accepted one into the pool. Launch-saving composites (the fuse_kda pass):
+`kda_conv_qkv` (a layer's three in-place convs), `kda_fused_verify` (three staged convs + the staged
+recurrence) and `kda_commit_multi` (a layer's commits); each reference is the composite it replaces.
 (shared/docs/architecture.md section 4; fla `naive_recurrent_kda` / `naive_chunk_kda`.)
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +85,22 @@ def _(x, weight, conv_pool, slots, staging):
 register("kda_conv_staged")
 
 
+@torch.library.custom_op("lingc::kda_conv_qkv", mutates_args=("pool_q", "pool_k", "pool_v"))
+def kda_conv_qkv(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                 wv: torch.Tensor, pool_q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A KDA layer's three in-place convs in one op: (kda_conv(xq, wq, pool_q, slots), ... k, ... v)."""
+    return (kda_conv(xq, wq, pool_q, slots), kda_conv(xk, wk, pool_k, slots), kda_conv(xv, wv, pool_v, slots))
+
+
+@kda_conv_qkv.register_fake
+def _(xq, xk, xv, wq, wk, wv, pool_q, pool_k, pool_v, slots):
+    return xq.new_empty(xq.shape), xk.new_empty(xk.shape), xv.new_empty(xv.shape)
+
+
+register("kda_conv_qkv")
+
+
 @torch.library.custom_op("lingc::kda_commit", mutates_args=("pool",))
 def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, accept_len: torch.Tensor) -> None:
     """pool[slots[b]] = staging[b, accept_len[b] - 1]: keep the state after the last accepted chain position.
@@ -98,6 +118,27 @@ def _(pool, slots, staging, accept_len):
 
 
 register("kda_commit")
+
+
+@torch.library.custom_op("lingc::kda_commit_multi", mutates_args=("pool0", "pool1", "pool2", "pool3"))
+def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pool0: torch.Tensor, staging0: torch.Tensor,
+                     pool1: Optional[torch.Tensor] = None, staging1: Optional[torch.Tensor] = None,
+                     pool2: Optional[torch.Tensor] = None, staging2: Optional[torch.Tensor] = None,
+                     pool3: Optional[torch.Tensor] = None, staging3: Optional[torch.Tensor] = None) -> None:
+    """kda_commit(pool_i, slots, staging_i, accept_len) for up to 4 (pool, staging) pairs of any trailing shapes
+    and dtypes (a layer's conv windows and recurrent state) that share slots and accept_len."""
+    for pool, staging in ((pool0, staging0), (pool1, staging1), (pool2, staging2), (pool3, staging3)):
+        if pool is not None:
+            kda_commit(pool, slots, staging, accept_len)
+
+
+@kda_commit_multi.register_fake
+def _(slots, accept_len, pool0, staging0, pool1=None, staging1=None, pool2=None, staging2=None, pool3=None,
+      staging3=None):
+    return None
+
+
+register("kda_commit_multi")
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
@@ -178,6 +219,32 @@ def _(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging, lower_bound):
 
 
 register("kda_recurrent_staged")
+
+
+@torch.library.custom_op("lingc::kda_fused_verify",
+                         mutates_args=("staging_q", "staging_k", "staging_v", "staging_state"))
+def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                     conv_q_w: torch.Tensor, conv_k_w: torch.Tensor, conv_v_w: torch.Tensor,
+                     conv_q_pool: torch.Tensor, conv_k_pool: torch.Tensor, conv_v_pool: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                     staging_q: torch.Tensor, staging_k: torch.Tensor, staging_v: torch.Tensor,
+                     staging_state: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """A verify chain's KDA token mixer after the projections: kda_conv_staged of the raw q, k, v projections
+    [B, T, P], viewed as f's [B, T, H, D], then kda_recurrent_staged; every pool read only, four stagings written."""
+    heads = f.shape
+    q = kda_conv_staged(q_raw, conv_q_w, conv_q_pool, slots, staging_q).view(heads)
+    k = kda_conv_staged(k_raw, conv_k_w, conv_k_pool, slots, staging_k).view(heads)
+    v = kda_conv_staged(v_raw, conv_v_w, conv_v_pool, slots, staging_v).view(heads)
+    return kda_recurrent_staged(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging_state, lower_bound)
+
+
+@kda_fused_verify.register_fake
+def _(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool, conv_v_pool, A_log,
+      dt_bias, state_pool, slots, staging_q, staging_k, staging_v, staging_state, lower_bound):
+    return q_raw.new_empty(f.shape)
+
+
+register("kda_fused_verify")
 
 
 @torch.library.custom_op("lingc::kda_chunk", mutates_args=("state_pool",))

@@ -4,6 +4,11 @@ Letters: N tokens, E experts, k experts per token, NP = N * k (token, expert) pa
 I expert intermediate size, BM the GEMM block (rows of one expert per block).
 Expert weights are stacked: w13 [E, 2I, h] (gate rows then up rows, or interleaved gate/up pairs after
 `fuse_swiglu`), w2 [E, h, I]. (shared/docs/architecture.md section 6; techniques.md sections 6-7.)
+
+Shared-expert fusion (`fuse_shared_expert`): the routers' trailing `fused_shared` S (default 0) appends S
+pairs to each token's k picks, experts E .. E+S-1 with weight exactly 1.0 (the shared expert is added
+unscaled), so the shared expert runs through the grouped GEMMs as one more expert (w13 / w2 [E+S, ...]) and
+moe_combine sums it with the routed pairs (no shared_out). Programs without it are unchanged.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from lingc.ops.registry import register
 
 @torch.library.custom_op("lingc::router_topk", mutates_args=())
 def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid group-limited top-k. logits [N, E] fp32 -> (weights [N, k] fp32, expert ids [N, k] int32).
+                routed_scaling_factor: float, fused_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid group-limited top-k. logits [N, E] fp32 -> (weights [N, k+S] fp32, expert ids [N, k+S] int32).
 
     The bias picks experts only; weights are the unbiased scores, renormalised (+1e-20) and scaled.
     A group's score is the sum of its two best biased scores; the topk_group best groups stay eligible.
+    S = fused_shared columns follow the k picks: ids E, ..., E+S-1, weight 1.0 (shared experts, unscaled).
     """
     N, E = logits.shape
     # CPU sigmoid is vectorised only from 64 elements on, and its bits differ from the scalar path: with
@@ -38,13 +44,24 @@ def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, t
     ids = masked.topk(top_k, dim=-1, sorted=False).indices                              # [N, k]
     weights = scores.gather(1, ids)
     weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * routed_scaling_factor
-    return weights, ids.to(torch.int32)
+    return _append_shared(weights, ids.to(torch.int32), E, fused_shared)
+
+
+def _append_shared(weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                   fused_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k picks followed by S = fused_shared pairs per row: ids E .. E+S-1, weight 1.0."""
+    if fused_shared == 0:
+        return weights, ids
+    N = ids.shape[0]
+    shared_ids = torch.arange(num_experts, num_experts + fused_shared, dtype=torch.int32, device=ids.device)
+    return (torch.cat([weights, weights.new_ones((N, fused_shared))], 1),
+            torch.cat([ids, shared_ids.expand(N, fused_shared)], 1))
 
 
 @router_topk.register_fake
-def _(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor):
-    N = logits.shape[0]
-    return logits.new_empty((N, top_k), dtype=torch.float32), logits.new_empty((N, top_k), dtype=torch.int32)
+def _(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, fused_shared=0):
+    shape = (logits.shape[0], top_k + fused_shared)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
 
 
 register("router_topk")
@@ -97,24 +114,25 @@ register("moe_align")
 
 @torch.library.custom_op("lingc::router_align", mutates_args=())
 def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                 routed_scaling_factor: float, num_experts: int, block_m: int,
+                 routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int = 0,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """router_topk then moe_align of its expert ids in one op (fuse_moe_align).
 
-    logits [N, E] fp32 -> (weights f32 [N, k], ids i32 [N, k], sorted_pairs i32 [NP + E*(BM-1)],
+    logits [N, E] fp32 -> (weights f32 [N, k+S], ids i32 [N, k+S], sorted_pairs i32 [NP + E'*(BM-1)],
     block_expert i32 [blocks], total i32 [1]); each output is exactly what the two ops return.
+    num_experts E' counts the aligned experts: E + S (S = fused_shared, the appended shared experts).
     """
-    weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor)
+    weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, fused_shared)
     sorted_pairs, block_expert, total = moe_align(ids, num_experts, block_m)
     return weights, ids, sorted_pairs, block_expert, total
 
 
 @router_align.register_fake
-def _(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, num_experts, block_m):
-    N = logits.shape[0]
-    max_padded, blocks = align_sizes(N * top_k, num_experts, block_m)
+def _(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, num_experts, block_m, fused_shared=0):
+    N, width = logits.shape[0], top_k + fused_shared
+    max_padded, blocks = align_sizes(N * width, num_experts, block_m)
     new = lambda shape, dtype: logits.new_empty(shape, dtype=dtype)  # noqa: E731
-    return (new((N, top_k), torch.float32), new((N, top_k), torch.int32), new((max_padded,), torch.int32),
+    return (new((N, width), torch.float32), new((N, width), torch.int32), new((max_padded,), torch.int32),
             new((blocks,), torch.int32), new((1,), torch.int32))
 
 
@@ -242,19 +260,23 @@ register("moe_down")
 
 
 @torch.library.custom_op("lingc::moe_combine", mutates_args=())
-def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: torch.Tensor) -> torch.Tensor:
+def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
+                shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k w[n, k] * expert_out[n*k + j] in fp32, cast to the activation dtype, plus the (unscaled) shared expert.
 
-    expert_out [NP, h], topk_weights [N, k] fp32, shared_out [N, h] -> [N, h].
+    expert_out [NP, h], topk_weights [N, k] fp32, shared_out [N, h] -> [N, h]. Without shared_out (after
+    fuse_shared_expert the shared expert is pair k-1 of each token, weight 1.0) the sum is cast and returned.
     """
     N, k = topk_weights.shape
     routed = (expert_out.view(N, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)
+    if shared_out is None:
+        return routed.to(expert_out.dtype)
     return routed.to(shared_out.dtype) + shared_out
 
 
 @moe_combine.register_fake
-def _(expert_out, topk_weights, shared_out):
-    return shared_out.new_empty(shared_out.shape)
+def _(expert_out, topk_weights, shared_out=None):
+    return expert_out.new_empty((topk_weights.shape[0], expert_out.shape[1]))
 
 
 register("moe_combine")

@@ -236,6 +236,92 @@ def test_fused_verify_equals_separate_kernels(dtype, assert_kernel_close: Callab
         assert_kernel_close(o, want)
 
 
+def test_fused_verify_reads_fused_projection_views() -> None:
+    """q/k/v/f/b as column views of one projection [B, T, 5P + H] (fuse_projections) give the bits of copies."""
+    B, T, H, D, W = 1, 2, 2, 16, 4
+    P = H * D
+    raw, f, b, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(B, T, H, D, W, torch.bfloat16, seed=62)
+    fused = torch.cat([*raw, f.view(B, T, P), b], dim=-1)                             # [B, T, 4P + H]
+    q_raw, k_raw, v_raw, f_cols, b_cols = fused.split([P, P, P, P, H], dim=-1)
+    outs = []
+    for args in ((q_raw, k_raw, v_raw, f_cols.view(B, T, H, D), b_cols), (*raw, f, b)):
+        st = [_nan(B, T, P, W - 1, dtype=torch.bfloat16) for _ in range(3)] + [_nan(B, T, H, D, D)]
+        outs.append((K.kda_fused_verify(*args, *ws, *pools, A_log, dt_bias, state, slots, *st, LOWER_BOUND), st))
+    (o1, st1), (o2, st2) = outs
+    assert torch.equal(o1, o2) and all(torch.equal(a, c) for a, c in zip(st1, st2))
+
+
+# ---------------------------------------------------------------------------------------------- one launch for many
+
+@pytest.fixture
+def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launcher-allocated float outputs start as NaN, so an element the kernel never writes shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@dtypes
+@pytest.mark.parametrize("B,T,P,W", [(2, 1, 300, 4), (1, 3, 33, 3)])     # P = 300: two channel blocks
+def test_conv_qkv_equals_three_convs(B, T, P, W, dtype, nan_empty) -> None:
+    """kda_conv_qkv == kda_conv(q), kda_conv(k), kda_conv(v): outputs and updated windows, bit for bit; the three
+    inputs are column views of one projection (fuse_projections) with different strides than the outputs."""
+    g = _gen(B * 1000 + T * 10 + P)
+    fused = torch.randn(B, T, 3 * P + 5, generator=g).to(dtype)
+    xs = fused[..., :3 * P].split(P, dim=-1)                                           # 3 x [B, T, P] views
+    ws = [torch.randn(P, 1, W, generator=g) * 0.5 for _ in range(3)]
+    pools = [torch.randn(S_SLOTS, P, W - 1, generator=g).to(dtype) for _ in range(3)]
+    slots = _slots(B, g)
+    got_pools, want_pools = [p.clone() for p in pools], [p.clone() for p in pools]
+    got = K.kda_conv_qkv(*xs, *ws, *got_pools, slots)
+    want = [K.kda_conv(x, w, p, slots) for x, w, p in zip(xs, ws, want_pools)]
+    for name, y, y_ref, p, p_ref in zip("qkv", got, want, got_pools, want_pools):
+        assert not y.isnan().any(), f"{name}: unwritten output elements"
+        assert torch.equal(y, y_ref), f"{name} output differs from kda_conv"
+        assert torch.equal(p, p_ref), f"{name} window update differs from kda_conv"
+    ref_pools = [p.clone() for p in pools]
+    ref = K.kda_conv_qkv_ref(*xs, *ws, *ref_pools, slots)                             # the lingc op: 3 kda_conv
+    assert all(torch.equal(a, c) for a, c in zip(ref, torch.ops.lingc.kda_conv_qkv(*xs, *ws, *pools, slots)))
+
+
+@dtypes
+@pytest.mark.parametrize("pairs", [4, 2])
+def test_commit_multi_equals_separate_commits(dtype, pairs) -> None:
+    """One launch for a layer's commits (conv windows in the activation dtype [S, P, W-1], the fp32 recurrent state
+    [S, H, D, D]) == one kda_commit per pair, bit for bit; small blocks so each pair spans several programs."""
+    g = _gen(71 + pairs)
+    B, TS, P, W, H, D = 2, 4, 40, 4, 2, 12
+    shapes = [((P, W - 1), dtype)] * 3 + [((H, D, D), torch.float32)]
+    shapes = shapes[:pairs - 1] + shapes[-1:]                                          # always the recurrent state
+    pools = [torch.randn(S_SLOTS, *shape, generator=g).to(dt) for shape, dt in shapes]
+    stagings = [torch.randn(B, TS, *shape, generator=g).to(dt) for shape, dt in shapes]
+    slots = torch.tensor([3, 0], dtype=torch.int32)
+    accept = torch.tensor([2, 9], dtype=torch.int64)                                  # 9 > TS: clamped
+    got, want, ref = ([p.clone() for p in pools] for _ in range(3))
+    K.kda_commit_multi(slots, accept, *(t for pair in zip(got, stagings) for t in pair), block=64)
+    for p, st in zip(want, stagings):
+        K.kda_commit(p, slots, st, accept)
+    K.kda_commit_multi_ref(slots, accept, *(t for pair in zip(ref, stagings) for t in pair))
+    for i, (a, c, r) in enumerate(zip(got, want, ref)):
+        assert torch.equal(a, c) and torch.equal(r, c), f"pair {i} differs from kda_commit"
+
+
+def test_one_launch_ops_pdl_on_cpu_falls_back() -> None:
+    x, weight, pool, slots = _conv_inputs(1, 1, 20, 4, torch.float32, seed=82)
+    p1, p2 = [pool.clone() for _ in range(3)], [pool.clone() for _ in range(3)]
+    y1 = K.kda_conv_qkv(x, x, x, weight, weight, weight, *p1, slots, pdl=True)
+    y2 = K.kda_conv_qkv(x, x, x, weight, weight, weight, *p2, slots)
+    assert all(torch.equal(a, c) for a, c in zip(y1 + tuple(p1), y2 + tuple(p2)))
+    staging, accept = torch.randn(1, 2, 20, 3), torch.ones(1, dtype=torch.int32)
+    K.kda_commit_multi(slots, accept, p1[0], staging, pdl=True)
+    K.kda_commit_multi(slots, accept, p2[0], staging)
+    assert torch.equal(p1[0], p2[0])
+
+
 # ---------------------------------------------------------------------------------------------- strided views
 
 def test_fused_projection_views() -> None:
@@ -274,7 +360,7 @@ def test_pdl_on_cpu_falls_back() -> None:
 
 def test_lowerings_name_reference_ops() -> None:
     assert set(K.LOWERINGS) == {"kda_conv", "kda_conv_staged", "kda_recurrent", "kda_recurrent_staged",
-                                "kda_commit", "gated_rmsnorm"}
+                                "kda_commit", "gated_rmsnorm", "kda_conv_qkv", "kda_fused_verify", "kda_commit_multi"}
     for name in K.LOWERINGS:
         assert hasattr(torch.ops.lingc, name)
 
@@ -292,3 +378,10 @@ def test_bad_shapes_raise() -> None:
         K.kda_conv(x, weight, conv_pool[..., :2], cslots)
     with pytest.raises(ValueError, match="kda_commit: accept_len"):
         K.kda_commit(conv_pool, cslots, torch.zeros(1, 2, 20, 3), torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"kda_conv_qkv: the three convs have \[B, T, P, W\]"):
+        K.kda_conv_qkv(x, x, x[:, :1], weight, weight, weight, conv_pool, conv_pool, conv_pool, cslots)
+    accept = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kda_commit_multi: every pool needs its staging"):
+        K.kda_commit_multi(cslots, accept, conv_pool, torch.zeros(1, 2, 20, 3), conv_pool)
+    with pytest.raises(ValueError, match=r"kda_commit_multi: pair 1: staging is \[1, 2, 20, 2\]"):
+        K.kda_commit_multi(cslots, accept, conv_pool, torch.zeros(1, 2, 20, 3), conv_pool, torch.zeros(1, 2, 20, 2))

@@ -29,7 +29,8 @@ def _few_linear_programs(monkeypatch: pytest.MonkeyPatch) -> None:
 HOT_OPS = {"rmsnorm", "add_rmsnorm", "linear", "router_topk", "router_align", "moe_align", "moe_up", "moe_up_act",
            "silu_and_mul", "moe_down", "moe_combine", "kda_conv", "kda_conv_staged", "kda_recurrent",
            "kda_recurrent_staged", "kda_commit", "gated_rmsnorm", "mla_attention", "mla_cache_write", "rope",
-           "sigmoid_gate", "greedy_sample", "chain_accept", "filtered_probs"}
+           "sigmoid_gate", "greedy_sample", "chain_accept", "filtered_probs", "kda_conv_qkv", "kda_fused_verify",
+           "kda_commit_multi"}
 
 
 def test_every_hot_op_has_a_kernel() -> None:

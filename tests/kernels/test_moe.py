@@ -148,6 +148,30 @@ def test_moe_combine(n: int, k: int, h: int, dtype: torch.dtype, assert_kernel_c
     assert_kernel_close(got, want)
 
 
+@pytest.mark.parametrize("n,k,h", [(1, 9, 128), (6, 5, 37)])
+@dtypes
+def test_moe_combine_without_shared_out(n: int, k: int, h: int, dtype: torch.dtype,
+                                        assert_kernel_close: Callable) -> None:
+    """fuse_shared_expert's combine: the shared expert is pair k-1 with weight 1.0; the fp32 sum (both orders) is
+    cast once. Sequential order, fp32: exactly the 3-argument combine of the k-1 routed pairs + the shared rows."""
+    m = Moe(n, k, 8, h, 8, dtype, 16, seed=n + 3 * k + h)
+    m.weights[:, -1] = 1.0
+    expert_out = (torch.randn(n * k, h) * 10.0 ** (4 * torch.rand(n * k, 1) - 2)).to(dtype)
+    for order in (SEQUENTIAL, INTERLEAVE4):
+        got = moe_combine(expert_out, m.weights, out=_nan((n, h), dtype), order=order)
+        m.shared = torch.zeros(n, h, dtype=dtype)            # _combine_formula's + shared becomes + 0: the cast alone
+        assert torch.equal(got, _combine_formula(m, expert_out, order)), f"order {order}"
+    want = moe_combine_ref(expert_out, m.weights)
+    assert want.dtype == dtype
+    assert_kernel_close(moe_combine(expert_out, m.weights), want)
+    if h % 128 == 0:                                        # torch's CPU sum over k is sequential (test_moe_combine)
+        assert torch.equal(moe_combine(expert_out, m.weights), want)
+    if dtype == torch.float32 and h % 128 == 0:
+        rows = expert_out.view(n, k, h)
+        routed = rows[:, :-1].reshape(-1, h).contiguous()
+        assert torch.equal(want, moe_combine_ref(routed, m.weights[:, :-1].contiguous(), rows[:, -1].contiguous()))
+
+
 @pytest.mark.parametrize("block_m,pool", [(16, None), (4, 10)], ids=["bm16-spread", "bm4-shared-experts"])
 @dtypes
 def test_row_invariance_decode_vs_verify(block_m: int, pool: int | None, dtype: torch.dtype) -> None:

@@ -111,6 +111,20 @@ def test_every_element_written_with_multi_step_fills(num_experts: int, block_m: 
     _check(ids, num_experts, block_m)
 
 
+@pytest.mark.parametrize("n,k", [(1, 8), (3, 4), (7, 8)], ids=["1x8+1", "3x4+1", "7x8+1"])
+def test_fused_shared_expert_pairs(n: int, k: int) -> None:
+    """fuse_shared_expert: N*(k+1) pairs, the last of each token expert E (the last bucket, N pairs), E+1 experts;
+    7 x 9 = 63 pairs is one launch."""
+    routed = _ids(n, k, 128, None, seed=n * 10 + k)
+    ids = torch.cat([routed, torch.full((n, 1), 128, dtype=torch.int32)], 1)       # [N, k+1]
+    assert ids.numel() <= MAX_PAIRS
+    for block_m in BLOCKS:
+        _check(ids, 129, block_m)
+    sorted_pairs, block_expert, total = moe_align(ids, 129, 4)
+    shared_blocks = -(-n // 4)
+    assert block_expert[int(total) // 4 - shared_blocks:int(total) // 4].tolist() == [128] * shared_blocks
+
+
 def test_lowerings_export_the_launcher() -> None:
     assert LOWERINGS == {"moe_align": moe_align}
 

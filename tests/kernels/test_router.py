@@ -166,3 +166,44 @@ def test_bad_arguments_rejected(case: str) -> None:
             router_topk(x, bias[:16], 4, 2, 4, SCALE)
         else:
             router_align(x, bias, 4, 2, 4, SCALE, 64, 16)
+
+
+# ---- fuse_shared_expert: k routed picks + the shared expert E (weight 1.0) -----------------------------------
+
+SHARED_ROUTERS = [(1, 128, 8, 4, 8), (3, 16, 4, 2, 4), (6, 16, 4, 2, 4), (7, 128, 8, 4, 8)]   # 7 x 9 = 63 pairs
+
+
+@pytest.mark.parametrize("N,E,n_group,topk_group,top_k", SHARED_ROUTERS,
+                         ids=[f"{n}x{e}-k{k}+1" for n, e, _, _, k in SHARED_ROUTERS])
+def test_fused_shared_appends_expert_e_with_weight_one(N: int, E: int, n_group: int, topk_group: int, top_k: int,
+                                                       assert_kernel_close: Callable) -> None:
+    """router_topk and router_align (fused: N*(k+1) <= 64) with fused_shared=1: the k routed columns are the bits
+    of fused_shared=0, column k is expert E with weight exactly 1.0; the alignment is moe_align over E+1 experts."""
+    x, bias = _inputs(N, E, n_group, topk_group, top_k, torch.float32, seed=N * 13 + E)
+    plain_w, plain_ids = router_topk(x, bias, n_group, topk_group, top_k, SCALE)
+    with poisoned_empty():
+        w, ids = router_topk(x, bias, n_group, topk_group, top_k, SCALE, 1)
+        fused = router_align(x, bias, n_group, topk_group, top_k, SCALE, E + 1, 16, 1)
+    assert w.shape == ids.shape == (N, top_k + 1)
+    assert torch.equal(w[:, :top_k], plain_w) and torch.equal(ids[:, :top_k], plain_ids)
+    assert torch.equal(w[:, top_k], torch.ones(N)) and torch.equal(ids[:, top_k], torch.full((N,), E, dtype=torch.int32))
+    _assert_same_routing((w, ids), router_topk_ref(x, bias, n_group, topk_group, top_k, SCALE, 1), assert_kernel_close)
+    assert N * (top_k + 1) <= MAX_PAIRS
+    assert torch.equal(fused[0], w) and torch.equal(fused[1], ids)
+    for name, g, r in zip(("sorted_pairs", "block_expert", "total"), fused[2:], moe_align(ids, E + 1, 16)):
+        assert torch.equal(g, r), f"{name}: {g.tolist()} vs reference {r.tolist()}"
+    want = router_align_ref(x, bias, n_group, topk_group, top_k, SCALE, E + 1, 16, 1)
+    assert torch.equal(fused[4], want[4]) and torch.equal(fused[3], want[3])
+
+
+def test_fused_shared_above_the_gate_and_bad_counts() -> None:
+    """N*(k+1) > 64 takes router_topk + moe_align (8 x 9 = 72 pairs); num_experts must count the shared expert."""
+    x, bias = _inputs(8, 128, 8, 4, 8, torch.float32, seed=3)
+    w, ids, sorted_pairs, block_expert, total = router_align(x, bias, 8, 4, 8, SCALE, 129, 16, 1)
+    assert ids.shape == (8, 9) and bool((ids[:, 8] == 128).all()) and bool((w[:, 8] == 1.0).all())
+    for g, r in zip((sorted_pairs, block_expert, total), moe_align(ids, 129, 16)):
+        assert torch.equal(g, r)
+    with pytest.raises(ValueError, match="E \\+ fused_shared"):
+        router_align(x, bias, 8, 4, 8, SCALE, 128, 16, 1)
+    with pytest.raises(ValueError, match="fused_shared"):
+        router_topk(x, bias, 8, 4, 8, SCALE, -1)

@@ -208,3 +208,16 @@ def test_bad_arguments_rejected(case: str) -> None:
             chain_accept(*inputs)
         else:
             sample_tokens(torch.ones(1, 2, V) / V, torch.rand(1, 3))
+
+
+@pytest.mark.parametrize("n", [1, 6, 7, 33])
+def test_uniform_has_the_reference_bits(n: int) -> None:
+    """Seeds and counters over the whole int64 range (negative ones too: the hash works on their bits)."""
+    g = torch.Generator().manual_seed(n)
+    seed = torch.randint(-2**63, 2**63 - 1, (3,), generator=g, dtype=torch.int64)
+    counter = torch.tensor([0, 2**40 + 5, 123], dtype=torch.int64)
+    with poisoned_empty():
+        got = sample.uniform(seed, counter, n)
+    want = torch.ops.lingc.uniform(seed, counter, n)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert sample.LOWERINGS["uniform"] is sample.uniform

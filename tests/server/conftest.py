@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Callable
 
 import httpx
 import pytest
-import uvicorn
 
 from lingc.artifact import write_artifact
 from lingc.compile import compile_checkpoint
 from lingc.runtime.engine import Request, SamplingParams
-from lingc.runtime.server import ServerConfig, create_app
+from lingc.runtime.server import ServerConfig, ServerThread
 from lingc.runtime.session import open_session
 from lingc.trace import TraceOptions
 
@@ -44,27 +40,12 @@ def server_artifacts(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) 
     return {"tok": root / "art_tok", "plain": root / "art_plain"}
 
 
-class LiveServer:
-    """create_app + uvicorn on 127.0.0.1:<free port> in a daemon thread; `url`, `served` (the app's state)."""
+class LiveServer(ServerThread):
+    """runtime.server.ServerThread (create_app + uvicorn on 127.0.0.1:<free port>, in a daemon thread) over an
+    artifact; `url`, `served` (the app's state), `stop()`."""
 
     def __init__(self, artifact: Path, **config):
-        self.app = create_app(open_session(artifact), ServerConfig(MODEL, **config))
-        self.served = self.app.state.served
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+        super().__init__(open_session(artifact), ServerConfig(MODEL, **config), start_timeout_s=120)
 
 
 @pytest.fixture(scope="session")

@@ -77,10 +77,13 @@ def test_per_rank_weight_and_state_shapes(all_fp32, tp):
         "model.layers.3.attention.dense.weight": (128, 128 // tp),
         "model.layers.0.mlp.gate_up_proj.weight": (512 // tp, 128),
         "model.layers.0.mlp.down_proj.weight": (128, 256 // tp),
-        "model.layers.1.mlp.shared_experts.gate_up_proj.weight": (128 // tp, 128),
-        "model.layers.1.mlp.experts.w13_interleaved": (16 // tp, 128, 128),
-        "model.layers.1.mlp.experts.w2": (16 // tp, 128, 64),
-        "model.layers.1.mlp.experts.expert_map": (16,),
+        "model.layers.3.mlp.shared_experts.gate_up_proj.weight": (128 // tp, 128),   # layer 3: shared expert kept
+        "model.layers.3.mlp.experts.w13_interleaved": (16 // tp, 128, 128),
+        "model.layers.3.mlp.experts.w2": (16 // tp, 128, 64),
+        "model.layers.3.mlp.experts.expert_map": (16,),
+        "model.layers.1.mlp.experts.w13_interleaved_with_shared": (16 // tp + 1, 128, 128),   # fuse_shared_expert
+        "model.layers.1.mlp.experts.w2_with_shared": (16 // tp + 1, 128, 64),
+        "model.layers.1.mlp.experts.expert_map": (17,),
         "model.layers.1.mlp.gate.weight": (16, 128),
         "lm_head.weight": (512 // tp, 128),
         "model.word_embeddings.weight": (512, 128),
@@ -90,13 +93,15 @@ def test_per_rank_weight_and_state_shapes(all_fp32, tp):
         for name, shape in want.items():
             assert tuple(ws[name].shape) == shape, (r, name)
         local = 16 // tp
-        assert ws["model.layers.1.mlp.experts.expert_map"].tolist() == [e - r * local if e // local == r else -1
+        assert ws["model.layers.3.mlp.experts.expert_map"].tolist() == [e - r * local if e // local == r else -1
                                                                         for e in range(16)]
+        # a fused layer's shared expert (id 16) is local to rank layer % tp only
+        assert ws["model.layers.1.mlp.experts.expert_map"].tolist()[16] == (local if r == 1 % tp else -1)
     # the pieces reassemble to the original weights
     cat = lambda name, dim: torch.cat([ws[name] for ws in ranks], dim)   # noqa: E731
     assert torch.equal(cat("lm_head.weight", 0), full["lm_head.weight"])
     assert torch.equal(cat("model.layers.0.attention.o_proj.weight", 1), full["model.layers.0.attention.o_proj.weight"])
-    assert torch.equal(cat("model.layers.1.mlp.experts.w2", 0), full["model.layers.1.mlp.experts.w2"])
+    assert torch.equal(cat("model.layers.3.mlp.experts.w2", 0), full["model.layers.3.mlp.experts.w2"])
     gu = [ws["model.layers.0.mlp.gate_up_proj.weight"].chunk(2) for ws in ranks]
     assert torch.equal(torch.cat([g for g, _ in gu] + [u for _, u in gu]), full["model.layers.0.mlp.gate_up_proj.weight"])
     fused = [ws["model.layers.0.attention.fused_qkvfbg.weight"].split([128 // tp] * 4 + [4 // tp, 128 // tp]) for ws in ranks]

@@ -1,0 +1,259 @@
+"""fuse_kda: one launch for a KDA layer's three convs, one for its verify mixer, one for its commits.
+
+At batch 1 a KDA layer's small kernels cost mostly launches (Ling-3.0-tiny: 18 KDA layers). Three rewrites,
+in every graph (B batch, T tokens, H heads, D head dim, P = H * D):
+
+1. decode / step / prefill: the three in-place convs feeding one recurrence -> kda_conv_qkv.
+Before:
+    L0_attention_q_conv1d_kda_conv = lingc.kda_conv(L0_attention_q_proj_linear, w_L0_attention_q_conv1d_weight,
+                                                    state_layers_0_conv_q, slots)                # [B, T, P]
+    L0_attention_view = aten.view(L0_attention_q_conv1d_kda_conv, [B, T, H, D])
+    ...                                                                                           # k, v likewise
+    L0_attention_kda_recurrent = lingc.kda_recurrent(L0_attention_view, L0_attention_view_1, L0_attention_view_2, ...)
+After:
+    L0_attention_kda_conv_qkv = lingc.kda_conv_qkv(L0_attention_q_proj_linear, L0_attention_k_proj_linear,
+        L0_attention_v_proj_linear, w_L0_attention_q_conv1d_weight, w_..._k_conv1d_weight, w_..._v_conv1d_weight,
+        state_layers_0_conv_q, state_layers_0_conv_k, state_layers_0_conv_v, slots)             # (q, k, v)
+    L0_attention_q_conv1d_kda_conv = getitem(L0_attention_kda_conv_qkv, 0)          # k 1, v 2; names kept
+    L0_attention_view = aten.view(L0_attention_q_conv1d_kda_conv, [B, T, H, D])      # readers untouched
+The fused op sits where the last conv was (the k and v projections come after the q conv in traced order);
+the earlier convs' getitems and the views reading them move down after it.
+
+2. verify: the three staged convs whose outputs only the staged recurrence reads -> kda_fused_verify.
+Before:
+    L0_attention_q_conv1d_kda_conv_staged = lingc.kda_conv_staged(L0_attention_q_proj_linear,
+        w_L0_attention_q_conv1d_weight, state_layers_0_conv_q, slots, staging_layers_0_conv_q)   # [B, T, P]
+    L0_attention_view = aten.view(L0_attention_q_conv1d_kda_conv_staged, [B, T, H, D])
+    ...                                                                                           # k, v likewise
+    L0_attention_kda_recurrent_staged = lingc.kda_recurrent_staged(L0_attention_view, L0_attention_view_1,
+        L0_attention_view_2, L0_attention_view_3, L0_attention_b_proj_linear, w_L0_attention_A_log,
+        w_L0_attention_dt_bias, state_layers_0_recurrent, slots, staging_layers_0_recurrent, -5.0)   # [B, T, H, D]
+After:
+    L0_attention_kda_fused_verify = lingc.kda_fused_verify(L0_attention_q_proj_linear, L0_attention_k_proj_linear,
+        L0_attention_v_proj_linear, L0_attention_view_3, L0_attention_b_proj_linear, w_..._q_conv1d_weight,
+        w_..._k_conv1d_weight, w_..._v_conv1d_weight, state_layers_0_conv_q, state_layers_0_conv_k,
+        state_layers_0_conv_v, w_L0_attention_A_log, w_L0_attention_dt_bias, state_layers_0_recurrent, slots,
+        staging_layers_0_conv_q, staging_layers_0_conv_k, staging_layers_0_conv_v, staging_layers_0_recurrent, -5.0)
+
+3. verify (after acceptance): a run of consecutive kda_commit of one layer with the same slots and accept_len
+(at most 4: conv_q, conv_k, conv_v, recurrent) -> kda_commit_multi, where the last of them was.
+Before:
+    verify_kda_commit = lingc.kda_commit(state_layers_0_conv_q, slots, staging_layers_0_conv_q, accept_len)
+    ...                                                                      # conv_k, conv_v, recurrent
+After:
+    verify_L0_kda_commit_multi = lingc.kda_commit_multi(slots, accept_len, state_layers_0_conv_q,
+        staging_layers_0_conv_q, ..., state_layers_0_recurrent, staging_layers_0_recurrent)
+
+A fused op runs its members at one place, so a group fuses only if nothing between a member and that place
+writes what the member reads or writes, or reads what it writes (pools and stagings compared through views).
+Each fused op's reference is the composite it replaces (lingc/ops/kda.py) and its kernel runs the replaced
+kernels' arithmetic (kernels/kda.py): numerics unchanged, bit for bit. Runs after partition (so each of
+draft / verify / extend is matched on its own) and after fuse_projections (q, k, v are then column views of
+one projection; the kernels take strides); pdl runs after it and chains kda_conv_qkv -> kda_recurrent ->
+gated_rmsnorm and kda_fused_verify -> gated_rmsnorm.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from lingc.ops import OPS
+from lingc.program import Program
+from lingc.passes.base import Pass
+from lingc.passes.matchers import VIEW_OPS, calls, is_free
+
+aten = torch.ops.aten
+KEEP_META = ("lingc.scope", "lingc.stage")
+HEAD_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+MAX_COMMITS = 4                      # kda_commit_multi takes up to 4 (pool, staging) pairs
+
+
+# ---- what a node reads and writes ------------------------------------------------------------------------
+
+def _base(node: Any) -> Any:
+    """The buffer a view reads (a pool seen through views is the pool)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def _writes(node: fx.Node) -> set[fx.Node]:
+    """Inputs an op updates in place (schema arguments marked as written), as buffers."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return set()
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    named = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
+    return {_base(v) for k, v in named.items() if k in written and isinstance(v, fx.Node)}
+
+
+def _reads(node: fx.Node) -> set[fx.Node]:
+    return {_base(i) for i in node.all_input_nodes}
+
+
+def _can_delay(graph: fx.Graph, members: list[fx.Node], to: fx.Node) -> bool:
+    """Running each member just before `to` instead of in its place gives the same values."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for member in members:
+        touched, written = _reads(member) | _writes(member), _writes(member)
+        for other in nodes[order[member] + 1:order[to]]:
+            if _writes(other) & touched or _reads(other) & written:
+                return False
+    return True
+
+
+def _independent(members: list[fx.Node]) -> bool:
+    """No member writes what another touches: one launch runs them all at once, in no order."""
+    return not any(_writes(a) & _reads(b) for a in members for b in members if a is not b)
+
+
+def _conv_of(head_view: Any, op: object) -> fx.Node | None:
+    """The `op` conv whose [B, T, P] output `head_view` views as [B, T, H, D], or None."""
+    if not isinstance(head_view, fx.Node) or head_view.target not in HEAD_VIEWS:
+        return None
+    conv = head_view.args[0]
+    return conv if isinstance(conv, fx.Node) and conv.target is op and not conv.kwargs else None
+
+
+def _renamed(node: fx.Node, old: str, new: str) -> str:
+    return node.name.replace(old, new) if old in node.name else f"{node.name}_{new}"
+
+
+# ---- 1. decode: three in-place convs -> kda_conv_qkv ------------------------------------------------------
+
+def _fuse_convs(graph: fx.Graph, rec: fx.Node) -> fx.Node | None:
+    """kda_conv_qkv for the q/k/v convs that rec (kda_recurrent or kda_chunk) reads, or None if they can't fuse."""
+    convs = [_conv_of(a, OPS.kda_conv) for a in rec.args[:3]]
+    if any(c is None for c in convs) or len(set(convs)) != 3 or len({c.args[2] for c in convs}) != 3 \
+            or any(c.args[3] is not convs[0].args[3] for c in convs):
+        return None                                   # not three convs over distinct pools with one slots
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    in_order = sorted(convs, key=order.__getitem__)
+    last = in_order[-1]
+    moved = set(in_order[:-1])                        # earlier convs become getitems after the fused op
+    between = [n for n in graph.nodes if order[in_order[0]] < order[n] < order[last]]
+    for n in between:
+        if set(n.all_input_nodes) & moved:
+            moved.add(n)
+    readers = moved - set(convs)
+    if any(not is_free(n) for n in readers) or any(set(c.all_input_nodes) & (moved | set(convs)) for c in convs) \
+            or not _independent(convs) or not _can_delay(graph, convs, last):
+        return None                                   # a kernel reads a conv early, or the move is unsafe
+    with graph.inserting_before(last):
+        fused = graph.call_function(OPS.kda_conv_qkv, (*(c.args[0] for c in convs), *(c.args[1] for c in convs),
+                                                       *(c.args[2] for c in convs), convs[0].args[3]))
+    fused.meta = {k: rec.meta[k] for k in KEEP_META if k in rec.meta}
+    fused._rename(_renamed(rec, rec.target.name().split("::")[1], "kda_conv_qkv"))
+    for i, conv in enumerate(convs):
+        conv.target, conv.args, conv.kwargs = operator.getitem, (fused, i), {}
+        conv.meta.pop("lingc.pdl", None)
+    anchor = fused
+    for n in sorted(moved, key=order.__getitem__):    # the earlier getitems and their views, in order
+        anchor.append(n)
+        anchor = n
+    return fused
+
+
+# ---- 2. verify: staged convs + staged recurrence -> kda_fused_verify --------------------------------------
+
+def _fuse_verify(graph: fx.Graph, rec: fx.Node) -> fx.Node | None:
+    """kda_fused_verify in place of rec (kda_recurrent_staged) and the staged convs only it reads, or None."""
+    if rec.kwargs or len(rec.args) != 11:
+        return None
+    q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging, lower_bound = rec.args
+    views = [q, k, v]
+    convs = [_conv_of(a, OPS.kda_conv_staged) for a in views]
+    if any(c is None for c in convs) or len(set(convs)) != 3 or len(set(views)) != 3:
+        return None
+    heads = f.meta["lingc.tensor"].shape
+    if any(c.args[3] is not slots or len(c.users) != 1 or len(view.users) != 1
+           or view.meta["lingc.tensor"].shape != heads for c, view in zip(convs, views)) \
+            or len({c.args[0].meta["lingc.tensor"].dtype for c in convs}) != 1:
+        return None                                   # a conv output read elsewhere, or not f's head layout
+    if not _independent(convs + [rec]) or not _can_delay(graph, convs, rec):
+        return None
+    args = (*(c.args[0] for c in convs), f, b, *(c.args[1] for c in convs), *(c.args[2] for c in convs), A_log,
+            dt_bias, state_pool, slots, *(c.args[4] for c in convs), staging, lower_bound)
+    with graph.inserting_before(rec):
+        fused = graph.call_function(OPS.kda_fused_verify, args)
+    fused.meta = {k: rec.meta[k] for k in KEEP_META if k in rec.meta}
+    rec.replace_all_uses_with(fused)
+    graph.erase_node(rec)
+    for n in views + convs:
+        graph.erase_node(n)
+    fused._rename(_renamed(rec, "kda_recurrent_staged", "kda_fused_verify"))
+    return fused
+
+
+# ---- 3. a layer's commits -> kda_commit_multi -------------------------------------------------------------
+
+def _layer(pool: fx.Node) -> fx.Node | str:
+    """'layers.<i>' for a state pool input (state:layers.<i>.<name>); the node itself when it is not one."""
+    m = re.fullmatch(r"state:(layers\.\d+)\..+", pool.meta.get("lingc.input", "")) if pool.op == "placeholder" else None
+    return m.group(1) if m else pool
+
+
+def _commit_groups(graph: fx.Graph) -> list[list[fx.Node]]:
+    """Runs of kda_commit (only free nodes between) of one layer, slots and accept_len; at most MAX_COMMITS."""
+    groups: list[list[fx.Node]] = [[]]
+    key = None
+    for node in graph.nodes:
+        if node.target is OPS.kda_commit and not node.kwargs and not node.users:
+            pool, slots, _, accept_len = node.args
+            new_key = (slots, accept_len, _layer(pool))
+            if new_key != key or len(groups[-1]) == MAX_COMMITS or pool in {c.args[0] for c in groups[-1]}:
+                groups.append([])
+            groups[-1].append(node)
+            key = new_key
+        elif not is_free(node):
+            groups.append([])                         # a kernel between commits ends the run
+            key = None
+    return [g for g in groups if len(g) > 1]
+
+
+def _fuse_commits(graph: fx.Graph, group: list[fx.Node]) -> fx.Node | None:
+    last = group[-1]
+    if not _independent(group) or not _can_delay(graph, group[:-1], last):
+        return None
+    slots, accept_len = last.args[1], last.args[3]
+    with graph.inserting_before(last):
+        fused = graph.call_function(OPS.kda_commit_multi,
+                                    (slots, accept_len, *(a for c in group for a in (c.args[0], c.args[2]))))
+    fused.meta = {k: group[0].meta[k] for k in KEEP_META if k in group[0].meta}
+    layer, prefix = _layer(group[0].args[0]), group[0].name.split("_kda_commit")[0]     # prefix: 'verify'
+    name = f"{prefix}_L{layer.split('.')[1]}_kda_commit_multi" if isinstance(layer, str) \
+        else _renamed(group[0], "kda_commit", "kda_commit_multi")
+    for c in group:
+        graph.erase_node(c)
+    fused._rename(name)
+    return fused
+
+
+class FuseKda(Pass):
+    name = "fuse_kda"
+    summary = ("a KDA layer's 3 convs -> kda_conv_qkv; verify's convs + recurrence -> kda_fused_verify; "
+               "commits -> kda_commit_multi")
+    after = ("partition", "fuse_projections")
+    changes_numerics = False
+
+    def apply(self, program: Program) -> dict[str, Any]:
+        fused: dict[str, list[str]] = {"kda_conv_qkv": [], "kda_fused_verify": [], "kda_commit_multi": []}
+
+        def record(gname: str, node: fx.Node | None) -> None:
+            if node is not None:
+                fused[node.target.name().split("::")[1]].append(f"{gname}:{node.name}")
+
+        for gname, graph in program.graphs.items():
+            for rec in calls(graph, "kda_recurrent_staged"):
+                record(gname, _fuse_verify(graph, rec))
+            for rec in calls(graph, "kda_recurrent") + calls(graph, "kda_chunk"):
+                record(gname, _fuse_convs(graph, rec))
+            for group in _commit_groups(graph):
+                record(gname, _fuse_commits(graph, group))
+        return {"matches": sum(map(len, fused.values())), **fused}
