@@ -215,8 +215,12 @@ def main() -> None:
             result = json.load(f)
         for item in args.merge_peers:
             name, path = item.split("=", 1)
-            with open(path) as f:          # several files may name one peer (its steps compiled apart)
-                result.setdefault("peers", {}).setdefault(name, {}).update(json.load(f))
+            peer = result.setdefault("peers", {}).setdefault(name, {})   # several files may name one peer
+            if not os.path.exists(path):
+                peer[f"{Path(path).stem}_error"] = "no result (the peer failed or ran past its time limit)"
+                continue
+            with open(path) as f:
+                peer.update(json.load(f))
         summarize(result)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
