@@ -51,6 +51,15 @@ def timing_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _cheap_operator_str() -> None:
+    """torch 2.11's inductor formats every implicit fallback's arguments for a log line it does not print
+    (`log.info(..., error.operator_str(target, args, kwargs))`; torch 2.13 passes a LazyString). Each argument's
+    text is the whole IR feeding it, so with lingc's ~600 custom ops per 24-layer step the formatting alone ran
+    past 500 s on the H200 (a stack dump showed it). Only log and error text change: the target alone."""
+    from torch._inductor import exc
+    exc.OperatorIssue.operator_str = staticmethod(lambda target, args, kwargs: f"  target: {target}")
+
+
 def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "nextn_step"),
                        mode: str = "max-autotune") -> dict:
     from lingc.init import random_model
@@ -96,6 +105,7 @@ def torch_compile_peer(context: int, steps: tuple[str, ...] = ("decode_step", "n
     def reset() -> None:
         inputs["relay_seq_len"][0] = context
 
+    _cheap_operator_str()
     out: dict = {"mode": mode}
     for key, nextn in (("decode_step", False), ("nextn_step", True)):
         if key not in steps:
