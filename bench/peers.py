@@ -178,13 +178,17 @@ def _timed_transformers(context: int) -> dict:
 PEERS = {"torch_compile_decode": lambda context: torch_compile_peer(context, ("decode_step",)),
          "torch_compile_nextn": lambda context: torch_compile_peer(context, ("nextn_step",)),
          "torch_compile_reduce_overhead": lambda context: torch_compile_peer(context, mode="reduce-overhead"),
+         "torch_compile_reduce_overhead_decode": lambda context: torch_compile_peer(context, ("decode_step",),
+                                                                                    mode="reduce-overhead"),
+         "torch_compile_reduce_overhead_nextn": lambda context: torch_compile_peer(context, ("nextn_step",),
+                                                                                   mode="reduce-overhead"),
          "transformers": _timed_transformers}
 
 
 def run_peers(model, options, context: int, timeout_s: int = 420) -> dict:
     """Each peer in a subprocess (frees lingc's GPU memory first is the caller's job); errors are recorded."""
     results: dict = {}
-    for name in PEERS:
+    for name in ("torch_compile_decode", "torch_compile_nextn", "torch_compile_reduce_overhead", "transformers"):
         out = os.path.join(tempfile.mkdtemp(), f"{name}.json")
         cmd = [sys.executable, os.path.abspath(__file__), name, "--json", out, "--context", str(context)]
         env = dict(os.environ)
