@@ -244,7 +244,7 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
     map_name = up.args[1].target.rsplit(".", 1)[0] + ".expert_map"
     owner = shared_owner(map_name, tp) if routed < E else None
     if map_name not in program.weights:
-        program.weights[map_name] = expert_map(routed, 0, tp, owner)      # rank 0's; the others in rank_weights
+        program.weights[map_name] = expert_map(routed, 0, tp, owner).to(program.weights[up.args[1].target].device)
         if owner is not None:
             program.weight_info[map_name] = {"shared_owner": owner}
     map_node = get_weight_node(graph, map_name, before=up.args[1])
@@ -293,13 +293,14 @@ def _fix_shapes(program: Program, graph: fx.Graph, tp: int) -> list[str]:
     factor the input shrank by (a -1 there needs nothing). Any other shape error names the node.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
+    device = next((w.device for w in program.weights.values()), torch.device("cpu"))   # inputs live with weights
     env: dict[fx.Node, Any] = {}
     fixed: list[str] = []
     with mode:
         for node in graph.nodes:
             if node.op == "placeholder":
                 m = node.meta["lingc.tensor"]
-                env[node] = torch.empty(m.shape, dtype=m.dtype)
+                env[node] = torch.empty(m.shape, dtype=m.dtype, device=device)
                 continue
             if node.op == "get_attr":
                 env[node] = mode.from_tensor(program.weights[node.target])
@@ -423,7 +424,8 @@ class TensorParallel(Pass):
             for name, spec in specs.items():
                 if spec["rule"] == "expert_map":
                     owner = spec.get("shared_owner")
-                    ws[name] = expert_map(int(program.weights[name].shape[0]) - (owner is not None), r, tp, owner)
+                    ws[name] = expert_map(int(program.weights[name].shape[0]) - (owner is not None), r, tp,
+                                          owner).to(program.weights[name].device)
                 else:
                     ws[name] = shard_weight(full[name], spec, r, tp, name)
             self.rank_weights.append(ws)
