@@ -192,3 +192,16 @@ def test_tp_runs_only_via_tp_n_and_never_in_all():
         PassManager(["tp"])
     with pytest.raises(TPError, match="needs a degree"):
         TensorParallel().run(Program(preset("test-tiny"), {}, {}))
+
+
+def test_tp_stage_keeps_everything_on_the_weights_device(all_fp32):
+    """Weights on another device than the CPU (here `meta`; cuda on the GPU): the pass's shape walk puts the graph
+    inputs there too, and the per-rank expert maps live with the experts (on the H200 the walk failed on a cat of
+    a cuda and a cpu tensor)."""
+    from lingc.compile import CompileResult
+    from lingc.passes.tp import run_tp_stage
+    program = all_fp32.program.copy()
+    program.weights = {k: v.to("meta") for k, v in all_fp32.program.weights.items()}
+    ranks = run_tp_stage(CompileResult(program, list(all_fp32.stages)), 2)
+    assert {str(w.device) for rank in ranks for w in rank.values()} == {"meta"}
+    assert all(str(w.device) == "cpu" for w in all_fp32.program.weights.values())     # the original is untouched
