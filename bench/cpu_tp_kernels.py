@@ -24,7 +24,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.fx as fx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,36 +39,10 @@ def _interpreter_shims() -> None:
 
 
 def lockstep(programs, graph: str, inputs: list[dict], backend: str) -> list:
-    """passes.tp.run_lockstep with each op run by the given executor backend's kernel."""
-    from lingc.ops import OPS
-    from lingc.passes.tp import fold_sum
+    """passes.tp.run_lockstep with every op run by the given executor backend's kernel."""
+    from lingc.passes.tp import run_lockstep
     from lingc.runtime.executor import kernel_for
-    tp = len(programs)
-    envs: list[dict] = [{} for _ in programs]
-    outs: list = [None] * tp
-    for nodes in zip(*[list(p.graphs[graph].nodes) for p in programs]):
-        node = nodes[0]
-        if node.op == "placeholder":
-            for r in range(tp):
-                envs[r][node.name] = inputs[r][node.name]
-        elif node.op == "get_attr":
-            for r in range(tp):
-                envs[r][node.name] = programs[r].weights[node.target]
-        elif node.op == "output":
-            for r in range(tp):
-                outs[r] = fx.node.map_arg(nodes[r].args[0], lambda n, r=r: envs[r][n.name])
-        elif tp > 1 and node.target in (OPS.all_reduce, OPS.all_gather):
-            parts = [envs[r][nodes[r].args[0].name] for r in range(tp)]
-            value = fold_sum(parts, parts[0].dtype) if node.target is OPS.all_reduce else torch.cat(parts, node.args[1])
-            for r in range(tp):
-                envs[r][node.name] = value.clone()
-        else:
-            for r in range(tp):
-                fn, _ = kernel_for(nodes[r].target, backend)
-                args = fx.node.map_arg(nodes[r].args, lambda a, r=r: envs[r][a.name])
-                kwargs = fx.node.map_arg(nodes[r].kwargs, lambda a, r=r: envs[r][a.name])
-                envs[r][node.name] = fn(*args, **kwargs)
-    return outs
+    return run_lockstep(programs, graph, inputs, call=lambda target: kernel_for(target, backend)[0])
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from lingc.trace import TraceOptions, trace
 
 log = logging.getLogger(__name__)
 
-EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")   # copied and hashed
+EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",   # copied and hashed
+               "generation_config.json")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 

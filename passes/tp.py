@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -475,10 +475,12 @@ def shard_inputs(inputs: dict[str, torch.Tensor], program: Program, graph: str, 
 
 
 @torch.no_grad()
-def run_lockstep(programs: list[Program], graph: str, inputs: list[dict[str, torch.Tensor]]) -> list[Any]:
+def run_lockstep(programs: list[Program], graph: str, inputs: list[dict[str, torch.Tensor]],
+                 call: Callable[[Any], Callable] | None = None) -> list[Any]:
     """Run graph `graph` of N rank programs in one process, node by node in lockstep: each collective sees
     every rank's operand (all_reduce: fp32 sum in rank order, as the gloo path computes it; all_gather: cat).
-    inputs[r] feeds rank r's placeholders (state updated in place); returns each rank's outputs."""
+    inputs[r] feeds rank r's placeholders (state updated in place); returns each rank's outputs. `call` maps a
+    node's target to what runs it (default: the target itself, i.e. the reference ops; e.g. a Triton launcher)."""
     tp = len(programs)
     node_lists = [list(p.graphs[graph].nodes) for p in programs]
     envs: list[dict[str, Any]] = [{} for _ in programs]
@@ -507,7 +509,7 @@ def run_lockstep(programs: list[Program], graph: str, inputs: list[dict[str, tor
                 n = nodes[r]
                 args = fx.node.map_arg(n.args, lambda a, r=r: envs[r][a.name])
                 kwargs = fx.node.map_arg(n.kwargs, lambda a, r=r: envs[r][a.name])
-                envs[r][node.name] = n.target(*args, **kwargs)
+                envs[r][node.name] = (call(n.target) if call else n.target)(*args, **kwargs)
     return outputs
 
 

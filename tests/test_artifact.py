@@ -298,3 +298,16 @@ def test_greedy_refuses_more_than_max_len(exact_program):
     with pytest.raises(EngineError, match="the prompt is empty"):
         engine.generate(Request([], 5))
     assert engine.generate(Request(list(range(30)), 22, ignore_eos=True)).finish_reason == "length"   # fits
+
+
+def test_compile_copies_and_hashes_the_chat_template_file(tiny_ckpt, tmp_path):
+    """transformers' newer checkpoints keep the chat template in chat_template.jinja; `lingc serve` reads it from
+    the artifact, so compile copies it (and lists it in the manifest's hashes) like tokenizer.json."""
+    from lingc.artifact import read_manifest
+    from lingc.compile import compile_checkpoint
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    (ckpt / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    compile_checkpoint(ckpt, tmp_path / "art", ["partition"], programs=["decode"])
+    assert (tmp_path / "art" / "chat_template.jinja").read_text() == (ckpt / "chat_template.jinja").read_text()
+    assert "chat_template.jinja" in json.dumps(read_manifest(tmp_path / "art").manifest)
