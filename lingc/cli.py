@@ -111,7 +111,7 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
 @app.command("passes")
 def passes_cmd() -> None:
     """List every pass: name, what it does, whether it changes numerics, its ordering constraints."""
-    from lingc.passes import PASSES
+    from lingc.passes import EXPLICIT_PASSES, PASSES
     table = Table(title="lingc passes (use --passes a,b,c or all)")
     for col in ("pass", "what it does", "numerics", "runs after"):
         table.add_column(col)
@@ -119,6 +119,9 @@ def passes_cmd() -> None:
         numerics = f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics else "[green]unchanged[/green]"
         after = ", ".join(a for a in (*cls.requires, *cls.after) if a in PASSES) or "-"
         table.add_row(name, cls.summary, numerics, after)
+    for name, cls in EXPLICIT_PASSES.items():        # not in `all`: each has its own flag
+        numerics = f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics else "[green]unchanged[/green]"
+        table.add_row(f"{name} (only via --{name} N)", cls.summary, numerics, "every pass above")
     console.print(table)
 
 

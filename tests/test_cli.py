@@ -110,6 +110,7 @@ def test_passes_lists_every_pass_with_its_numerics(runner):
     assert re.search(r"pdl │ .* │ unchanged │ fuse_swiglu, fuse_moe_align, fuse_projections, fuse_add_norm, "
                      r"bf16_router", text)
     assert re.search(r"partition │ .*relay.* │ unchanged │ -", text)
+    assert re.search(r"tp \(only via --tp N\) │", text)            # listed, with the flag that runs it
 
 
 def test_console_script_entry_point():
