@@ -29,6 +29,11 @@ Failure: the process group has a timeout (`timeout_s`); a watchdog thread on ran
 processes, and when one dies it ends the others, so a collective rank 0 is blocked in fails at once
 instead of waiting for the timeout; the session then raises TPError naming the rank, its exit code and,
 if it raised, its traceback (workers post it to the store). A broken session refuses further requests.
+On NCCL a collective does not fail when its peer dies (its kernel waits on the GPU, inside a CUDA graph too),
+so rank 0 would sit until the process-group timeout: there the watchdog gives rank 0's thread `hard_exit_s`
+(default 10 s on CUDA, off on CPU) to notice; if it has not raised the TPError by then, the watchdog prints
+the error to stderr and ends the process with exit code 1 (`lingc serve --tp` and `lingc generate` stop
+with the error instead of hanging).
 `close()` is explicit and bounded: shutdown message, join with a timeout, then terminate / kill.
 """
 
@@ -38,6 +43,7 @@ import atexit
 import datetime
 import json
 import os
+import sys
 import threading
 import time
 import traceback
@@ -53,6 +59,7 @@ from lingc.runtime.session import TOKENIZER_FILE, Session
 
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0         # spawn + import + artifact load, per worker
+HARD_EXIT_S = 10.0                # CUDA: how long rank 0 may stay blocked after a rank died (module docstring)
 KEY_WINDOW = 64                   # control keys kept in the store (a worker is never more than a few behind)
 _WAIT_FOREVER = datetime.timedelta(days=365)
 _ACTIVE: list["TPRuntime"] = []   # at most one per process: torch.distributed has one default group
@@ -189,8 +196,8 @@ def _worker_main(rank: int, world: int, addr: str, port: int, artifact: str, dev
 class TPRuntime:
     """Rank 0's side: the store, the worker processes, the watchdog, the control channel, the failure state."""
 
-    def __init__(self, world: int, device: str, timeout_s: float):
-        self.world, self.device, self.timeout_s = world, device, timeout_s
+    def __init__(self, world: int, device: str, timeout_s: float, hard_exit_s: float | None = None):
+        self.world, self.device, self.timeout_s, self.hard_exit_s = world, device, timeout_s, hard_exit_s
         self.store: Any = None
         self.ctl: _Control | None = None
         self.procs: dict[int, Any] = {}            # rank -> spawned process (empty under torchrun)
@@ -199,6 +206,7 @@ class TPRuntime:
         self.pending: list[list] = []
         self.closed = False
         self._stop = threading.Event()
+        self._noticed = threading.Event()          # rank 0's thread has raised the failure
         self._watchdog: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -219,6 +227,7 @@ class TPRuntime:
         if self.broken is None and self.dead:
             self.broken = self._describe_dead()
         if self.broken is not None:
+            self._noticed.set()
             raise TPError(self.broken)
 
     def _describe_dead(self) -> str:
@@ -251,6 +260,7 @@ class TPRuntime:
             self.broken = (f"a collective on rank 0 failed ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); "
                            f"a TP rank is gone or stuck (process-group timeout {self.timeout_s:g} s)")
         self._kill_all()
+        self._noticed.set()
         return TPError(self.broken)
 
     def start_watchdog(self) -> None:
@@ -261,9 +271,20 @@ class TPRuntime:
                         self.dead[rank] = p.exitcode
                 if self.dead and not self.closed:
                     self._kill_all()               # the session is over: unblock any collective at once
+                    if self.hard_exit_s is not None and not self._noticed.wait(self.hard_exit_s) \
+                            and not self.closed:
+                        self._hard_exit()
                     return
         self._watchdog = threading.Thread(target=watch, name="lingc-tp-watchdog", daemon=True)
         self._watchdog.start()
+
+    def _hard_exit(self) -> None:
+        """Rank 0 is still blocked (an NCCL collective whose peer is gone never returns): say why and exit."""
+        msg = self._describe_dead().replace("; the TP session is stopped (open a new one)", "")
+        sys.stderr.write(f"lingc: {msg}; rank 0 is blocked in a collective that cannot finish, so this process "
+                         f"exits now (exit code 1)\n")
+        sys.stderr.flush()
+        os._exit(1)
 
     def _kill_all(self) -> None:
         for p in self.procs.values():
@@ -411,8 +432,10 @@ def _torchrun_env() -> dict[str, Any] | None:
 def open_tp_session(artifact: str | Path, tp: int | None = None, device: str = "cpu", spec: str = "nextn", *,
                     timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_rank: int | None = None,
                     simulate_accept_len: float = 0.0, backend: str = "auto", cuda_graphs: bool | None = None,
-                    pdl: bool | None = None) -> TPSession:
-    """Open a TP artifact on its N ranks (module docstring); `tp` defaults to the artifact's."""
+                    pdl: bool | None = None, hard_exit_s: float | None = -1.0) -> TPSession:
+    """Open a TP artifact on its N ranks (module docstring); `tp` defaults to the artifact's. `hard_exit_s`:
+    seconds rank 0 may stay blocked after a rank died before the process exits (default: 10 on CUDA, where
+    NCCL collectives never fail on a dead peer; None on CPU, where gloo's do)."""
     import torch.distributed as dist
     artifact = str(artifact)
     manifest = read_manifest(artifact, check_hashes=False).manifest
@@ -438,7 +461,9 @@ def open_tp_session(artifact: str | Path, tp: int | None = None, device: str = "
                      torch.get_num_threads(), run["local_rank"], run)   # never returns (exits the process)
     if device.startswith("cuda"):
         nccl_environment()                          # before spawning: the workers inherit it
-    rt = TPRuntime(world, device, timeout_s)
+    if hard_exit_s is not None and hard_exit_s < 0:
+        hard_exit_s = HARD_EXIT_S if device.startswith("cuda") else None
+    rt = TPRuntime(world, device, timeout_s, hard_exit_s)
     _ACTIVE.append(rt)
     try:
         if run is None:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -99,3 +102,29 @@ def test_lingc_generate_starts_the_ranks_of_a_tp_artifact(tp_artifacts, tp1_toke
     assert result.exit_code == 0, result.output + repr(result.exception)
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["tokens"] == tp1_tokens[:8] and summary["spec"] == "none"
+
+
+BLOCKED_RANK0 = """
+import os, signal, sys, time
+from lingc.runtime.tp import open_tp_session
+if __name__ == "__main__":
+    session = open_tp_session(sys.argv[1], spec="none", timeout_s=120.0, hard_exit_s=1.0)
+    os.kill(session.runtime.procs[1].pid, signal.SIGKILL)
+    print("killed", flush=True)
+    time.sleep(60)           # rank 0's thread never looks again: as if blocked in an NCCL collective
+    print("still here", flush=True)
+"""
+
+
+def test_a_blocked_rank0_exits_with_the_error_after_hard_exit_s(tp_artifacts, tmp_path):
+    """NCCL collectives do not fail when a peer dies, so rank 0 can stay blocked; after hard_exit_s the watchdog
+    prints the error and ends the process (exit code 1) instead of leaving a hung server."""
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_RANK0)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script), str(tp_artifacts[2])], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "killed" in proc.stdout and "still here" not in proc.stdout
+    assert re.search(r"lingc: TP rank 1 \(pid \d+\) was killed by signal 9.*exits now", proc.stderr), proc.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60
