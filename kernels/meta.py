@@ -36,17 +36,18 @@ WARPS = 4
 
 
 @triton.jit
-def _gather_rows_kernel(buf_ptr, slots_ptr, out_ptr, R, s_buf, s_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _take_rows_kernel(src_ptr, index_ptr, out_ptr, R, s_b, s_index, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[b] = the row at src + b * s_b + index[b] * s_index: gather_rows (s_b = 0) and pick_position."""
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < R
     if PDL:
         tl.extra.cuda.gdc_wait()
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    x = tl.load(buf_ptr + slot * s_buf + offs, mask=mask)
+    i = tl.load(index_ptr + b).to(tl.int64)
+    x = tl.load(src_ptr + b * s_b + i * s_index + offs, mask=mask)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + b * s_out + offs, x, mask=mask)
+    tl.store(out_ptr + b * R + offs, x, mask=mask)
 
 
 @triton.jit
@@ -96,20 +97,6 @@ def _paged_refill_kernel(pt_ptr, slots_ptr, pos_ptr, rows_ptr, locs_ptr, MP, T, 
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def _pick_position_kernel(x_ptr, index_ptr, out_ptr, R, s_xb, s_xt, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < R
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    t = tl.load(index_ptr + b).to(tl.int64)
-    x = tl.load(x_ptr + b * s_xb + t * s_xt + offs, mask=mask)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + b * R + offs, x, mask=mask)
-
-
 def _rows_contiguous(t: torch.Tensor, lead: int) -> bool:
     """The dims after the first `lead` form one contiguous run of elements (any lead strides)."""
     expected = 1
@@ -148,7 +135,7 @@ def gather_rows(buf: torch.Tensor, slots: torch.Tensor, *, pdl: bool = False) ->
         return out
     pdl, opts = _opts(pdl, buf.device)
     block, nblk = _grid_block(R)
-    _gather_rows_kernel[(B, nblk)](buf, slots, out, R, buf.stride(0), R, BLOCK=block, PDL=pdl, **opts)
+    _take_rows_kernel[(B, nblk)](buf, slots, out, R, 0, buf.stride(0), BLOCK=block, PDL=pdl, **opts)
     return out
 
 
@@ -210,7 +197,7 @@ def pick_position(x: torch.Tensor, index: torch.Tensor, *, pdl: bool = False) ->
         return out
     pdl, opts = _opts(pdl, x.device)
     block, nblk = _grid_block(R)
-    _pick_position_kernel[(B, nblk)](x, index, out, R, x.stride(0), x.stride(1), BLOCK=block, PDL=pdl, **opts)
+    _take_rows_kernel[(B, nblk)](x, index, out, R, x.stride(0), x.stride(1), BLOCK=block, PDL=pdl, **opts)
     return out
 
 
