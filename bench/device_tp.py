@@ -122,8 +122,9 @@ def time_graphs(run, names: tuple[str, ...], repeats: int, device: torch.device)
     return out
 
 
-def time_program(exe, context: int, repeats: int) -> dict:
-    """The step and NEXTN graphs of an executor, captured as CUDA graphs on the GPU, each set timed twice."""
+def time_program(exe, context: int, repeats: int, profile: bool = False) -> dict:
+    """The step and NEXTN graphs of an executor, captured as CUDA graphs on the GPU, each set timed twice; with
+    `profile` (CUDA), also a kernel-by-kernel breakdown of each graph (`profile_graphs`)."""
     from lingc.runtime.graphs import CudaGraphs
     names = [g for gs in GRAPH_SETS.values() for g in gs]
     graphs = None
@@ -139,10 +140,56 @@ def time_program(exe, context: int, repeats: int) -> dict:
             reset_request(exe, context)
             series.append(time_graphs(run, gs, repeats, exe.device))
         out[key] = {"ms": series[0], "ms_repeat": series[1]}
+    if profile and graphs is not None:
+        reset_request(exe, context)
+        out["profile"] = profile_graphs(run, [g for gs in GRAPH_SETS.values() for g in gs], exe.device)
     del graphs
     gc.collect()
     if exe.device.type == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+def profile_graphs(run, names: list[str], device: torch.device, replays: int = 5) -> dict:
+    """Per graph: kernels per replay, busy / idle time and the kernels grouped by name (torch profiler, CUPTI), as
+    bench/device_profile.py reports them. Every rank replays the same count (the graphs hold collectives)."""
+    import collections
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from device_profile import busy_us, kernel_events
+    out = {}
+    for name in names:
+        for _ in range(3):
+            run(name)
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                run(name)
+                _sync(device)
+        path = os.path.join(tempfile.mkdtemp(), f"{name}.json")
+        prof.export_chrome_trace(path)
+        kernels = kernel_events(path)
+        if not kernels or len(kernels) % replays:
+            out[name] = {"error": f"{len(kernels)} kernel events for {replays} replays"}
+            continue
+        per = len(kernels) // replays
+        reps = [kernels[i * per:(i + 1) * per] for i in range(replays)]
+        by_name: dict[str, list[float]] = collections.defaultdict(list)
+        count: collections.Counter = collections.Counter(k["name"] for k in reps[0])
+        for r in reps:
+            acc: dict[str, float] = collections.defaultdict(float)
+            for k in r:
+                acc[k["name"]] += k["dur"]
+            for n, v in acc.items():
+                by_name[n].append(v)
+        spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in reps]
+        out[name] = {"kernels_per_replay": per, "span_us": statistics.median(spans),
+                     "busy_us": statistics.median(busy_us(r) for r in reps),
+                     "by_kernel": sorted(({"kernel": n[:90], "launches": count[n], "us": statistics.median(v)}
+                                          for n, v in by_name.items()), key=lambda r: -r["us"])[:40]}
     return out
 
 
@@ -339,7 +386,7 @@ def measure_tp(program, device: torch.device, cfg: dict, hidden: int, out: dict,
     backend = cfg["backend"]
     exe = Executor(program, device, backend, pdl=backend == "triton" and device.type == "cuda")
     out["counts"] = launch_counts(exe)
-    out["tp"] = {"times": time_program(exe, cfg["context"], cfg["repeats"])}
+    out["tp"] = {"times": time_program(exe, cfg["context"], cfg["repeats"], cfg.get("profile", False))}
     phase("tp_times")
     out["tp"]["all_reduce_swapped"] = skip_all_reduce(exe)
     out["tp"]["times_without_all_reduce"] = time_program(exe, cfg["context"], cfg["repeats"])
@@ -501,6 +548,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default=None, choices=("triton", "reference"),
                     help="default: triton on cuda, reference on cpu")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds before the ranks are killed")
+    ap.add_argument("--profile", action="store_true", help="also profile each TP graph kernel by kernel (CUDA)")
     ap.add_argument("--pg-timeout", type=float, default=300.0, help="process-group (collective) timeout, seconds")
     args = ap.parse_args(argv)
     os.environ.update(NCCL_ENV)                   # inherited by the spawned ranks (and set again there)
