@@ -5,7 +5,7 @@
 #   3. lingc serve --tp 2 --device cuda (rank 0: HTTP + scheduler; rank 1 spawned), wait for /health
 #   4. one /v1/completions, one streamed /generate, then `lingc bench` (random-ids workload, concurrency 1)
 #   5. kill -9 rank 1 mid-run (a request in flight): the server must stop with a clear error, not hang
-# Every step's output goes to OUT_DIR (serve.log, bench.json, summary.txt).
+# OUT_DIR gets summary.txt (every step, with log tails) and bench.json; the full logs stay in /tmp/lingc-serve-tp-logs.
 #
 #   bash bench/device_serve_tp.sh OUT_DIR [LAYERS]
 #
@@ -15,7 +15,8 @@ OUT=${1:?usage: bash bench/device_serve_tp.sh OUT_DIR [LAYERS]}
 LAYERS=${2:-4}
 PORT=30123
 CK=/tmp/lingc-serve-tp-ckpt ART=/tmp/lingc-serve-tp-art
-mkdir -p "$OUT"
+LOG=/tmp/lingc-serve-tp-logs
+mkdir -p "$OUT" "$LOG"
 SUM="$OUT/summary.txt"
 : > "$SUM"
 note() { echo "$*" | tee -a "$SUM"; }
@@ -23,14 +24,14 @@ rm -rf "$CK" "$ART"
 
 t0=$(date +%s)
 python3 -m lingc.cli init --preset ling-3.0-tiny --layers "$LAYERS" --mtp-layers 1 --device cuda -o "$CK" \
-  > "$OUT/init.log" 2>&1 || { note "init failed"; tail -20 "$OUT/init.log"; exit 1; }
+  > "$LOG/init.log" 2>&1 || { note "init failed"; tail -20 "$LOG/init.log"; exit 1; }
 t1=$(date +%s)
-python3 -m lingc.cli compile "$CK" -o "$ART" --passes all --tp 2 --max-len 2048 > "$OUT/compile.log" 2>&1 \
-  || { note "compile failed"; tail -30 "$OUT/compile.log"; exit 1; }
+python3 -m lingc.cli compile "$CK" -o "$ART" --passes all --tp 2 --max-len 2048 > "$LOG/compile.log" 2>&1 \
+  || { note "compile failed"; tail -30 "$LOG/compile.log"; exit 1; }
 t2=$(date +%s)
 note "init ${LAYERS} layers: $((t1 - t0)) s; compile --tp 2: $((t2 - t1)) s; artifact $(du -sh "$ART" | cut -f1)"
 
-python3 -m lingc.cli serve "$ART" --tp 2 --device cuda --port $PORT --log-level warning > "$OUT/serve.log" 2>&1 &
+python3 -m lingc.cli serve "$ART" --tp 2 --device cuda --port $PORT --log-level warning > "$LOG/serve.log" 2>&1 &
 SERVE=$!
 up=0
 for _ in $(seq 1 240); do
@@ -39,7 +40,7 @@ for _ in $(seq 1 240); do
   sleep 1
 done
 t3=$(date +%s)
-if [ $up != 1 ]; then note "server did not come up in $((t3 - t2)) s"; tail -40 "$OUT/serve.log"; kill -9 $SERVE; exit 1; fi
+if [ $up != 1 ]; then note "server did not come up in $((t3 - t2)) s"; tail -40 "$LOG/serve.log"; kill -9 $SERVE; exit 1; fi
 note "serve --tp 2 up in $((t3 - t2)) s"
 
 note "== /v1/completions"
@@ -55,13 +56,13 @@ curl -s "http://127.0.0.1:$PORT/get_server_info" | head -c 600 | tee -a "$SUM"; 
 
 python3 -m lingc.cli bench --base-url "http://127.0.0.1:$PORT" --dataset-name random-ids --vocab-size 157184 \
   --num-prompts 12 --random-input-len 512 --random-output-len 256 --random-range-ratio 1.0 --max-concurrency 1 \
-  --warmup 2 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-note "bench rc $?"; tail -25 "$OUT/bench.log" | tee -a "$SUM"
+  --warmup 2 --json "$OUT/bench.json" > "$LOG/bench.log" 2>&1
+note "bench rc $?"; tail -25 "$LOG/bench.log" | tee -a "$SUM"
 
 # a dead rank: start a long request, kill rank 1, the server must exit with an error naming it
 curl -s "http://127.0.0.1:$PORT/generate" -H 'Content-Type: application/json' \
   -d '{"input_ids": [9, 9, 9], "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": true}}' \
-  > "$OUT/inflight.txt" 2>&1 &
+  > "$LOG/inflight.txt" 2>&1 &
 sleep 1
 victim=""
 for c in $(pgrep -P $SERVE); do
@@ -78,7 +79,7 @@ done
 k1=$(date +%s)
 if [ -z "$rc" ]; then note "server still running $((k1 - k0)) s after rank 1 died (hang)"; kill -9 $SERVE
 else note "server exited with rc $rc, $((k1 - k0)) s after rank 1 died"; fi
-note "== serve.log tail"; tail -15 "$OUT/serve.log" | tee -a "$SUM"
-note "== in-flight request got"; head -c 400 "$OUT/inflight.txt" | tee -a "$SUM"; echo
+note "== serve.log tail"; tail -15 "$LOG/serve.log" | tee -a "$SUM"
+note "== in-flight request got"; head -c 400 "$LOG/inflight.txt" | tee -a "$SUM"; echo
 pkill -9 -f lingc-serve-tp-art 2>/dev/null
 exit 0
