@@ -13,6 +13,8 @@
 set -u
 OUT=${1:?usage: bash bench/device_serve_tp.sh OUT_DIR [LAYERS]}
 LAYERS=${2:-4}
+PRESET=${PRESET:-ling-3.0-tiny} DEVICE=${DEVICE:-cuda} VOCAB=${VOCAB:-157184}   # CPU smoke: PRESET=test-tiny DEVICE=cpu VOCAB=512
+PROMPTS=${PROMPTS:-12} IN_LEN=${IN_LEN:-512} OUT_LEN=${OUT_LEN:-256}   # CPU smoke: PROMPTS=2 IN_LEN=16 OUT_LEN=8
 PORT=30123
 CK=/tmp/lingc-serve-tp-ckpt ART=/tmp/lingc-serve-tp-art
 LOG=/tmp/lingc-serve-tp-logs
@@ -20,18 +22,21 @@ mkdir -p "$OUT" "$LOG"
 SUM="$OUT/summary.txt"
 : > "$SUM"
 note() { echo "$*" | tee -a "$SUM"; }
+# the CLI from a neutral directory: run from the repository root, `python3 -m` would import the source tree's
+# lingc/ (without its passes/, kernels/, runtime/ subpackages) instead of the installed package
+lingc() { (cd /tmp && python3 -m lingc.cli "$@"); }
 rm -rf "$CK" "$ART"
 
 t0=$(date +%s)
-python3 -m lingc.cli init --preset ling-3.0-tiny --layers "$LAYERS" --mtp-layers 1 --device cuda -o "$CK" \
+lingc init --preset "$PRESET" --layers "$LAYERS" --mtp-layers 1 --device "$DEVICE" -o "$CK" \
   > "$LOG/init.log" 2>&1 || { note "init failed"; tail -20 "$LOG/init.log"; exit 1; }
 t1=$(date +%s)
-python3 -m lingc.cli compile "$CK" -o "$ART" --passes all --tp 2 --max-len 2048 > "$LOG/compile.log" 2>&1 \
+lingc compile "$CK" -o "$ART" --passes all --tp 2 --max-len 2048 > "$LOG/compile.log" 2>&1 \
   || { note "compile failed"; tail -30 "$LOG/compile.log"; exit 1; }
 t2=$(date +%s)
 note "init ${LAYERS} layers: $((t1 - t0)) s; compile --tp 2: $((t2 - t1)) s; artifact $(du -sh "$ART" | cut -f1)"
 
-python3 -m lingc.cli serve "$ART" --tp 2 --device cuda --port $PORT --log-level warning > "$LOG/serve.log" 2>&1 &
+(cd /tmp && exec python3 -m lingc.cli serve "$ART" --tp 2 --device "$DEVICE" --port $PORT --log-level warning > "$LOG/serve.log" 2>&1) &
 SERVE=$!
 up=0
 for _ in $(seq 1 240); do
@@ -54,8 +59,8 @@ curl -sN "http://127.0.0.1:$PORT/generate" -H 'Content-Type: application/json' \
 note "== get_server_info"
 curl -s "http://127.0.0.1:$PORT/get_server_info" | head -c 600 | tee -a "$SUM"; echo | tee -a "$SUM"
 
-python3 -m lingc.cli bench --base-url "http://127.0.0.1:$PORT" --dataset-name random-ids --vocab-size 157184 \
-  --num-prompts 12 --random-input-len 512 --random-output-len 256 --random-range-ratio 1.0 --max-concurrency 1 \
+lingc bench --base-url "http://127.0.0.1:$PORT" --dataset-name random-ids --vocab-size "$VOCAB" \
+  --num-prompts "$PROMPTS" --random-input-len "$IN_LEN" --random-output-len "$OUT_LEN" --random-range-ratio 1.0 --max-concurrency 1 \
   --warmup 2 --json "$OUT/bench.json" > "$LOG/bench.log" 2>&1
 note "bench rc $?"; tail -25 "$LOG/bench.log" | tee -a "$SUM"
 

@@ -280,7 +280,7 @@ def serve(artifact: Path = typer.Argument(..., help="artifact directory (lingc c
     """Serve an artifact over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions, SGLang-style
     /generate, /health, /get_server_info, /metrics. One request decodes at a time (docs/server.md)."""
     try:
-        from lingc.runtime.server import ServerConfig, serve as run_server
+        from lingc.runtime.server import ServerConfig, ServerStopped, serve as run_server
     except ImportError as e:
         _fail(f"lingc serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
     import importlib
@@ -319,6 +319,8 @@ def serve(artifact: Path = typer.Argument(..., help="artifact directory (lingc c
     try:
         run_server(session, ServerConfig(name, api_key, max_queue, max_body_bytes, tp=ranks, device=device),
                    host=host, port=port, log_level=log_level)
+    except ServerStopped as e:
+        _fail(str(e))
     finally:
         if hasattr(session, "close"):                            # a TP session stops its ranks
             session.close()

@@ -27,6 +27,8 @@ NEXTN_GRAPHS = ("draft", "verify", "extend")
 class EngineError(ValueError):
     """A request or artifact the engine cannot run; the message says what to change."""
 
+    fatal = False          # True: the engine can run nothing more (a dead TP rank); a server must stop
+
 
 def _is_int(x) -> bool:
     """A Python or NumPy integer (not a float, not a tensor)."""

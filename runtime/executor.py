@@ -128,12 +128,20 @@ class Buffers:
         return cls(out)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """"cuda" -> "cuda:<current device>": an engine's GPU must be nameable from another thread (the server's
+    scheduler binds it with torch.cuda.set_device, which refuses a device without an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Executor:
     """Runs a Program's graphs by name over its Buffers, on one device."""
 
     def __init__(self, program: Program, device: str | torch.device = "cpu", backend: str = "reference",
                  pdl: bool = False):
-        self.program, self.device, self.backend, self.pdl = program, torch.device(device), backend, pdl
+        self.program, self.device, self.backend, self.pdl = program, _indexed(torch.device(device)), backend, pdl
         self.weights = {k: v.to(self.device) for k, v in program.weights.items()}
         self.buffers = Buffers.allocate(program, self.device)
         self.lowered = {name: lower(program, name, backend, pdl) for name in program.graphs}

@@ -172,7 +172,7 @@ def _bind_device(engine: Any) -> None:
     """Make the engine's GPU this thread's current CUDA device: a new thread starts on cuda:0, and Triton launches on
     the current device (a TP rank's engine on cuda:1 would otherwise launch its kernels on the wrong GPU)."""
     device = getattr(getattr(engine, "exe", None), "device", None)
-    if getattr(device, "type", None) == "cuda":
+    if getattr(device, "type", None) == "cuda" and device.index is not None:     # Executor always names the index
         import torch
         torch.cuda.set_device(device)
 
@@ -190,6 +190,7 @@ class Scheduler:
         self.running: Job | None = None
         self.stopping = False
         self.mean_request_s = 1.0                    # for Retry-After: a running mean of engine time per request
+        self.on_fatal: Callable[[BaseException], None] | None = None   # called once the engine can run nothing more
         self.thread = threading.Thread(target=self._loop, name="lingc-scheduler", daemon=True)
 
     def start(self, warmup: Request | None = None) -> None:
@@ -275,6 +276,8 @@ class Scheduler:
                 log.exception("request failed in the engine")
             self.stats.record_error(job)
             self._emit(job, ("error", e))
+            if getattr(e, "fatal", False) and self.on_fatal is not None:
+                self.on_fatal(e)                      # e.g. a dead TP rank: the server stops rather than serve errors
             return
         now = time.perf_counter()
         self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * (now - job.started)

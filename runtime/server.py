@@ -830,11 +830,30 @@ class _Gate:
         await self.app(scope, replay, send)
 
 
+class ServerStopped(RuntimeError):
+    """The engine failed for good (a TP rank died): the server answered the request in flight and stopped."""
+
+
 def serve(session: Any, config: ServerConfig, host: str = "127.0.0.1", port: int = 30000,
           log_level: str = "info") -> None:
-    """Run the server until interrupted (what `lingc serve` calls)."""
+    """Run the server until interrupted (what `lingc serve` calls). A fatal engine error (`EngineError.fatal`: a dead
+    TP rank) fails the request in flight with a 500 naming it, then stops the server and raises ServerStopped."""
     import uvicorn
-    uvicorn.run(create_app(session, config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = create_app(session, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    fatal: list[BaseException] = []
+
+    def on_fatal(e: BaseException) -> None:
+        log.error("stopping the server: %s", e)
+        fatal.append(e)
+        server.should_exit = True
+    app.state.served.scheduler.on_fatal = on_fatal
+    try:
+        server.run()
+    except KeyboardInterrupt:                     # uvicorn re-raises the captured Ctrl-C after its graceful shutdown
+        pass
+    if fatal:
+        raise ServerStopped(f"the server stopped: {fatal[0]}")
 
 
 class ServerThread:

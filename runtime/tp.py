@@ -70,6 +70,8 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 class TPError(EngineError):
     """A TP rank died, failed or timed out; the message names the rank and what happened."""
 
+    fatal = True           # the TP session is over: `lingc serve` stops with this message (exit code 1)
+
 
 # ---- process group and control channel ------------------------------------------------------------------
 def _device_for(device: str, local_rank: int) -> str:
