@@ -29,3 +29,21 @@ def test_propagate_follows_a_weight_dtype_change(tiny_program):
     assert head.meta["lingc.tensor"] == TensorMeta((512, 128), torch.bfloat16)
     logits = next(n for n in program.graphs["decode"].nodes if n.name == "lm_head_linear")
     assert logits.meta["lingc.tensor"] == TensorMeta((1, 1, 512), torch.float32)    # out_dtype stays fp32
+
+
+def test_memo_hits_give_what_a_fresh_fake_run_gives(tiny_program):
+    """After every pass (memo warm: most nodes are hits, misses run on stand-in fakes) the metas equal those of a
+    propagation that starts with an empty memo (every op run on the real chain of fake values)."""
+    from lingc.ir import shapes
+    from lingc.passes.manager import PassManager
+    program = PassManager(["all"]).run(tiny_program.copy()).program
+    warm = {(g, n.name): n.meta.get("lingc.tensor") for g, gr in program.graphs.items() for n in gr.nodes}
+    saved = dict(shapes._MEMO)
+    shapes._MEMO.clear()
+    try:
+        propagate(program)
+    finally:
+        shapes._MEMO.update(saved)
+    cold = {(g, n.name): n.meta.get("lingc.tensor") for g, gr in program.graphs.items() for n in gr.nodes}
+    assert warm == cold
+
