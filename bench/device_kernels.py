@@ -2,8 +2,11 @@
 
 The RMSNorm family and moe_align are checked here (per-launch times: launch-bound, KB of data); every other
 family has a bench/kernel_<family>.py whose run(device) checks it at Ling-3.0-tiny's decode shapes and times it
-in CUDA graphs with cold weights (bench/timing.py). One table and one JSON for all:
+in CUDA graphs with cold weights (bench/timing.py). The families are found by that file name: ep, filtered_probs,
+kda, linear, meta (meta.py's index kernels, uniform, kda_conv_qkv / kda_commit_multi), mla, moe, router (router
+and sampling kernels; router_align's "rows" and "pairs" variants side by side). One table and one JSON for all:
     python3 bench/device_kernels.py --json $OUT/kernels.json [--families linear,moe]
+    python3 bench/device_kernels.py --json $OUT/kernels.json --families meta,router
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ def run_families(only: str, timeout_s: int = 0) -> dict:
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     wanted = set(filter(None, only.split(",")))
+    known = {path.stem[len("kernel_"):] for path in here.glob("kernel_*.py")}
+    if wanted - known:
+        raise SystemExit(f"device_kernels: unknown families {sorted(wanted - known)}; known: {sorted(known)}")
     out: dict = {}
     for path in sorted(here.glob("kernel_*.py")):
         family = path.stem[len("kernel_"):]

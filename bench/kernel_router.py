@@ -3,7 +3,13 @@ chain_accept, sample_tokens) at the Ling-3.0-tiny decode shapes, against the tor
 
 Shapes: router E=128, k=8, n_group=8, topk_group=4, scale 2.5, BM=16, N in {1, 6} (decode, verify chain);
 greedy_sample V=157184, T in {1, 7}; chain_accept B=1, K=6, V=157184 (greedy: the decode hot path; sampled:
-temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}; uniform n in {1, 6} (bit-exact).
+temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}. (`uniform` moved to kernel_meta.py.)
+
+router_align is timed per kernel variant (kernels/router.py): `router_align[rows]` (the default) and
+`router_align[pairs]` (the previous kernel), side by side, at N in {1, 6}, without (S=0) and with the fused shared
+expert (S=1, num_experts 129: what the step runs after fuse_shared_expert). Each of those rows also carries
+`variants_equal` (rows == pairs, all five outputs bit for bit), `unfused_kernels_time_us` (router_topk kernel +
+moe_align kernel, the pair the fusion replaces) and `ref_time_us` (the torch reference op).
 
 Each row: correctness vs the reference op on the GPU (router: per-row id sets and the weight of each id, the
 reference's order being unspecified; alignment and token ids exact), pdl=True output == pdl=False output bit for
@@ -11,6 +17,7 @@ bit, and graph-replay times (bench/timing.py, over `cold_copies` distinct input 
 reference op. `ok` for the sampled rows allows the documented inverse-CDF boundary case (kernels/sample.py): it
 requires every token to have positive mass and the accept lengths to be equal.
     python3 bench/kernel_router.py            # JSON lines
+    python3 bench/device_kernels.py --families router --json $OUT/router.json
 """
 
 from __future__ import annotations
@@ -52,8 +59,7 @@ def _routing_diff(got: tuple, want: tuple) -> tuple[bool, float, bool]:
 
 
 def _router_rows(dev: torch.device) -> list[dict]:
-    from lingc.kernels.moe_align import moe_align as moe_align_kernel
-    from lingc.kernels.router import router_align, router_align_ref, router_topk, router_topk_ref
+    from lingc.kernels.router import router_topk, router_topk_ref
 
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
@@ -72,21 +78,38 @@ def _router_rows(dev: torch.device) -> list[dict]:
         t_ref = _time(lambda a, b: router_topk_ref(a, b, *args), copies)
         rows.append(_row("router_topk", f"N={N} E={E} k={TOP_K} g={N_GROUP}/{TOPK_GROUP}", same and err < 1e-5,
                          err, same and exact, pdl_eq, t, t_ref, per_copy + N * TOP_K * 8, pdl_time_us=t_pdl))
-        # router_align (fused for N*k <= 64)
-        got = router_align(x, bias, *args, E, BLOCK_M)
-        want = router_align_ref(x, bias, *args, E, BLOCK_M)
+        for shared in (0, 1):
+            rows += _router_align_rows(x, bias, copies, N, shared, per_copy)
+    return rows
+
+
+def _router_align_rows(x: torch.Tensor, bias: torch.Tensor, copies: list, N: int, shared: int,
+                       per_copy: int) -> list[dict]:
+    """router_align[rows] and router_align[pairs] at one (N, fused_shared): checks, PDL, times, side by side."""
+    from lingc.kernels.moe_align import moe_align as moe_align_kernel
+    from lingc.kernels.router import router_align, router_align_ref, router_topk
+
+    experts = E + shared
+    args = (N_GROUP, TOPK_GROUP, TOP_K, SCALE, experts, BLOCK_M, shared)
+    want = router_align_ref(x, bias, *args)
+    outs = {v: router_align(x, bias, *args, variant=v) for v in ("rows", "pairs")}
+    variants_equal = _equal(outs["rows"], outs["pairs"])
+    t_ref = _time(lambda a, b: router_align_ref(a, b, *args), copies)
+    t_two = _time(lambda a, b: moe_align_kernel(router_topk(a, b, *args[:4], shared)[1], experts, BLOCK_M), copies)
+    rows = []
+    for variant, got in outs.items():
         same, err, exact = _routing_diff(got[:2], want[:2])
-        align_exact = _equal(got[2:], torch.ops.lingc.moe_align(got[1], E, BLOCK_M)) and torch.equal(got[4], want[4])
-        pdl_eq = _equal(got, router_align(x, bias, *args, E, BLOCK_M, pdl=True))
-        t = _time(lambda a, b: router_align(a, b, *args, E, BLOCK_M), copies)
-        t_pdl = _time(lambda a, b: router_align(a, b, *args, E, BLOCK_M, pdl=True), copies)
-        t_ref = _time(lambda a, b: router_align_ref(a, b, *args, E, BLOCK_M), copies)
-        t_two = _time(lambda a, b: moe_align_kernel(router_topk(a, b, *args)[1], E, BLOCK_M), copies)
-        out_bytes = nbytes(*got)
-        rows.append(_row("router_align", f"N={N} E={E} k={TOP_K} g={N_GROUP}/{TOPK_GROUP} BM={BLOCK_M}",
-                         same and err < 1e-5 and align_exact, err, same and exact and align_exact, pdl_eq, t, t_ref,
-                         per_copy + out_bytes, pdl_time_us=t_pdl, unfused_kernels_time_us=t_two,
-                         align_exact=align_exact))
+        align_exact = (_equal(got[2:], torch.ops.lingc.moe_align(got[1], experts, BLOCK_M))
+                       and torch.equal(got[4], want[4]))
+        pdl_eq = _equal(got, router_align(x, bias, *args, pdl=True, variant=variant))
+        t = _time(lambda a, b, v=variant: router_align(a, b, *args, variant=v), copies)
+        t_pdl = _time(lambda a, b, v=variant: router_align(a, b, *args, pdl=True, variant=v), copies)
+        rows.append(_row(f"router_align[{variant}]",
+                         f"N={N} E={E}+{shared} k={TOP_K} g={N_GROUP}/{TOPK_GROUP} BM={BLOCK_M}",
+                         same and err < 1e-5 and align_exact and variants_equal, err,
+                         same and exact and align_exact, pdl_eq, t, t_ref, per_copy + nbytes(*got),
+                         pdl_time_us=t_pdl, unfused_kernels_time_us=t_two, align_exact=align_exact,
+                         variants_equal=variants_equal))
     return rows
 
 
@@ -141,16 +164,6 @@ def _sample_rows(dev: torch.device) -> list[dict]:
                          exact, torch.equal(got, sample_tokens(*copies[0], pdl=True)),
                          _time(sample_tokens, copies), _time(sample_tokens_ref, copies), T * V * 4,
                          pdl_time_us=_time(lambda *a: sample_tokens(*a, pdl=True), copies)))
-    for n in (1, 6):                                                          # uniform (the counter-based RNG)
-        from lingc.kernels.sample import uniform
-        seed = torch.randint(-2**62, 2**62, (1,), device=dev, generator=g, dtype=torch.int64)
-        counter = torch.randint(0, 2**40, (1,), device=dev, generator=g, dtype=torch.int64)
-        copies = [(seed, counter, n)]
-        got, want = uniform(seed, counter, n), torch.ops.lingc.uniform(seed, counter, n)
-        exact = torch.equal(got, want)
-        rows.append(_row("uniform", f"B=1 n={n}", exact, 0.0 if exact else float("inf"), exact,
-                         torch.equal(got, uniform(seed, counter, n, pdl=True)),
-                         _time(uniform, copies), _time(torch.ops.lingc.uniform, copies), 16 + 4 * n))
     return rows
 
 

@@ -13,25 +13,58 @@ go to the lower group id. The k selected scores are summed one by one in that or
 elementwise or an exact max/min, so a row's bits do not depend on the tile layout, on num_warps or on the
 other rows: `router_topk` and `router_align` give the same bits for a row.
 
-`router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`; kernels/moe_align.py documents the
-pair-axis algorithm) in ONE launch when N * (top_k + S) <= MAX_PAIRS: a single program routes the N rows side by
-side, stores weights and ids, and (after one CTA barrier so every thread sees the stored ids) aligns the pairs in
-registers (pairwise ranks, bucket counts and offsets in [NP_BLOCK, NP_BLOCK] tiles). It writes every output cell
-itself, with disjoint stores (no torch pre-fill): pair slots, the padding of each expert's last block (sentinel
-NP), the tail past the total (NP), the owned blocks' experts and -1 past the total. Larger calls run the
-router_topk kernel, then lingc.kernels.moe_align.
+`router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`) in ONE launch of one program. Two
+kernels, chosen by the launcher's `variant`:
 
-Tiles: rows are routed in a [R_BLOCK, G_BLOCK, GS_BLOCK] tile (rows x groups x experts of a group, padded to
-powers of two; router_topk has one row per program). A candidate is an int64 key (order-preserving bits of the
-fp32 biased score, then NO_ID - id), so each of the k picks is ONE max reduction that yields both the best score
-and its lowest id; the pick's unbiased score is the same sigmoid of the same logit, reloaded as a scalar.
+  "rows" (default; N <= MAX_ROWS and a sane tile): the tokens are a tensor axis the warps split, one or two rows
+  per warp, so every per-row reduction (the k picks, the group scores) is a warp shuffle and never a CTA barrier.
+  The align is read off the routing tile itself, without the pair axis: the tile [L, R, G, C] (experts e =
+  g*GS + c*L + l, tokens r) keeps each row's pick index i per expert, so, with bits_e = sum_r (row r picked e)
+  << r (the only cross-warp step: one int32 sum over the rows),
+      count_e  = popcount(bits_e),  padded_e = ceil(count_e / BM) * BM
+      offset_e = exclusive prefix sum of padded over the experts in id order (scans over L, C and G, in-warp)
+      rank     = popcount(bits_e & ((1 << r) - 1))           (pairs of one expert are in row order)
+      sorted_pairs[offset_e + rank] = r * (k + S) + i,  block_expert[offset_e / BM + b] = e (b < padded_e / BM)
+  and the S shared experts (every row, ids E..E+S-1) follow the routed segments: offset = routed total +
+  s * ceil(N / BM) * BM, rank r. The sentinels (NP in sorted_pairs, -1 in block_expert) are stored first and a
+  CTA barrier orders them before the scatters. All of it is O(N * E) elementwise work in registers.
+  "pairs" (the previous kernel, kept for the GPU bench; N * (k + S) <= MAX_PAIRS): routes the N rows side by side
+  in a [R, G, GS] tile, stores ids, then after a barrier reloads them and aligns the NP pairs with pairwise
+  [NP_BLOCK, NP_BLOCK] compares (kernels/moe_align.py's pair axis), writing every cell with disjoint stores.
+Anything else runs the router_topk kernel, then lingc.kernels.moe_align.
+
+Why "pairs" scaled badly with N (H200, Ling-3.0-tiny, k + S = 9, in the CUDA-graph step: 4.0 us at N = 1,
+9.0 us at N = 6, slower than router_topk + moe_align's 6.9 us), from its sm_90 code (Triton 3.6 ttgir / ptxas):
+at N = 6 the [8, 8, 16] tile gets 4 warps, and Triton's layout puts the warps on the group and expert axes, so
+each of the k picks (a serial chain) and each group reduction crosses warps through shared memory: 118 bar.sync
+in the kernel against 7 at N = 1, plus [64, 64] pair tiles (228 registers) and a store -> barrier -> L2 reload
+of the ids. "rows" at N = 6 (R = 8, 4 warps x 2 rows): 5 bar.sync (1 in the group ranking, 3 in the
+cross-warp row sum of bits_e, 1 ordering the sentinels), none in the pick chain, ~2150 instructions per warp
+(pairs: ~2700), 86 registers; at N = 1 (1 warp): 2 bar.sync, ~1500 instructions (pairs: 7 and ~1760). (Counts
+from the PTX; no barrier sits in a loop.) Critical path, any N: the bias load (before gdc_wait), one logits load
+(L2), the group scores and ranking, k serial picks of one in-warp int64 max each (in registers over G x C, then
+the lane shuffles), the row sum of bits_e, in-warp scans, the scatters. So N = 6 should cost about N = 1 plus 3
+barriers and twice the per-thread elementwise work (8 tile cells per thread instead of 4), with no store ->
+reload; not yet timed on the GPU (`bench/kernel_router.py` times both variants at N = 1 and 6 in one run).
+Registers: the tile holds R * G * GS / (32 * warps) elements per thread, kept <= ROW_ELEMENTS_PER_THREAD:
+E = 128 runs every N <= 16 with 4-8 per thread (64-120 registers), E = 512 (Ling-3.0-flash) every N <= 16 with
+16-32 (167-245 registers, no spills; sm_90, ptxas of Triton 3.6); larger tiles take "pairs" or the two kernels.
+
+Tiles: router_topk and "pairs" route rows in a [R_BLOCK, G_BLOCK, GS_BLOCK] tile (rows x groups x experts of a
+group, padded to powers of two; router_topk has one row per program), "rows" in the [L, R, G, C] tile above. A
+candidate is an int64 key (order-preserving bits of the fp32 biased score, then NO_ID - id), so each of the k
+picks is ONE max reduction that yields both the best score and its lowest id; the pick's unbiased score is the
+same sigmoid of the same logit ("pairs", router_topk: reloaded as a scalar; "rows": a max over the picked cell).
 
 Bytes per row: reads E logits (4 B) + E bias (4 B, shared, L2-resident), writes 8k B (weights, ids);
 router_align also writes (NP + E*(BM-1)) * 4 B of sorted_pairs and 4 B per block of block_expert.
+The file holds router_topk and both router_align kernels (~500 lines): they share the routing helpers and the
+ordering contract, and the "pairs" kernel stays next to its replacement for side-by-side timing.
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, the expert bias (a weight no
 earlier kernel writes) is loaded before `gdc_wait()`, the logits after it, and `gdc_launch_dependents()` follows
-the last logits load. With PDL off no GDC call is emitted.
+the last logits load (in "rows", the tile load; it reads no logits after it). With PDL off no GDC call is
+emitted (the interpreter cannot run them).
 """
 
 from __future__ import annotations
@@ -47,7 +80,12 @@ from lingc.ops.moe import align_sizes
 
 # Tunables. None changes the arithmetic (every reduction is an exact max/min), only the thread layout.
 MAX_EXPERTS = 4096
-MAX_PAIRS = 64                 # router_align runs fused (one program) for N * top_k <= MAX_PAIRS
+MAX_PAIRS = 64                 # router_align "pairs" runs for N * (top_k + S) <= MAX_PAIRS
+MAX_ROWS = 16                  # router_align "rows" runs for N <= MAX_ROWS (bits_e is a 16-bit row mask)
+ROW_LANES = 32                 # "rows": experts of a group per lane chunk (L = min(32, GS padded)); rows fill the rest
+ROW_MAX_WARPS = 8
+ROW_ELEMENTS_PER_THREAD = 32   # "rows": tile cells per thread (E = 512, N = 16: 32 -> 245 registers); more spill
+ALIGN_VARIANTS = ("rows", "pairs")
 MIN_NP_BLOCK = 16              # smallest pair block of the fused kernel (as kernels/moe_align.py)
 FILL_BLOCK = 1024              # cells per store of the sentinel tails (sorted_pairs, block_expert)
 # (largest routing tile, num_warps), first match: rows x padded E (one row per router_topk program, all N rows
@@ -211,6 +249,146 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
     tl.store(total_ptr, total)
 
 
+# ---- router_align "rows": tokens on warps, the align read off the routing tile ------------------------------------
+# Tile [L, R, G, C]: L experts of a group per lane chunk (min(32, GS padded)), R rows (tokens), G groups, C chunks per
+# group; expert e = g*GS + c*L + l. Triton 3.6 orders a tile's axes for its layout by pointer contiguity, ties in
+# axis order; the expert offsets go through tl.where, so no axis looks contiguous and every load and store gets
+# order (L, R, G, C): lanes on L then R, warps on R, G and C in registers. A row then never spans two warps (so no
+# per-row reduction needs a CTA barrier), and the scatter stores need no layout conversion. The launcher keeps
+# warps <= R / (rows per warp); test_router_rows.py compiles the kernel for sm_90 to check the layout.
+
+
+@triton.jit
+def _popcount16(x):
+    """Set bits of each int32 in [0, 2^16) (SWAR, exact integer ops)."""
+    x = x - ((x >> 1) & 0x5555)
+    x = (x & 0x3333) + ((x >> 2) & 0x3333)
+    x = (x + (x >> 4)) & 0x0F0F
+    return (x + (x >> 8)) & 0x1F
+
+
+@triton.jit
+def _group_max(x):
+    """max over C and L of [L, R, G, C] -> [1, R, G, 1] (in-register axis first, then the lanes)."""
+    return tl.max(tl.max(x, axis=3, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def _row_max(x):
+    """max over G, C and L of [L, R, G, C] -> [1, R, 1, 1]."""
+    return tl.max(tl.max(tl.max(x, axis=2, keep_dims=True), axis=3, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
+               C_BLOCK: tl.constexpr, L_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr,
+               NO_ID: tl.constexpr):
+    """The k picks of every row of the tile, as _route_rows (same keys, same order, same bits):
+    (scores [K, R, 1, 1] in pick order, their sum [1, R, 1, 1] summed in pick order, ids [K, R, 1, 1],
+    pick index per tile cell [L, R, G, C] (-1: not picked))."""
+    key = tl.where(valid, _order_key(biased, eid, NO_ID), -(2**63))
+    # group score = best + second best biased score (the best counted once: equal to it if two lanes tie)
+    m1 = _group_max(biased)                                                       # [1, R, G, 1]
+    ties = tl.sum(tl.sum((biased == m1).to(tl.int32), axis=3, keep_dims=True), axis=0, keep_dims=True)
+    m2 = tl.where(ties > 1, m1, _group_max(tl.where(biased == m1, float("-inf"), biased)))
+    gvalid = g < n_group
+    gscore = tl.where(gvalid, m1 + m2, float("-inf"))                             # [1, R, G, 1]
+    # keep group g if fewer than topk_group groups beat it (higher score, or equal score and lower id)
+    gs_other = tl.permute(gscore, (2, 1, 0, 3))                                   # [G', R, 1, 1]
+    g_other = tl.arange(0, G_BLOCK)[:, None, None, None]
+    beats = (gs_other > gscore) | ((gs_other == gscore) & (g_other < g))          # [G', R, G, 1]
+    keep = gvalid & (tl.sum(beats.to(tl.int32), axis=0, keep_dims=True) < topk_group)
+    key = tl.where(keep, key, -(2**63))
+    kk = tl.arange(0, K_BLOCK)[:, None, None, None]                               # [K, 1, 1, 1]
+    scores = tl.zeros([K_BLOCK, R_BLOCK, 1, 1], dtype=tl.float32)
+    ids = tl.zeros([K_BLOCK, R_BLOCK, 1, 1], dtype=tl.int32)
+    picks = tl.full([L_BLOCK, R_BLOCK, G_BLOCK, C_BLOCK], -1, tl.int32)
+    total = tl.zeros([1, R_BLOCK, 1, 1], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        e = NO_ID - (_row_max(key) & 0xFFFFFFFF).to(tl.int32)                   # [1, R, 1, 1]
+        hit = eid == e
+        s = _row_max(tl.where(hit, score, float("-inf")))                         # the pick's sigmoid score
+        total = total + s                                                         # in pick order, one by one
+        scores = tl.where(kk == i, s, scores)
+        ids = tl.where(kk == i, e, ids)
+        key = tl.where(hit, -(2**63), key)
+        picks = tl.where(hit, i, picks)
+    return scores, total, ids, picks
+
+
+@triton.jit
+def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                              N, stride_row, n_group, topk_group, scale, BM, max_padded, n_blocks,
+                              GS: tl.constexpr, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
+                              L_BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+                              K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
+    W: tl.constexpr = TOP_K + SHARED                                              # pairs per row
+    l = tl.arange(0, L_BLOCK)[:, None, None, None]                                # [L, 1, 1, 1]
+    r = tl.arange(0, R_BLOCK)[None, :, None, None]                                # [1, R, 1, 1]
+    g = tl.arange(0, G_BLOCK)[None, None, :, None]                                # [1, 1, G, 1]
+    c = tl.arange(0, C_BLOCK)[None, None, None, :]                                # [1, 1, 1, C]
+    kk = tl.arange(0, K_BLOCK)[:, None, None, None]                               # [K, 1, 1, 1]
+    rvalid = r < N
+    j = c * L_BLOCK + l                                                           # expert inside its group
+    valid = rvalid & (g < n_group) & (j < GS)                                     # [L, R, G, C]
+    eid = g * GS + j
+    cell = tl.where(valid, eid, 0)              # (a select: no axis looks contiguous, see the section comment)
+    bias = tl.load(bias_ptr + cell, mask=valid, other=0.0).to(tl.float32)         # a weight: before the wait
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(logits_ptr + r.to(tl.int64) * stride_row + cell, mask=valid, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    NP = N * W
+    for start in range(0, max_padded, FILL):                                      # sentinels first
+        cells = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + cells, NP + 0 * cells, mask=cells < max_padded)
+    for start in range(0, n_blocks, FILL):
+        cells = start + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + cells, -1 + 0 * cells, mask=cells < n_blocks)
+    eid = tl.where(valid, eid, NO_ID)
+    score = tl.sigmoid(x)
+    biased = tl.where(valid, score + bias, float("-inf"))
+    scores, total, ids, picks = _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK, G_BLOCK,
+                                           C_BLOCK, L_BLOCK, TOP_K, K_BLOCK, NO_ID)
+    weights = scores / (total + 1e-20) * scale
+    shared = (kk >= TOP_K) & (kk < W)                                             # [K, 1, 1, 1]
+    weights = tl.where(shared, 1.0, weights)
+    ids = tl.where(shared, GS * n_group + kk - TOP_K, ids)
+    row_cells = r * W + kk                                                        # [K, R, 1, 1]
+    tl.store(w_ptr + row_cells, weights, mask=rvalid & (kk < W))
+    tl.store(ids_ptr + row_cells, ids, mask=rvalid & (kk < W))
+    _align_from_picks(picks, valid, eid, r, kk, N, BM, sorted_ptr, block_expert_ptr, total_ptr, GS * n_group,
+                      TOP_K, SHARED)
+
+
+@triton.jit
+def _align_from_picks(picks, valid, eid, r, kk, N, BM, sorted_ptr, block_expert_ptr, total_ptr, E_ROUTED,
+                      TOP_K: tl.constexpr, SHARED: tl.constexpr):
+    """moe_align's scatters from the pick tile (the sentinels are already stored): bits_e = the rows that picked e
+    (the one cross-warp sum), then per cell the expert's count, segment offset and the row's rank in it."""
+    W: tl.constexpr = TOP_K + SHARED
+    picked = (picks >= 0) & valid                                                 # [L, R, G, C]
+    bits = tl.sum(tl.where(picked, 1 << r, 0), axis=1, keep_dims=True)            # [L, 1, G, C]
+    padded = (_popcount16(bits) + BM - 1) // BM * BM + 0 * r                      # [L, R, G, C]
+    chunk = tl.sum(padded, axis=0, keep_dims=True)                                # [1, R, G, C]
+    group = tl.sum(chunk, axis=3, keep_dims=True)                                 # [1, R, G, 1]
+    offset = (tl.cumsum(group, 2) - group) + (tl.cumsum(chunk, 3) - chunk) + (tl.cumsum(padded, 0) - padded)
+    routed = tl.sum(group, axis=2, keep_dims=True)                                # [1, R, 1, 1] rows in use
+    rank = _popcount16(bits & ((1 << r) - 1))
+    tl.debug_barrier()                    # every warp's sentinels land before the scatters below overwrite some
+    tl.store(sorted_ptr + offset + rank, r * W + picks, mask=picked)
+    tl.store(block_expert_ptr + offset // BM + r, eid + 0 * r, mask=valid & (r < padded // BM))  # r = block b
+    # shared expert s = kk - TOP_K: rows 0..N-1 in order after the routed segments, each padded to pad_n
+    shared = (kk >= TOP_K) & (kk < W)                                             # [K, 1, 1, 1]
+    pad_n = (N + BM - 1) // BM * BM
+    base = routed + (kk - TOP_K) * pad_n                                          # [K, R, 1, 1]
+    tl.store(sorted_ptr + base + r, r * W + kk, mask=shared & (r < N))
+    tl.store(block_expert_ptr + base // BM + r, E_ROUTED + kk - TOP_K + 0 * r, mask=shared & (r < pad_n // BM))
+    first = (kk == 0) & (r == 0)
+    tl.store(total_ptr + 0 * (kk + r), routed + SHARED * pad_n + 0 * kk, mask=first)
+
+
 def _num_warps(tile_elements: int) -> int:
     for limit, warps in NUM_WARPS_BY_TILE:
         if tile_elements <= limit:
@@ -269,13 +447,32 @@ def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, t
     return weights, ids
 
 
+def _rows_launch(N: int, n_group: int, group_size: int, top_k: int, fused_shared: int) -> dict | None:
+    """Constexprs and num_warps of the "rows" kernel, or None where it does not apply (N > MAX_ROWS, or a tile
+    over ROW_ELEMENTS_PER_THREAD per thread). Warps only split rows: a warp's lanes cover the L experts of a
+    chunk and then 32 / L rows, so warps = R / (32 / L) (at least 1, at most ROW_MAX_WARPS)."""
+    if not 1 <= N <= MAX_ROWS:
+        return None
+    gs_block, g_block, r_block = (triton.next_power_of_2(v) for v in (group_size, n_group, N))
+    lanes = min(ROW_LANES, gs_block)
+    warps = min(ROW_MAX_WARPS, max(1, r_block // max(1, 32 // lanes)))
+    if r_block * g_block * gs_block > ROW_ELEMENTS_PER_THREAD * 32 * warps:
+        return None
+    return dict(GS=group_size, R_BLOCK=r_block, G_BLOCK=g_block, C_BLOCK=gs_block // lanes, L_BLOCK=lanes,
+                TOP_K=top_k, SHARED=fused_shared, NO_ID=_NO_ID, FILL=FILL_BLOCK, num_warps=warps,
+                K_BLOCK=max(lanes, triton.next_power_of_2(top_k + fused_shared)))   # >= L: [K, R] tiles fill lanes
+
+
 def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                  routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int = 0, *,
-                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 pdl: bool = False, variant: str = "rows",
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights, ids, sorted_pairs, block_expert, total) = router_topk then moe_align on its ids.
 
-    num_experts = E + fused_shared. N * (top_k + fused_shared) <= MAX_PAIRS: one launch of one program;
-    larger: the router_topk kernel, then moe_align.
+    num_experts = E + fused_shared. One launch of one program: variant "rows" where `_rows_launch` allows it
+    (N <= MAX_ROWS, tile small enough), else "pairs" where N * (top_k + fused_shared) <= MAX_PAIRS; otherwise
+    the router_topk kernel, then moe_align. variant="pairs" skips "rows" (the previous kernel, for timing).
+    Every path gives the same bits.
     """
     logits, group_size = _check(logits, expert_bias, n_group, topk_group, top_k)
     _check_shared(fused_shared)
@@ -283,9 +480,12 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
     if num_experts != E + fused_shared or block_m < 1:
         raise ValueError(f"router_align: want num_experts == E + fused_shared ({E} + {fused_shared}) and "
                          f"block_m >= 1, got {num_experts}, {block_m}")
+    if variant not in ALIGN_VARIANTS:
+        raise ValueError(f"router_align: variant must be one of {ALIGN_VARIANTS}, got {variant!r}")
     width = top_k + fused_shared
     num_pairs = N * width
-    if num_pairs == 0 or num_pairs > MAX_PAIRS:
+    rows = _rows_launch(N, n_group, group_size, top_k, fused_shared) if variant == "rows" else None
+    if rows is None and (num_pairs == 0 or num_pairs > MAX_PAIRS):
         weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor,
                                    fused_shared, pdl=pdl)
         return (weights, ids, *moe_align(ids, num_experts, block_m, pdl=pdl))
@@ -298,15 +498,21 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
     total = torch.empty((1,), dtype=torch.int32, device=dev)
     pdl = pdl and pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
+    outputs = (weights, ids, sorted_pairs, block_expert, total)
+    if rows is not None:
+        _router_align_rows_kernel[(1,)](
+            logits, expert_bias, *outputs, N, logits.stride(0), n_group, topk_group, float(routed_scaling_factor),
+            block_m, max_padded, n_blocks, **rows, PDL=pdl, **launch)
+        return outputs
     tile = _tile(n_group, group_size, top_k, fused_shared)
     r_block = triton.next_power_of_2(N)
     _router_align_kernel[(1,)](
-        logits, expert_bias, weights, ids, sorted_pairs, block_expert, total,
+        logits, expert_bias, *outputs,
         N, logits.stride(0), group_size, n_group, topk_group, float(routed_scaling_factor), num_experts, block_m,
         max_padded, n_blocks, R_BLOCK=r_block, **tile,
         NP_BLOCK=max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs)), BM_BLOCK=max(2, triton.next_power_of_2(block_m)),
         FILL=FILL_BLOCK, PDL=pdl, num_warps=_num_warps(r_block * tile["G_BLOCK"] * tile["GS_BLOCK"]), **launch)
-    return weights, ids, sorted_pairs, block_expert, total
+    return outputs
 
 
 def router_topk_ref(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,

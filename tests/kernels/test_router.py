@@ -112,7 +112,7 @@ ALIGNS = [(1, 128, 8, 4, 8, 16), (6, 128, 8, 4, 8, 16), (8, 128, 8, 4, 8, 4), (3
 @pytest.mark.parametrize("repeat_rows", [False, True], ids=["distinct", "same-experts"])
 def test_router_align_matches_reference(N: int, E: int, n_group: int, topk_group: int, top_k: int, block_m: int,
                                         repeat_rows: bool, assert_kernel_close: Callable) -> None:
-    """Fused (N*k <= 64): routing as router_topk's bits, alignment exactly moe_align of those ids.
+    """Fused (the "rows" kernel): routing as router_topk's bits, alignment exactly moe_align of those ids.
 
     same-experts repeats one row N times, so every expert's bucket holds N pairs (segments over several blocks).
     """
@@ -131,10 +131,11 @@ def test_router_align_matches_reference(N: int, E: int, n_group: int, topk_group
 
 
 def test_router_align_above_gate_and_row_invariance() -> None:
-    """N*k > 64 takes router_topk + moe_align; every row's routing equals that row routed alone (fused)."""
+    """variant="pairs" with N*k > 64 takes router_topk + moe_align; every row's routing equals that row routed
+    alone (fused)."""
     x, bias = _inputs(9, 128, 8, 4, 8, torch.float32, seed=5)
     assert 9 * 8 > MAX_PAIRS
-    w, ids, sorted_pairs, block_expert, total = router_align(x, bias, 8, 4, 8, SCALE, 128, 16)
+    w, ids, sorted_pairs, block_expert, total = router_align(x, bias, 8, 4, 8, SCALE, 128, 16, variant="pairs")
     for g, r in zip((sorted_pairs, block_expert, total), moe_align(ids, 128, 16)):
         assert torch.equal(g, r)
     for n in range(9):
@@ -177,7 +178,7 @@ SHARED_ROUTERS = [(1, 128, 8, 4, 8), (3, 16, 4, 2, 4), (6, 16, 4, 2, 4), (7, 128
                          ids=[f"{n}x{e}-k{k}+1" for n, e, _, _, k in SHARED_ROUTERS])
 def test_fused_shared_appends_expert_e_with_weight_one(N: int, E: int, n_group: int, topk_group: int, top_k: int,
                                                        assert_kernel_close: Callable) -> None:
-    """router_topk and router_align (fused: N*(k+1) <= 64) with fused_shared=1: the k routed columns are the bits
+    """router_topk and router_align (fused, "rows") with fused_shared=1: the k routed columns are the bits
     of fused_shared=0, column k is expert E with weight exactly 1.0; the alignment is moe_align over E+1 experts."""
     x, bias = _inputs(N, E, n_group, topk_group, top_k, torch.float32, seed=N * 13 + E)
     plain_w, plain_ids = router_topk(x, bias, n_group, topk_group, top_k, SCALE)
@@ -197,9 +198,10 @@ def test_fused_shared_appends_expert_e_with_weight_one(N: int, E: int, n_group: 
 
 
 def test_fused_shared_above_the_gate_and_bad_counts() -> None:
-    """N*(k+1) > 64 takes router_topk + moe_align (8 x 9 = 72 pairs); num_experts must count the shared expert."""
+    """variant="pairs" with N*(k+1) > 64 takes router_topk + moe_align (8 x 9 = 72 pairs); num_experts must count
+    the shared expert."""
     x, bias = _inputs(8, 128, 8, 4, 8, torch.float32, seed=3)
-    w, ids, sorted_pairs, block_expert, total = router_align(x, bias, 8, 4, 8, SCALE, 129, 16, 1)
+    w, ids, sorted_pairs, block_expert, total = router_align(x, bias, 8, 4, 8, SCALE, 129, 16, 1, variant="pairs")
     assert ids.shape == (8, 9) and bool((ids[:, 8] == 128).all()) and bool((w[:, 8] == 1.0).all())
     for g, r in zip((sorted_pairs, block_expert, total), moe_align(ids, 129, 16)):
         assert torch.equal(g, r)
