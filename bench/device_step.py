@@ -34,7 +34,7 @@ CONTEXT = 8192
 DRAFT_TOKENS = 6
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
-            "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert")     # then "all" adds fuse_index_chains
+            "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear")  # "all" adds fuse_index_chains
 
 
 def _sync() -> None:

@@ -2,7 +2,8 @@
 
 One eager run of the graph with an observer (`Executor.run(observe=...)`) sees every launch with its actual
 arguments, and counts what each must read or write at least once:
-    weights    every program weight a launch reads (a fused weight counts once, as it is read once);
+    weights    every program weight a launch reads (a fused weight counts once, as it is read once; a
+               fuse_norm_linear op's norm weight and linear weight both, as the two launches it replaces read them);
                expert stacks count only the experts the router actually chose (distinct blocks of moe_align);
                the embedding table only the rows looked up
     kda_state  the recurrent state read (and written back, or staged per chain position), conv windows

@@ -16,6 +16,14 @@ re-timed like the chosen config; the report shows the best of those next to the 
 kernels/linear.py, rerun without --sweep to confirm.
 
     python3 bench/kernel_linear.py [--sweep] [--only NAME,...] --json $OUT/linear.json
+
+Norm rows (--norm): fuse_norm_linear's fused kernel ([add_]rmsnorm_linear: the norm in the GEMV's prologue) vs
+the two launches it replaces ([add_]rmsnorm kernel, then the linear kernel), at M = 1 and M = 6 on the norm ->
+linear pairs of a Ling-3.0-tiny decode step (NORM_SHAPES), both timed the same way (cold weights, one CUDA graph,
+PDL off and on); checks: y within the linear bound + a normed element's rounding, the new residual bit-exact,
+PDL on == off, row invariance, y vs the unfused kernels (max_abs_err, bit_exact).
+
+    python3 bench/kernel_linear.py --norm [--only NAME,...] --json $OUT/linear-norm.json
 """
 
 from __future__ import annotations
@@ -57,6 +65,32 @@ SHAPES = [
     Shape("kda_fused", 5 * 2048 + 16, 1536, BF16),
 ]
 ROWS = (1, 6)
+
+
+@dataclass(frozen=True)
+class NormShape:
+    """A norm -> linear pair of the decode step: the linear's shape, whether the norm adds the residual first, and
+    whether another op also reads the norm's output (want_normed)."""
+    name: str
+    n: int
+    k: int
+    w_dtype: torch.dtype
+    out_dtype: torch.dtype | None
+    residual: bool
+    want_normed: bool
+
+
+# Ling-3.0-tiny decode (hidden 1536, 16 heads, q_lora 256, 128 experts): per step 23 input + 24 post-attention +
+# 1 final add_rmsnorm, the layer-0 input and 6 q_a rmsnorms fold (-55 launches).
+NORM_SHAPES = [
+    NormShape("input+kda_fused", 5 * 2048 + 16, 1536, BF16, None, True, False),   # 18 KDA layers
+    NormShape("input+mla_fused", 256 + 576 + 16, 1536, BF16, None, True, False),  # 6 MLA layers: q_a, kv_a, g
+    NormShape("q_a_norm+q_b", 3072, 256, BF16, None, False, False),               # 6 MLA layers
+    NormShape("post+router_bf16", 128, 1536, BF16, FP32, True, True),             # 23 MoE layers (+ moe_up reads)
+    NormShape("post+dense_gate_up", 9216, 1536, BF16, None, True, False),         # layer 0
+    NormShape("final+lm_head", 157184, 1536, BF16, FP32, True, True),             # + the returned hidden state
+]
+NORM_EPS = 1e-6
 SMEM_LIMIT = 200 * 1024
 SM_COUNT = 132
 
@@ -205,6 +239,97 @@ def run(device: torch.device, shapes: list[Shape] | None = None, swept: dict[str
     return rows
 
 
+def _norm_inputs(shape: NormShape, m: int, copies: int, seed: int, device: torch.device | str = "cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    residual = (4 * torch.randn(m, shape.k, device=device, generator=g)).to(BF16) if shape.residual else None
+    x = torch.randn(m, shape.k, device=device, generator=g).to(BF16)
+    norm_weight = (1 + 0.1 * torch.randn(shape.k, device=device, generator=g)).to(BF16)
+    w0 = (torch.randn(shape.n, shape.k, device=device, generator=g) / shape.k**0.5).to(shape.w_dtype)
+    return residual, x, norm_weight, [w0] + [w0.clone() for _ in range(copies - 1)]
+
+
+def _fused_call(shape: NormShape, residual, x, norm_weight, w, pdl: bool = False) -> tuple:
+    """(y, normed, new residual or None) from the fused kernel."""
+    from lingc.kernels.linear import add_rmsnorm_linear, rmsnorm_linear
+    if residual is None:
+        return (*rmsnorm_linear(x, norm_weight, NORM_EPS, w, shape.out_dtype, shape.want_normed, pdl=pdl), None)
+    return add_rmsnorm_linear(residual, x, norm_weight, NORM_EPS, w, shape.out_dtype, shape.want_normed, pdl=pdl)
+
+
+def _unfused_call(shape: NormShape, residual, x, norm_weight, w, pdl: bool = False) -> tuple:
+    """(y, normed, new residual or None) from the rmsnorm kernel and then the linear kernel."""
+    from lingc.kernels.linear import linear
+    from lingc.kernels.rmsnorm import add_rmsnorm, rmsnorm
+    if residual is None:
+        normed, new_residual = rmsnorm(x, norm_weight, NORM_EPS, pdl=pdl), None
+    else:
+        normed, new_residual = add_rmsnorm(residual, x, norm_weight, NORM_EPS, pdl=pdl)
+    return linear(normed, w, shape.out_dtype, pdl=pdl), normed, new_residual
+
+
+def check_norm(shape: NormShape, m: int, device: torch.device | str) -> dict:
+    """Correctness of the fused kernel at M rows: y within the linear bound (on the reference's normed) plus one
+    activation rounding per normed element through |W|; normed and the new residual vs the reference; PDL on ==
+    off; row invariance; y vs the unfused kernels."""
+    from lingc.kernels.linear import add_rmsnorm_linear_ref, rmsnorm_linear_ref
+    residual, x, norm_weight, (w,) = _norm_inputs(shape, m, 1, seed=m * 7 + shape.n, device=device)
+    y, normed, new_residual = _fused_call(shape, residual, x, norm_weight, w)
+    y_pdl = _fused_call(shape, residual, x, norm_weight, w, pdl=True)[0]
+    alone = torch.cat([_fused_call(shape, residual[i:i + 1] if residual is not None else None, x[i:i + 1],
+                                   norm_weight, w)[0] for i in range(m)])
+    if residual is None:
+        ref_y, ref_normed = rmsnorm_linear_ref(x, norm_weight, NORM_EPS, w, shape.out_dtype, True)
+    else:
+        ref_y, ref_normed, ref_residual = add_rmsnorm_linear_ref(residual, x, norm_weight, NORM_EPS, w,
+                                                                 shape.out_dtype, True)
+    unfused_y = _unfused_call(shape, residual, x, norm_weight, w)[0]
+    exact, allow = _bound(ref_normed, w, ref_y.dtype)
+    allow = allow + 4 * 2.0**-7 * (ref_normed.to(w.dtype).double().abs() @ w.double().abs().T)
+    out = {"max_abs_err": (y.double() - ref_y.double()).abs().max().item(),
+           "max_abs_err_vs_unfused": (y.double() - unfused_y.double()).abs().max().item(),
+           "bit_exact_vs_unfused": bool(torch.equal(y, unfused_y)),
+           "within_bound": bool(((y.double() - exact).abs() <= allow).all()),
+           "normed_max_abs_err": (normed.double() - ref_normed.double()).abs().max().item() if shape.want_normed
+           else 0.0,
+           "residual_exact": residual is None or bool(torch.equal(new_residual, ref_residual)),
+           "pdl_equal": bool(torch.equal(y, y_pdl)), "row_invariant": bool(torch.equal(y, alone))}
+    out["ok"] = all(out[key] for key in ("within_bound", "residual_exact", "pdl_equal", "row_invariant"))
+    return out
+
+
+def time_norm_us(shape: NormShape, m: int, repeats: int = 30, max_copies: int = 8192,
+                 pdl: bool = False) -> tuple[float, float]:
+    """(fused us, unfused us) per call, cold weights, in one CUDA graph each."""
+    wbytes = shape.n * shape.k * torch.empty((), dtype=shape.w_dtype).element_size()
+    residual, x, norm_weight, ws_ = _norm_inputs(shape, m, cold_copies(wbytes, maximum=max_copies), seed=1)
+    fused = graph_time_us([lambda w=w: _fused_call(shape, residual, x, norm_weight, w, pdl) for w in ws_],
+                          repeats=repeats, warmup=1)
+    unfused = graph_time_us([lambda w=w: _unfused_call(shape, residual, x, norm_weight, w, pdl) for w in ws_],
+                            repeats=repeats, warmup=1)
+    return fused, unfused
+
+
+def run_norm(device: torch.device, shapes: list[NormShape] | None = None, log=lambda row: None) -> list[dict]:
+    """Every NORM_SHAPES pair at M = 1 and M = 6: checks, then fused vs unfused time (PDL off and on)."""
+    import lingc  # noqa: F401
+    from lingc.kernels.linear import pick_config
+    rows = []
+    for shape in shapes or NORM_SHAPES:
+        for m in ROWS:
+            fused, unfused = time_norm_us(shape, m)
+            fused_pdl, unfused_pdl = time_norm_us(shape, m, pdl=True)
+            row = {"kernel": "norm_linear", "name": shape.name, "m": m,
+                   "shape": f"{shape.name} M{m} N{shape.n} K{shape.k} {shape.w_dtype} residual={shape.residual} "
+                            f"want_normed={shape.want_normed}",
+                   "config": _cfg_str(pick_config(shape.n, shape.k, shape.w_dtype)),
+                   **check_norm(shape, m, device), "time_us": fused, "unfused_time_us": unfused,
+                   "saved_us": unfused - fused, "pdl_time_us": fused_pdl, "unfused_pdl_time_us": unfused_pdl,
+                   "pdl_saved_us": unfused_pdl - fused_pdl}
+            rows.append(row)
+            log(row)
+    return rows
+
+
 def sweep_shape(shape: Shape, log, kinds: tuple[str, ...]) -> list[dict]:
     """Every candidate at M = 1 and M = 6 (5 repeats, <= 1024 weight copies), sorted by the sum."""
     out = []
@@ -226,6 +351,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated shape names")
     ap.add_argument("--kinds", default="dot,fma", help="kernel kinds the sweep tries")
+    ap.add_argument("--norm", action="store_true", help="time fuse_norm_linear's fused kernel vs norm + linear")
     args = ap.parse_args()
     import lingc  # noqa: F401
     shapes = [s for s in SHAPES if not args.only or s.name in args.only.split(",")]
@@ -242,6 +368,16 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.norm:
+        run_norm(torch.device("cuda"), [s for s in NORM_SHAPES if not args.only or s.name in args.only.split(",")],
+                 log)
+        print(f"\n{'pair':20} {'M':>2} {'config':28} {'fused':>7} {'unfused':>7} {'saved':>6} {'pdl':>7} "
+              f"{'unf.pdl':>7} {'saved':>6} ok")
+        for r in result["rows"]:
+            print(f"{r['name']:20} {r['m']:2d} {r['config']:28} {r['time_us']:7.2f} {r['unfused_time_us']:7.2f} "
+                  f"{r['saved_us']:6.2f} {r['pdl_time_us']:7.2f} {r['unfused_pdl_time_us']:7.2f} "
+                  f"{r['pdl_saved_us']:6.2f} {'ok' if r['ok'] else 'FAIL'}")
+        return
     for shape in shapes:
         if args.sweep:
             result["sweep"][shape.name] = sweep_shape(shape, log, tuple(args.kinds.split(",")))

@@ -1,5 +1,9 @@
 """Skinny GEMM y = x @ weight.T for decode / verify row counts (M <= 16): two Triton kernels, launcher, reference.
 
+Also the launchers of fuse_norm_linear's rmsnorm_linear / add_rmsnorm_linear, whose norm runs in a constexpr
+prologue of the same two kernels (section NORM below); the file is past the ~400 lines of the style guide because
+the prologue is part of the kernels, and the two kernels and their launch code belong together.
+
 Contract of `torch.ops.lingc.linear` (lingc/ops/linear.py): x [..., K] is cast to weight.dtype, weight is
 [N, K] (bf16; fp32 for the router and the reference lm_head), the product accumulates in fp32, is rounded
 once to weight.dtype (what the reference's F.linear in the weight dtype returns) and then cast to
@@ -38,6 +42,22 @@ weight blocks into L2 (no earlier kernel writes weights) before `gdc_wait()`; x,
 counters are touched only after it; `gdc_launch_dependents()` follows the main loop (the last load of
 anything an earlier kernel wrote). With PDL off no GDC or prefetch instruction exists (the interpreter
 cannot run them).
+
+NORM (constexpr; rmsnorm_linear / add_rmsnorm_linear, lingc/ops/norm_linear.py): the linear's x is
+rmsnorm(h) with h = x, or (HAS_RESIDUAL) h = residual + x added in fp32 and rounded once to the activation dtype,
+exactly as add_rmsnorm forms the new residual. Every program first sums the squares of its rows' h over all of K
+(not only its slice; NORM_BLOCK-wide lanes, one tl.sum at the end) and takes rstd = rsqrt(sum / K + eps) as the
+rmsnorm kernel does; the main loop then rebuilds each x block as the rmsnorm reference rounds it,
+round_act(nw * round_act(h * rstd)) in fp32 products, before the usual cast to the weight dtype. The programs of
+the first N tile (n == 0; for fma every row group) store the new residual and, with WRITE_NORMED, the normed
+block of their own K slice, so split-K writes each element exactly once. Row invariance holds as above: a row's
+rstd and blocks depend only on that row. The sum of squares runs in another order than the rmsnorm kernel's one
+tl.sum over the row, so rstd can differ in its last bit and a bf16 normed element by one rounding: the pass
+declares a numerics change. Bytes: the linear's, plus the norm weight (K*x) and the new residual / normed
+(M*K*x each) written once; every program also re-reads its rows of x (and the residual) for the prologue and the
+norm weight in its slice, from L2 (at M = 1, K = 1536: 3-6 KB per program). Saved: one launch (~1.5-3 us at
+batch 1) and the normed round trip through memory. Under PDL the prologue reads activations, so it follows
+gdc_wait. Rows M > 16 run the unfused kernels (the rmsnorm kernel, then F.linear), bit for bit as before.
 """
 
 from __future__ import annotations
@@ -93,6 +113,8 @@ PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 
 PREFETCH_BLOCKS = tl.constexpr(2)          # ...this many, into L2, before gdc_wait
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
+NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536
+                              # is 3 steps; the [16, 512] fp32 lane sums of a "dot" program are 64 registers a thread)
 
 
 @triton.jit
@@ -137,13 +159,66 @@ def _finish(acc, y_ptrs, part_ptr, part_offs, count_ptr, out_mask, pid_s, slice_
             tl.store(count_ptr, 0)                                            # ready for the next launch
 
 
+@triton.jit
+def _residual_sum(x_ptrs, res_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
+    """h = x, or residual + x added in fp32 and rounded once to the activation dtype (torch's `residual + x`,
+    as add_rmsnorm forms the new residual)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptrs, mask=mask, other=0.0)
+        x = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps,
+               ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """NORM prologue: rstd [ROWS] = rsqrt(sum(h^2) / K + eps) of each row's h over the whole of K (not just this
+    program's slice), as the rmsnorm kernel computes it; per-lane fp32 sums over NORM_BLOCK-wide blocks, then one
+    sum, so a row's rstd depends on nothing but the row (row invariance)."""
+    sq = tl.zeros([ROWS, NORM_BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, NORM_BLOCK):
+        cols = k0 + tl.arange(0, NORM_BLOCK)                                 # [NB]
+        mask = r_ok[:, None] & (cols < K)[None, :]
+        h = _residual_sum(x_ptr + offs_r[:, None] * stride_xm + cols[None, :],
+                          res_ptr + offs_r[:, None] * stride_rm + cols[None, :], mask, HAS_RESIDUAL)
+        hf = h.to(tl.float32)
+        sq += hf * hf
+    return tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)                      # [R]
+
+
+@triton.jit
+def _x_block(x_ptrs, res_ptrs, mask, nw_ptrs, nw_mask, rstd, res_out_ptrs, normed_ptrs, store_mask,
+             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr):
+    """One block of the linear's input in the activation dtype: x itself, or (NORM) the norm's output rebuilt
+    from x (+ residual) with the rmsnorm reference's roundings: h * rstd in fp32 rounded to the activation dtype,
+    times the norm weight in fp32 (exact for two bf16 factors), rounded again. With NORM, where store_mask holds
+    (the programs of the first N tile) the new residual and the normed block are written too. rstd and the
+    norm weight pointers come shaped to broadcast against the block (rows on either axis)."""
+    if NORM:
+        h = _residual_sum(x_ptrs, res_ptrs, mask, HAS_RESIDUAL)
+        nw = tl.load(nw_ptrs, mask=nw_mask, other=0.0)
+        normed = (h.to(tl.float32) * rstd).to(h.dtype)
+        xb = (nw.to(tl.float32) * normed.to(tl.float32)).to(h.dtype)
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptrs, h, mask=store_mask)
+        if WRITE_NORMED:
+            tl.store(normed_ptrs, xb, mask=store_mask)
+    else:
+        xb = tl.load(x_ptrs, mask=mask, other=0.0)
+    return xb
+
+
 @triton.jit(do_not_specialize=["M"])
-def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
-                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
+                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                       LINE: tl.constexpr, PDL: tl.constexpr):
-    """Program (n, s): acc[BN, BM] = W[n-tile, slice s] @ xT[slice s, all rows], BM = 16 rows always."""
+                       LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """Program (n, s): acc[BN, BM] = W[n-tile, slice s] @ xT[slice s, all rows], BM = 16 rows always.
+    NORM: xT is rmsnorm(x [+ residual]) rebuilt block by block after a prologue over all of K (_norm_rstd);
+    residual_out / normed [M, K] (row stride K) are written by the programs with n == 0."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
@@ -156,20 +231,32 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
         _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, pid_n + pid_s * tl.num_programs(0),
                         BLOCK_K, LINE)
         tl.extra.cuda.gdc_wait()
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[:, None]  # [BK, BM]
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _norm_rstd(x_ptr, res_ptr, offs_m, m_ok, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_BLOCK,
+                          HAS_RESIDUAL)
+    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + ks[:, None]            # [BK, BM]
+    res_ptrs = res_ptr + offs_m[None, :] * stride_rm + ks[:, None]        # [BK, BM]
+    out_offs = offs_m[None, :] * K + ks[:, None]                          # [BK, BM] in residual_out / normed
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)           # [BN, BK]
-            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)           # [BK, BM]
+            x_mask = m_ok[None, :]
         else:
-            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            x_mask = k_ok[:, None] & m_ok[None, :]
+        xt = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[:, None], k_ok[:, None],
+                      rstd[None, :], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
+                      NORM, HAS_RESIDUAL, WRITE_NORMED)                   # [BK, BM]
         acc = tl.dot(w, xt.to(w.dtype), acc, input_precision="ieee" if IEEE else None)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        res_ptrs += BLOCK_K
+        out_offs += BLOCK_K
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     out_mask = n_ok[:, None] & m_ok[None, :]                              # [BN, BM]
@@ -179,13 +266,15 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
-                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
+                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                       LINE: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+                       LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
-    then one sum over BK. Per row the same ops in the same order whatever M and the row's slot."""
+    then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
+    NORM: as in _linear_dot_kernel, for the program's R rows (the programs with n == 0 write the outputs)."""
     pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -199,21 +288,33 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
         program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
         _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
         tl.extra.cuda.gdc_wait()
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
-    x_ptrs = x_ptr + offs_r[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]  # [R, BK]
+    rstd = tl.zeros([ROWS], dtype=tl.float32)
+    if NORM:
+        rstd = _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps, ROWS, NORM_BLOCK,
+                          HAS_RESIDUAL)
+    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    x_ptrs = x_ptr + offs_r[:, None] * stride_xm + ks[None, :]            # [R, BK]
+    res_ptrs = res_ptr + offs_r[:, None] * stride_rm + ks[None, :]        # [R, BK]
+    out_offs = offs_r[:, None] * K + ks[None, :]                          # [R, BK] in residual_out / normed
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)           # [BN, BK]
-            xv = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0)           # [R, BK]
+            x_mask = r_ok[:, None]
         else:
-            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            xv = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            x_mask = r_ok[:, None] & k_ok[None, :]
+        xv = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[None, :], k_ok[None, :],
+                      rstd[:, None], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
+                      NORM, HAS_RESIDUAL, WRITE_NORMED)                   # [R, BK]
         xf = xv.to(w.dtype).to(tl.float32)
         acc = tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)  # per-lane sums, sequential in k
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        res_ptrs += BLOCK_K
+        out_offs += BLOCK_K
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     total = tl.sum(acc, axis=2)                                           # [R, BN]
@@ -314,6 +415,50 @@ def _workspace(ws: LinearWorkspace | None, cfg: LinearConfig, rows: int, n: int,
     return ws
 
 
+@dataclass(frozen=True)
+class NormPrologue:
+    """The NORM prologue of one launch: [M, K] row views of what it reads and writes (fuse_norm_linear)."""
+    norm_weight: torch.Tensor                 # [K]
+    eps: float
+    residual: torch.Tensor | None             # [M, K], row stride free, last dim contiguous; None: rmsnorm only
+    residual_out: torch.Tensor | None         # [M, K] contiguous, the new residual (with residual)
+    normed: torch.Tensor | None               # [M, K] contiguous, the norm's output, when wanted
+
+
+def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace: LinearWorkspace | None,
+            config: LinearConfig | None, pdl: bool, norm: NormPrologue | None = None) -> None:
+    """One kernel launch for y [M, N] = rows [M, K] (or their norm) @ weight.T, 1 <= M <= MAX_ROWS, K >= 1."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    cfg = _fit_split(config, k) if config is not None else pick_config(n, k, weight.dtype)
+    ws = _workspace(workspace, cfg, m, n, rows.device) if cfg.split_k > 1 else None
+    pdl = pdl and pdl_supported(rows.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    tiles = triton.cdiv(n, cfg.block_n)
+    if cfg.kind == "fma":
+        kernel, grid, extra = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k), {"ROWS": cfg.rows}
+    else:
+        kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
+    res = norm.residual if norm is not None and norm.residual is not None else rows
+    res = res if res.stride(-1) == 1 else res.contiguous()
+    kernel[grid](
+        rows, w, y, ws.partials if ws else y, ws.counters if ws else y,
+        res, norm.norm_weight if norm else rows,
+        norm.residual_out if norm and norm.residual_out is not None else y,
+        norm.normed if norm and norm.normed is not None else y,
+        m, n, k, k_per_split, rows.stride(0), w.stride(0), y.stride(0), res.stride(0), norm.eps if norm else 0.0,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        EVEN_K=k % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
+        LINE=min(cfg.block_k, 128 // weight.element_size()), PDL=pdl,
+        NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        WRITE_NORMED=norm is not None and norm.normed is not None,
+        NORM_BLOCK=min(NORM_BLOCK_K, triton.next_power_of_2(k)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **launch)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *, pdl: bool = False,
            out: torch.Tensor | None = None, workspace: LinearWorkspace | None = None,
            config: LinearConfig | None = None) -> torch.Tensor:
@@ -341,27 +486,68 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
         return out
     if k == 0:
         return out.zero_()
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    w = weight if weight.stride(1) == 1 else weight.contiguous()
-    cfg = _fit_split(config, k) if config is not None else pick_config(n, k, weight.dtype)
-    ws = _workspace(workspace, cfg, m, n, x.device) if cfg.split_k > 1 else None
-    y = out.view(m, n)                                                    # [M, N]
-    pdl = pdl and pdl_supported(x.device)
-    launch = {"launch_pdl": True} if pdl else {}
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
-    tiles = triton.cdiv(n, cfg.block_n)
-    if cfg.kind == "fma":
-        kernel, grid, extra = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k), {"ROWS": cfg.rows}
-    else:
-        kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
-    kernel[grid](
-        rows, w, y, ws.partials if ws else y, ws.counters if ws else y,
-        m, n, k, k_per_split, rows.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        EVEN_K=k % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
-        LINE=min(cfg.block_k, 128 // weight.element_size()), PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **launch)
+    _launch(rows, weight, out.view(m, n), workspace, config, pdl)
     return out
+
+
+def _check_norm(name: str, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                residual: torch.Tensor | None) -> None:
+    _check(x, weight)
+    k = x.shape[-1]
+    if k == 0 or norm_weight.shape != (k,):
+        raise ValueError(f"{name}: norm_weight has shape {list(norm_weight.shape)} and x {list(x.shape)}; want "
+                         f"norm_weight [K] with K = x.shape[-1] >= 1")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"{name}: residual is {list(residual.shape)} {residual.dtype}, x is {list(x.shape)} "
+                         f"{x.dtype}; want the same shape and dtype")
+
+
+def _norm_linear(name: str, residual: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, out_dtype: torch.dtype | None, want_normed: bool, pdl: bool,
+                 workspace: LinearWorkspace | None, config: LinearConfig | None) -> tuple[torch.Tensor, ...]:
+    """(y, normed or an empty [0] tensor[, new residual]): one fused launch for M <= MAX_ROWS; above that the
+    unfused kernels' path (the rmsnorm kernel, then F.linear), so prefill keeps the bits it had."""
+    _check_norm(name, x, norm_weight, weight, residual)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    y = torch.empty((*lead, n), dtype=out_dtype if out_dtype is not None else x.dtype, device=x.device)
+    normed = torch.empty(x.shape if want_normed else (0,), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    rows = x.reshape(-1, k)                                               # [M, K]
+    m = rows.shape[0]
+    if m > MAX_ROWS or m == 0 or n == 0:
+        from lingc.kernels import rmsnorm as norm_kernels              # the unfused kernels' path
+        if residual is None:
+            full = norm_kernels.rmsnorm(x, norm_weight, eps, pdl=pdl, out=normed if want_normed else None)
+        else:
+            full, _ = norm_kernels.add_rmsnorm(residual, x, norm_weight, eps, pdl=pdl,
+                                               out=normed if want_normed else None, residual_out=residual_out)
+        linear(full, weight, out_dtype, out=y)
+    else:
+        prologue = NormPrologue(norm_weight, eps, residual.reshape(-1, k) if residual is not None else None,
+                                residual_out.view(m, k) if residual_out is not None else None,
+                                normed.view(m, k) if want_normed else None)
+        _launch(rows, weight, y.view(m, n), workspace, config, pdl, prologue)
+    return (y, normed) if residual is None else (y, normed, residual_out)
+
+
+def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                   out_dtype: torch.dtype | None = None, want_normed: bool = False, *, pdl: bool = False,
+                   workspace: LinearWorkspace | None = None,
+                   config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rmsnorm(x)), rmsnorm(x) or an empty [0] tensor) as torch.ops.lingc.rmsnorm_linear: the norm runs
+    in the linear kernel's prologue (one launch). x [..., K] (the row stride is free), norm_weight [K]."""
+    return _norm_linear("rmsnorm_linear", None, x, norm_weight, eps, weight, out_dtype, want_normed, pdl,
+                        workspace, config)
+
+
+def add_rmsnorm_linear(residual: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, out_dtype: torch.dtype | None = None, want_normed: bool = False, *,
+                       pdl: bool = False, workspace: LinearWorkspace | None = None,
+                       config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, normed or an empty [0] tensor, residual + x) as torch.ops.lingc.add_rmsnorm_linear, in one launch."""
+    return _norm_linear("add_rmsnorm_linear", residual, x, norm_weight, eps, weight, out_dtype, want_normed, pdl,
+                        workspace, config)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -369,4 +555,18 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | N
     return torch.ops.lingc.linear(x, weight, out_dtype)
 
 
-LOWERINGS = {"linear": linear}
+def rmsnorm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                       out_dtype: torch.dtype | None = None,
+                       want_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """lingc's reference: rmsnorm then linear."""
+    return torch.ops.lingc.rmsnorm_linear(x, norm_weight, eps, weight, out_dtype, want_normed)
+
+
+def add_rmsnorm_linear_ref(residual: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                           want_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lingc's reference: add_rmsnorm then linear of its normed output."""
+    return torch.ops.lingc.add_rmsnorm_linear(residual, x, norm_weight, eps, weight, out_dtype, want_normed)
+
+
+LOWERINGS = {"linear": linear, "rmsnorm_linear": rmsnorm_linear, "add_rmsnorm_linear": add_rmsnorm_linear}

@@ -2,6 +2,7 @@
 
 Chains (techniques.md section 5), per layer:
     router  [add_]rmsnorm -> linear (gate) -> router_topk | router_align
+            (after fuse_norm_linear: [add_]rmsnorm_linear (norm + gate) -> router_topk | router_align)
     moe     [moe_align ->] moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
             (after fuse_moe_align the align is inside router_align, which ends the router chain)
     kda     kda_conv[_staged] (q, k, v) -> kda_recurrent[_staged] | kda_chunk -> gated_rmsnorm
@@ -41,6 +42,8 @@ def _only(nodes: list[fx.Node], target: object) -> fx.Node | None:
 
 def _router_chain(topk: fx.Node) -> list[fx.Node]:
     gate = producer(topk.args[0])
+    if gate.target in (OPS.rmsnorm_linear, OPS.add_rmsnorm_linear):
+        return [gate, topk]                                      # fuse_norm_linear: the norm runs in the gate
     if gate.target is not OPS.linear:
         return [topk]
     norm = producer(gate.args[0])
@@ -122,7 +125,7 @@ class Pdl(Pass):
     name = "pdl"
     summary = "annotate maximal PDL chains (router, MoE, KDA); move independent kernels out of them"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
-             "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert")
+             "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:

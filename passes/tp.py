@@ -35,6 +35,11 @@ Graph rewrites (per graph; counts for test-tiny decode: 6 layers -> 12 all_reduc
     logits = lingc.linear(x, w_lm_head)          # [B, T, V / N]
  -> logits = lingc.all_gather(lingc.linear(x, w_lm_head), -1, N)      # [B, T, V]: sampling sees every id
 
+    A fuse_norm_linear op ([add_]rmsnorm_linear) is a linear for these rules: its weight is split as the plain
+    linear's would be (q_b rows, a fused projection by parts, the lm_head by vocab with the all_gather after its
+    y), the norm weight is replicated and normed / new residual stay whole rows. A row-parallel weight behind a
+    norm is refused (each rank would norm a shard of the row); no Ling-3 norm feeds one.
+
 State: KDA pools hold only the rank's heads (conv [S, P/N, W-1], recurrent [S, H/N, D, D], and their
 staging); MLA latent pages are replicated (each head reads the whole 576-wide latent row). Views that
 split a projection into heads ([B, T, H, D]) get H / N; fused splits get their per-rank sizes; relays stay
@@ -59,6 +64,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lingc.config import LingConfig
 from lingc.ops import OPS
 from lingc.ops.dist import fold_sum
+from lingc.ops.norm_linear import WEIGHT_ARG
 from lingc.program import Program
 from lingc.passes.base import Pass
 from lingc.passes.matchers import calls, consumers, get_weight_node
@@ -199,6 +205,16 @@ def _meta_from(node: fx.Node, *sources: fx.Node) -> dict[str, Any]:
 
 def _getitem_of(node: fx.Node, index: int) -> fx.Node | None:
     return next((u for u in node.users if u.target is operator.getitem and u.args[1] == index), None)
+
+
+def _linear_products(graph: fx.Graph) -> list[tuple[fx.Node, str, fx.Node | None]]:
+    """(op, weight name, the node holding its product y) for every linear, and for every fuse_norm_linear op, whose
+    weight is sharded by the same rules (its y is getitem 0, None if nothing reads it; the norm weight is
+    replicated, the norm's outputs are full rows on every rank)."""
+    out = [(lin, lin.args[1].target, lin) for lin in calls(graph, "linear")]
+    for op, index in WEIGHT_ARG.items():
+        out += [(node, node.args[index].target, _getitem_of(node, 0)) for node in calls(graph, op)]
+    return out
 
 
 def _insert_collective(graph: fx.Graph, node: fx.Node, op: Any, args: tuple, suffix: str) -> fx.Node:
@@ -384,25 +400,29 @@ class TensorParallel(Pass):
                 ep_layers.append(f"{gname}:{_rewrite_moe(program, graph, combine, tp).name}")
             # 2. collectives after row-parallel products, MoE combines and the lm_head
             n_ar = n_ag = 0
-            for lin in calls(graph, "linear"):
-                w = lin.args[1].target
+            for lin, w, y in _linear_products(graph):
                 rule = specs.get(w, {}).get("rule")
-                if rule == "cols" and not all(c.target is OPS.ep_combine for c in consumers(lin)):
-                    _insert_collective(graph, lin, OPS.all_reduce, (tp,), "all_reduce")
+                if rule == "cols" and lin is not y:
+                    raise TPError(f"tp: {lin.name} runs a norm in front of the row-parallel {w}: each rank would "
+                                  f"norm a shard of the row; compile without fuse_norm_linear")
+                if y is None:
+                    continue
+                if rule == "cols" and not all(c.target is OPS.ep_combine for c in consumers(y)):
+                    _insert_collective(graph, y, OPS.all_reduce, (tp,), "all_reduce")
                     n_ar += 1
                 elif w == "lm_head.weight":
-                    _insert_collective(graph, lin, OPS.all_gather, (-1, tp), "all_gather")
+                    _insert_collective(graph, y, OPS.all_gather, (-1, tp), "all_gather")
                     n_ag += 1
             for comb in calls(graph, "ep_combine"):
                 _insert_collective(graph, comb, OPS.all_reduce, (tp,), "all_reduce")
                 n_ar += 1
             all_reduce[gname], all_gather[gname] = n_ar, n_ag
             # 3. fused projections split at per-rank sizes
-            for lin in calls(graph, "linear"):
-                spec = specs.get(lin.args[1].target, {})
-                if spec.get("rule") != "fused":
+            for _, w, y in _linear_products(graph):
+                spec = specs.get(w, {})
+                if spec.get("rule") != "fused" or y is None:
                     continue
-                for u in list(lin.users):
+                for u in list(y.users):
                     if u.target is aten.split_with_sizes.default:
                         u.args = (u.args[0], local_split(spec, tp), *u.args[2:])
             # 4. KDA pools and staging hold this rank's heads

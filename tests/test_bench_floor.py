@@ -68,3 +68,23 @@ def test_fused_kda_ops_count_the_same_state_bytes(tiny_program_bf16) -> None:
     want, got = kda_bytes(parted), kda_bytes(fused)
     assert want["step"] > 0 and want["verify"] > 0
     assert got == want
+
+
+def test_fused_norm_linear_ops_count_the_same_weight_bytes(tiny_program_bf16) -> None:
+    """fuse_norm_linear's rmsnorm_linear / add_rmsnorm_linear read the norm weight and the linear weight that the two
+    ops they replace read: the same weight bytes per graph (the step and the NEXTN graphs)."""
+    from lingc.ops import OPS
+    from lingc.passes.fuse_norm_linear import FuseNormLinear
+    from lingc.passes.manager import PassManager
+
+    def weight_bytes(program) -> dict[str, int]:
+        exe = Executor(program, "cpu")
+        exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
+        return {g: step_bytes(exe, g)["weights"] for g in ("step", "draft", "verify", "extend")}
+
+    parted = PassManager(["partition", "fuse_add_norm"]).run(tiny_program_bf16).program
+    fused, record = FuseNormLinear().run(parted)
+    targets = {n.target for g in fused.graphs.values() for n in g.nodes}
+    assert {OPS.rmsnorm_linear, OPS.add_rmsnorm_linear} <= targets and record.matches > 0
+    want, got = weight_bytes(parted), weight_bytes(fused)
+    assert want["step"] > 0 and got == want

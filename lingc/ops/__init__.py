@@ -5,7 +5,7 @@ directly. `OPS` lists every lingc op by short name; `lingc.ir_json` resolves gra
 Importing this package registers the ops (the only import-time side effect lingc has).
 """
 
-from lingc.ops import norm, linear, kda, mla, moe, sample, meta, spec, dist  # noqa: F401  (registration)
+from lingc.ops import norm, linear, norm_linear, kda, mla, moe, sample, meta, spec, dist  # noqa: F401  (registration)
 from lingc.ops.registry import OPS, op_name
 
 __all__ = ["OPS", "op_name"]

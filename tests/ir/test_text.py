@@ -34,8 +34,10 @@ def test_pass_annotations_and_weight_info_print(tiny_program):
     # (layer 3 keeps its shared expert; layer 1's is expert 16 after fuse_shared_expert: 4 + 1 pairs)
     assert line_of(text, "L3_mlp_moe_up_act").endswith("# f32[4,64]  pdl=moe@L3 1/3 layout=gu_interleaved")
     assert line_of(text, "L1_mlp_moe_up_act").endswith("# f32[5,64]  pdl=moe@L1 1/3 layout=gu_interleaved")
-    assert line_of(text, "L3_mlp_router_align").endswith("pdl=router@L3 3/3 early")
-    assert line_of(text, "L3_mlp_gate_linear").endswith("# f32[1,16]  pdl=router@L3 2/3 early dtype=bf16")
+    # fuse_norm_linear runs the post-attention norm inside the gate's GEMV: the router chain is norm+gate -> align
+    assert line_of(text, "L3_mlp_router_align").endswith("pdl=router@L3 2/2 early")
+    assert line_of(text, "L3_post_attention_layernorm_add_rmsnorm_linear").endswith(
+        "# (f32[1,1,16], f32[1,1,128], f32[1,1,128])  pdl=router@L3 1/2 dtype=bf16")
     assert line_of(text, "w_L3_mlp_experts_w13_interleaved").endswith("# f32[16,128,128] layout=gu_interleaved")
     fused_w13 = line_of(text, "w_L1_mlp_experts_w13_interleaved_with_shared")
     assert "# f32[17,128,128] concat_of=" in fused_w13 and fused_w13.endswith("layout=gu_interleaved shared_expert=16")

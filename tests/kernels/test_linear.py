@@ -8,6 +8,10 @@ the coarser dtype per side, so two in all. `_bound` is exactly that sum; no per-
 The Triton 3.6 interpreter runs a bf16 `tl.dot` as np.matmul on the raw uint16 bit patterns (bf16 is stored
 as uint16 there), i.e. garbage. `_bf16_dot_as_fp32` widens bf16 operands to fp32 first (exact), which is what
 the GPU's bf16 MMA multiplies (exact products, fp32 accumulation).
+
+The NORM prologue (fuse_norm_linear's rmsnorm_linear / add_rmsnorm_linear) is checked against the reference
+composition with that bound widened by NORMED_ULPS roundings of each normed element (its rstd sums in another
+order); the new residual bit for bit, rows alone == rows among six, both kinds, split and unsplit, fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lingc.kernels.linear import (LOWERINGS, MAX_ROWS, LinearConfig, LinearWorkspace, device_workspace, linear,
-                                  linear_ref, pick_config, workspace_need)
+import lingc.kernels.linear as linear_module
+from kernel_support import poisoned_empty  # tests/kernels is on sys.path
+from lingc.kernels.linear import (LOWERINGS, MAX_ROWS, LinearConfig, LinearWorkspace, add_rmsnorm_linear,
+                                  add_rmsnorm_linear_ref, device_workspace, linear, linear_ref, pick_config,
+                                  rmsnorm_linear, rmsnorm_linear_ref, workspace_need)
+from lingc.kernels.rmsnorm import add_rmsnorm
 
 # The 3.6 interpreter converts a 1-element array to a loop bound (`int(self.handle.data)`): numpy deprecation noise.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -96,7 +104,7 @@ def test_table_configs_match_reference() -> None:
     assert pick_config(24, 600, torch.float32).split_k > 1
     _check(linear(x, weight, torch.float32), x, weight, torch.float32)
     assert not device_workspace("cpu").counters.any()
-    assert LOWERINGS == {"linear": linear}
+    assert LOWERINGS == {"linear": linear, "rmsnorm_linear": rmsnorm_linear, "add_rmsnorm_linear": add_rmsnorm_linear}
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", [
@@ -195,3 +203,111 @@ def test_config_never_depends_on_rows() -> None:
             assert cfg.block_n >= (16 if cfg.kind == "dot" else 1) and cfg.block_k >= 16 and cfg.split_k >= 1
             blocks = -(-k // cfg.block_k)
             assert (cfg.split_k - 1) * -(-blocks // cfg.split_k) < blocks, f"{n}x{k}: empty slice in {cfg}"
+
+
+# ---- the NORM prologue: rmsnorm_linear / add_rmsnorm_linear (fuse_norm_linear) -------------------------------
+# The kernel's rstd sums a row's squares in another order than the reference, so rstd may differ by a couple of
+# fp32 ulps and each normed element by up to NORMED_ULPS ulps of the activation dtype (a flipped rounding in
+# bf16); y's allowance is the linear bound plus that perturbation carried through |W|.
+NORMED_ULPS = 4
+EPS = 1e-6
+NORM_DTYPES = {"fp32": (torch.float32, torch.float32, None), "bf16": (torch.bfloat16, torch.bfloat16, None),
+               "bf16-fp32router": (torch.bfloat16, torch.float32, torch.float32)}   # (activation, weight, out_dtype)
+
+
+def _norm_inputs(lead: tuple[int, ...], n: int, k: int, act: torch.dtype, w_dtype: torch.dtype,
+                 seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    residual = (4 * torch.randn(*lead, k, generator=g)).to(act)             # [..., K]
+    x = torch.randn(*lead, k, generator=g).to(act)                           # [..., K]
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=g)).to(act)           # [K]
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(w_dtype)          # [N, K]
+    return residual, x, norm_weight, weight
+
+
+def _check_norm_outputs(got: tuple, want: tuple, want_normed: bool, assert_kernel_close) -> None:
+    """normed close to the reference's (or the empty [0] tensor), the new residual bit-exact, y's shape and dtype."""
+    assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
+    if want_normed:
+        assert_kernel_close(got[1], want[1])
+    else:
+        assert got[1].shape == (0,)
+    if len(got) == 3:
+        assert torch.equal(got[2], want[2]), "new residual is not bit-identical to residual + x"
+
+
+def _y_bound_ok(y: torch.Tensor, normed: torch.Tensor, weight: torch.Tensor, want_y: torch.Tensor) -> None:
+    """|y - reference y| within the linear's bound on the reference's normed, plus NORMED_ULPS of it through |W|."""
+    assert not y.isnan().any(), "unwritten (NaN-poisoned) elements"
+    act_ulp = ULP[normed.dtype]
+    mag = normed.to(weight.dtype).double().reshape(-1, normed.shape[-1]).abs() @ weight.double().abs().T
+    bound = _bound(normed, weight, want_y.dtype) + NORMED_ULPS * act_ulp * mag.view_as(want_y)
+    err = (y.double() - want_y.double()).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"max |y - ref| / bound = {worst:.3g} (max abs err {err.max().item():.3g})"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("dtypes", ["fp32", "bf16"])
+def test_norm_linear_matches_reference_and_is_row_invariant(cfg: LinearConfig, dtypes: str, assert_kernel_close,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_rmsnorm_linear (want_normed) at M = 6 and M = 1 (row 0 alone == row 0 of six, every output bit for bit),
+    rmsnorm_linear without normed at M = 6; outputs start NaN-poisoned. A 32-wide prologue block makes K = 100 four
+    prologue steps with a tail, as Ling-3.0-tiny's K = 1536 is three of the default 512."""
+    monkeypatch.setattr(linear_module, "NORM_BLOCK_K", 32)
+    act, w_dtype, out_dtype = NORM_DTYPES[dtypes]
+    residual, x, norm_weight, weight = _norm_inputs((1, 6), 40, 100, act, w_dtype, seed=41)
+    want = add_rmsnorm_linear_ref(residual, x, norm_weight, EPS, weight, out_dtype, True)
+    with poisoned_empty():
+        six = add_rmsnorm_linear(residual, x, norm_weight, EPS, weight, out_dtype, True, config=cfg)
+        one = add_rmsnorm_linear(residual[:, :1], x[:, :1], norm_weight, EPS, weight, out_dtype, True, config=cfg)
+        plain = rmsnorm_linear(x, norm_weight, EPS, weight, out_dtype, False, config=cfg)
+    _check_norm_outputs(six, want, True, assert_kernel_close)
+    _y_bound_ok(six[0], want[1], weight, want[0])
+    for got, full in zip(one, six):
+        assert torch.equal(got[:, 0], full[:, 0]), "row 0 alone differs from row 0 of six"
+    want_plain = rmsnorm_linear_ref(x, norm_weight, EPS, weight, out_dtype, True)
+    _check_norm_outputs(plain, want_plain, False, assert_kernel_close)
+    _y_bound_ok(plain[0], want_plain[1], weight, want_plain[0])
+
+
+@pytest.mark.parametrize("cfg", [SPLIT, FMA_SPLIT], ids=["dot-split4", "fma-split4"])
+def test_norm_linear_other_flag_combinations(cfg: LinearConfig, assert_kernel_close) -> None:
+    """The residual without normed, normed without the residual; bf16 activations with the fp32 router weight."""
+    act, w_dtype, out_dtype = NORM_DTYPES["bf16-fp32router"]
+    residual, x, norm_weight, weight = _norm_inputs((3,), 17, 257, act, w_dtype, seed=43)
+    with poisoned_empty():
+        y, normed, new_residual = add_rmsnorm_linear(residual, x, norm_weight, EPS, weight, out_dtype, False,
+                                                     config=cfg)
+        y2, normed2 = rmsnorm_linear(x, norm_weight, EPS, weight, out_dtype, True, config=cfg)
+    want = add_rmsnorm_linear_ref(residual, x, norm_weight, EPS, weight, out_dtype, True)
+    _check_norm_outputs((y, normed, new_residual), want, False, assert_kernel_close)
+    _y_bound_ok(y, want[1], weight, want[0])
+    want2 = rmsnorm_linear_ref(x, norm_weight, EPS, weight, out_dtype, True)
+    _check_norm_outputs((y2, normed2), want2, True, assert_kernel_close)
+    _y_bound_ok(y2, want2[1], weight, want2[0])
+
+
+def test_norm_linear_table_config_strided_input_and_prefill_fallback(assert_kernel_close) -> None:
+    """No config: the table's. x as a column slice of a wider output (MLA's q_a -> q_b reads a split view).
+    M = 17 > MAX_ROWS runs the unfused kernels (rmsnorm kernel, then F.linear), bit for bit."""
+    residual, x, norm_weight, weight = _norm_inputs((3,), 24, 96, torch.bfloat16, torch.bfloat16, seed=47)
+    wide = torch.cat([x, x[:, :32]], dim=-1)[:, :96]                         # [3, 96], row stride 128
+    got = rmsnorm_linear(wide, norm_weight, EPS, weight, None, True)
+    want = rmsnorm_linear_ref(x, norm_weight, EPS, weight, None, True)
+    assert_kernel_close(got[1], want[1])
+    _y_bound_ok(got[0], want[1], weight, want[0])
+    residual, x, norm_weight, weight = _norm_inputs((1, MAX_ROWS + 1), 24, 40, torch.bfloat16, torch.bfloat16,
+                                                    seed=53)
+    y, normed, new_residual = add_rmsnorm_linear(residual, x, norm_weight, EPS, weight, torch.float32, True)
+    unfused_normed, unfused_residual = add_rmsnorm(residual, x, norm_weight, EPS)
+    assert torch.equal(normed, unfused_normed) and torch.equal(new_residual, unfused_residual)
+    assert torch.equal(y, linear(unfused_normed, weight, torch.float32))
+
+
+def test_norm_linear_bad_shapes_are_named() -> None:
+    residual, x, norm_weight, weight = _norm_inputs((3,), 24, 40, torch.bfloat16, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match=r"norm_weight has shape \[39\] and x \[3, 40\]"):
+        rmsnorm_linear(x, norm_weight[:39], EPS, weight)
+    with pytest.raises(ValueError, match=r"residual is \[3, 40\] torch.float32, x is \[3, 40\] torch.bfloat16"):
+        add_rmsnorm_linear(residual.float(), x, norm_weight, EPS, weight)

@@ -30,7 +30,7 @@ HOT_OPS = {"rmsnorm", "add_rmsnorm", "linear", "router_topk", "router_align", "m
            "silu_and_mul", "moe_down", "moe_combine", "kda_conv", "kda_conv_staged", "kda_recurrent",
            "kda_recurrent_staged", "kda_commit", "gated_rmsnorm", "mla_attention", "mla_cache_write", "rope",
            "sigmoid_gate", "greedy_sample", "chain_accept", "filtered_probs", "kda_conv_qkv", "kda_fused_verify",
-           "kda_commit_multi"}
+           "kda_commit_multi", "rmsnorm_linear", "add_rmsnorm_linear", "ep_align", "ep_combine"}
 
 
 def test_every_hot_op_has_a_kernel() -> None:
@@ -82,3 +82,36 @@ def test_greedy_nextn_equals_plain_on_kernels(tiny_partitioned_bf16) -> None:
 def tiny_partitioned_bf16(tiny_program_bf16):
     from lingc.passes.manager import PassManager
     return PassManager(["all"]).run(tiny_program_bf16).program
+
+
+def _mtp_decode(exe: Executor, steps: int = 2) -> list[torch.Tensor]:
+    """mtp_decode (one MTP layer, all four fuse_norm_linear forms) on seeded inputs: [logits, hidden] per step."""
+    exe.buffers.tensors["slots"].zero_()
+    pt = exe.buffers.tensors["page_table"]
+    pt.copy_(torch.arange(pt.numel(), dtype=pt.dtype).view(pt.shape))
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for pos in range(steps):
+        exe.input("mtp_decode", "next_ids").fill_(17 + pos)
+        exe.input("mtp_decode", "positions").fill_(pos)
+        hidden = exe.input("mtp_decode", "hidden")
+        hidden.copy_(torch.randn(hidden.shape, generator=g).to(hidden.dtype))
+        out += [t.float().clone() for t in exe.run("mtp_decode")]
+    return out
+
+
+def test_fuse_norm_linear_kernels_match_the_unfused_kernels(tiny_program_bf16) -> None:
+    """rmsnorm_linear / add_rmsnorm_linear (want_normed on and off) in the interpreter vs the rmsnorm + linear kernels
+    they replace: logits and the returned normed hidden state within fuse_norm_linear's tolerance (test-tiny
+    measures 0: bit-exact), the same argmax."""
+    from lingc.passes.fuse_norm_linear import FuseNormLinear
+    from lingc.passes.manager import PassManager
+    before = PassManager(["partition", "fuse_projections", "fuse_add_norm"]).run(tiny_program_bf16).program
+    after, record = FuseNormLinear().run(before)
+    assert record.details["norms_fused"]["want_normed"] > 0
+    fused = Executor(after, "cpu", backend="triton")
+    assert {"triton:rmsnorm_linear", "triton:add_rmsnorm_linear"} <= fused.kernel_counts("mtp_decode").keys()
+    got, want = _mtp_decode(fused), _mtp_decode(Executor(before, "cpu", backend="triton"))
+    for g, w in zip(got, want):
+        assert ((g - w).abs() <= FuseNormLinear.tolerance * (1 + w.abs())).all()
+    assert all(torch.equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got[::2], want[::2]))
