@@ -465,7 +465,7 @@ def _rows_launch(N: int, n_group: int, group_size: int, top_k: int, fused_shared
 
 def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                  routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int = 0, *,
-                 pdl: bool = False, variant: str = "rows",
+                 pdl: bool = False, variant: str = "pairs",
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights, ids, sorted_pairs, block_expert, total) = router_topk then moe_align on its ids.
 
