@@ -26,6 +26,14 @@ keep reading `normed`, which the op then writes (want_normed = True; False when 
 and the op skips that write). The op runs where the norm ran (the linear's weight read moves up if needed); the
 norm and the linear nodes become its getitems (or a view of y) under their old names, so readers are untouched.
 
+Which weights: only those of at most MAX_WEIGHT_ELEMENTS (1 Mi) elements. Every program of the fused GEMV first
+sums the squares of its input rows over all of K before its weight stream starts, and on the H200 that prologue
+costs more than the norm launch it saves once the weight is large (bench/kernel_linear.py --norm, b2fb088's
+parent 705c4f1, Ling-3.0-tiny, M = 1, fused vs rmsnorm + linear): router 128x1536 4.22 vs 5.12 us and q_a
+norm -> q_b 3072x256 3.73 vs 4.16 us win; the MLA projection 848x1536 6.74 vs 5.80, the KDA projection
+10256x1536 17.90 vs 12.22, the dense gate_up 9216x1536 17.66 vs 11.65 and the lm_head 157184x1536 153.3 vs
+114.9 us lose. So at Ling-3.0-tiny's size the pass fuses the 23 router gates and the 6 q_b (-29 launches).
+
 Numerics: the reference ops are the composition of the ops they replace, so the reference backend is bit-identical
 to the unfused graph. The Triton kernel sums the squares of a row in another order than the rmsnorm kernel's one
 tl.sum, so its rstd can differ in the last fp32 bit and a normed element by one bf16 rounding, which the GEMV then
@@ -47,6 +55,7 @@ from lingc.passes.matchers import calls
 
 aten = torch.ops.aten
 KEEP_META = ("lingc.scope", "lingc.stage")
+MAX_WEIGHT_ELEMENTS = 1 << 20   # larger weights lose on the H200 (module docstring): they keep norm + linear
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)   # keep the values and their order
 
 
@@ -75,6 +84,7 @@ def _linear_reader(program: Program, norm: fx.Node, normed: fx.Node,
                 weight = user.args[1]
                 if (weight.op == "get_attr" and program.weights[weight.target].dim() == 2
                         and program.weights[weight.target].shape[1] == k
+                        and program.weights[weight.target].numel() <= MAX_WEIGHT_ELEMENTS
                         and user.meta.get("lingc.stage") == norm.meta.get("lingc.stage")):
                     found.append((user, path))
             elif user.target in RESHAPES and _last_dim(user) == k:
