@@ -16,7 +16,10 @@ other rows: `router_topk` and `router_align` give the same bits for a row.
 `router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`) in ONE launch of one program. Two
 kernels, chosen by the launcher's `variant`:
 
-  "rows" (default; N <= MAX_ROWS and a sane tile): the tokens are a tensor axis the warps split, one or two rows
+  "rows" (N <= MAX_ROWS and a sane tile; NOT the default: on the H200 at N = 1 it wrote wrong sorted_pairs /
+  block_expert (block_expert [39, 120, 122, 30, -1, ...] for ids [39, 30, 26, 120, 94, 17, 19, 122]: only some
+  experts' blocks, so the next moe_up_act read out of bounds), while the interpreter and N >= 2 on the GPU agree
+  with "pairs"; a cross-warp step that the interpreter does not model is the suspect; not yet fixed): the tokens are a tensor axis the warps split, one or two rows
   per warp, so every per-row reduction (the k picks, the group scores) is a warp shuffle and never a CTA barrier.
   The align is read off the routing tile itself, without the pair axis: the tile [L, R, G, C] (experts e =
   g*GS + c*L + l, tokens r) keeps each row's pick index i per expert, so, with bits_e = sum_r (row r picked e)
@@ -28,7 +31,7 @@ kernels, chosen by the launcher's `variant`:
   and the S shared experts (every row, ids E..E+S-1) follow the routed segments: offset = routed total +
   s * ceil(N / BM) * BM, rank r. The sentinels (NP in sorted_pairs, -1 in block_expert) are stored first and a
   CTA barrier orders them before the scatters. All of it is O(N * E) elementwise work in registers.
-  "pairs" (the previous kernel, kept for the GPU bench; N * (k + S) <= MAX_PAIRS): routes the N rows side by side
+  "pairs" (the default, the previous kernel; N * (k + S) <= MAX_PAIRS): routes the N rows side by side
   in a [R, G, GS] tile, stores ids, then after a barrier reloads them and aligns the NP pairs with pairwise
   [NP_BLOCK, NP_BLOCK] compares (kernels/moe_align.py's pair axis), writing every cell with disjoint stores.
 Anything else runs the router_topk kernel, then lingc.kernels.moe_align.
@@ -45,7 +48,8 @@ from the PTX; no barrier sits in a loop.) Critical path, any N: the bias load (b
 (L2), the group scores and ranking, k serial picks of one in-warp int64 max each (in registers over G x C, then
 the lane shuffles), the row sum of bits_e, in-warp scans, the scatters. So N = 6 should cost about N = 1 plus 3
 barriers and twice the per-thread elementwise work (8 tile cells per thread instead of 4), with no store ->
-reload; not yet timed on the GPU (`bench/kernel_router.py` times both variants at N = 1 and 6 in one run).
+reload. Timed on the H200 (bench/kernel_router.py, 705c4f1, PDL off): N = 6 with the shared expert 8.19 us
+(pairs 9.11), without it 6.25 (9.00); N = 1 3.8 us both.
 Registers: the tile holds R * G * GS / (32 * warps) elements per thread, kept <= ROW_ELEMENTS_PER_THREAD:
 E = 128 runs every N <= 16 with 4-8 per thread (64-120 registers), E = 512 (Ling-3.0-flash) every N <= 16 with
 16-32 (167-245 registers, no spills; sm_90, ptxas of Triton 3.6); larger tiles take "pairs" or the two kernels.

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The step benchmark and its peers in one device call on one GPU (nvidia-h200): lingc's pass ablation, floors,
+# greedy parity and end-to-end run first (bench/device_step.py --e2e), then the peers on the same GPU
+# (bench/peers.py: torch.compile max-autotune of the decode and NEXTN steps, each in its own process, timing
+# under peers.py's exclusive lock; transformers 5.23 eager if its wheel is given), then the merge
+# (speedup_vs_<peer> in step.json's summary). bench/device_step_x2.sh does the same side by side on two GPUs.
+#
+#   bash bench/device_step_1gpu.sh OUT_DIR [path/to/transformers-5.23.0-py3-none-any.whl]
+#
+# About 5 minutes on the H200 (the step part ~3.5, the peers ~1.5). Run from the repository root.
+set -u
+OUT=${1:?usage: bash bench/device_step_1gpu.sh OUT_DIR [transformers wheel]}
+WHEEL=${2:-}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+rm -rf /tmp/lingc-site /tmp/lingc-tf
+pip install -q --no-deps --no-build-isolation --target /tmp/lingc-site . || exit 1
+export PYTHONPATH=/tmp/lingc-site
+timeout 420 python3 bench/device_step.py --e2e --json "$OUT/step.json" 2>&1 | grep -v Warning
+merge=(torch_compile="$OUT/torch_compile_decode.json" torch_compile="$OUT/torch_compile_nextn.json")
+for p in torch_compile_decode torch_compile_nextn; do
+  PEER_DUMP_S=100 timeout 110 python3 bench/peers.py "$p" --json "$OUT/$p.json" > "/tmp/lingc-$p.log" 2>&1 &
+done
+if [ -n "$WHEEL" ]; then
+  pip install -q --no-deps --target /tmp/lingc-tf "$WHEEL"
+  PYTHONPATH=/tmp/lingc-tf:/tmp/lingc-site timeout 110 python3 bench/peers.py transformers \
+    --json "$OUT/transformers.json" > /tmp/lingc-transformers.log 2>&1
+  merge+=(transformers="$OUT/transformers.json")
+fi
+wait
+for log in /tmp/lingc-*.log; do echo "== $log"; tail -3 "$log"; done
+python3 bench/device_step.py --json "$OUT/step.json" --merge-peers "${merge[@]}"
