@@ -32,9 +32,9 @@ ep_align(expert_ids [N, k], expert_map int32 [E'], El, BM) -> (local_ids, sorted
 ep_combine(expert_out [NP, h], topk_weights fp32 [N, k], local_ids int32 [N, k], shared_out [N, h] | None) -> [N, h]
     sum_j [local_ids[n, j] >= 0] * w[n, j] * float(expert_out[n*k + j]) in fp32, cast to the activation dtype, then
     + shared_out in fp32 rounded once (None after fuse_shared_expert: the cast sum is the output)
-  One program per (token, BLOCK_H columns), as kernels/moe.py's moe_combine: the product w * float(e) is rounded in
-  fp32 (fp fusion off), another rank's pair contributes exactly +0.0 (the reference's torch.where: its expert_out
-  row is never written by the grouped GEMMs and is not even loaded here, so garbage there cannot leak), and the k
+  kernels/moe.py's moe_combine kernel itself (HAS_LOCAL), one program per (token, BLOCK_H columns): the product
+  w * float(e) is rounded in fp32 (fp fusion off), another rank's pair contributes exactly +0.0 (the reference's
+  torch.where: its expert_out row is never written by the grouped GEMMs and is not even loaded here, so garbage there cannot leak), and the k
   terms are summed in the order of the device's torch reduction (kernels/moe.py COMBINE_ORDER: sequential on CPU,
   4 interleaved accumulators on CUDA), which makes it bit-exact vs the reference where moe_combine is.
 
@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.moe import COMBINE_ORDER, FP_OPTIONS, SEQUENTIAL
+from lingc.kernels.moe import COMBINE_ORDER, FP_OPTIONS, SEQUENTIAL, _moe_combine_kernel
 from lingc.kernels.pdl import pdl_supported
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.dist import ep_sizes
@@ -112,50 +112,6 @@ def _ep_align_kernel(ids_ptr, map_ptr, local_ptr, sorted_ptr, block_expert_ptr, 
         blocks = start + tl.arange(0, FILL)
         tl.store(block_expert_ptr + blocks, -1 + 0 * blocks, mask=blocks < BLOCKS)
     tl.store(total_ptr, total)
-
-
-@triton.jit
-def _ep_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, stride_w, stride_l, stride_s, stride_o,
-                       TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
-                       PDL: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    acc0 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        mine = tl.load(local_ptr + n * stride_l + j) >= 0
-        w = tl.load(w_ptr + n * stride_w + j).to(tl.float32)
-        e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=mask & mine, other=0.0).to(tl.float32)
-        p = tl.where(mine, e * w, 0.0)                    # another rank's pair: exactly +0.0, as the reference
-        if ORDER == 0:
-            acc0 = acc0 + p
-        else:  # accumulator j % 4 (torch's CUDA reduction with 4 accumulators per thread)
-            if j % 4 == 0:
-                acc0 = acc0 + p
-            elif j % 4 == 1:
-                acc1 = acc1 + p
-            elif j % 4 == 2:
-                acc2 = acc2 + p
-            else:
-                acc3 = acc3 + p
-    if HAS_SHARED:
-        shared = tl.load(s_ptr + n * stride_s + cols, mask=mask, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    routed = acc0
-    if ORDER == 1:
-        routed = ((acc0 + acc1) + acc2) + acc3
-    out_ty = out_ptr.dtype.element_ty
-    if HAS_SHARED:
-        out = (routed.to(out_ty).to(tl.float32) + shared.to(tl.float32)).to(out_ty)
-    else:
-        out = routed.to(out_ty)
-    tl.store(out_ptr + n * stride_o + cols, out, mask=mask)
 
 
 def _is_int(t: torch.Tensor) -> bool:
@@ -244,9 +200,9 @@ def ep_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, local_ids: 
     pdl = pdl and pdl_supported(shared.device)
     launch = {"launch_pdl": True} if pdl else {}
     block = min(COMBINE_BLOCK_H, triton.next_power_of_2(h))
-    _ep_combine_kernel[(n, triton.cdiv(h, block))](
+    _moe_combine_kernel[(n, triton.cdiv(h, block))](                 # moe_combine's kernel, other ranks' pairs masked
         e2, w2, l2, s2, out, h, e2.stride(0), w2.stride(0), l2.stride(0), s2.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_H=block, ORDER=order, HAS_SHARED=shared_out is not None, PDL=pdl,
+        TOP_K=k, BLOCK_H=block, ORDER=order, HAS_SHARED=shared_out is not None, PDL=pdl, HAS_LOCAL=True,
         num_warps=COMBINE_NUM_WARPS, **FP_OPTIONS, **launch)
     return out
 

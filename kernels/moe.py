@@ -174,9 +174,11 @@ def _silu_and_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, inter, limit,
 
 
 @triton.jit
-def _moe_combine_kernel(e_ptr, w_ptr, s_ptr, out_ptr, H, stride_e, stride_w, stride_s, stride_o,
+def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, stride_w, stride_l, stride_s, stride_o,
                         TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, HAS_LOCAL: tl.constexpr = False):
+    # HAS_LOCAL (ep_combine, kernels/ep.py): pair j counts only where local_ids[n, j] >= 0; another rank's pair
+    # contributes exactly +0.0 (as the reference) and its expert row is never loaded
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -188,8 +190,13 @@ def _moe_combine_kernel(e_ptr, w_ptr, s_ptr, out_ptr, H, stride_e, stride_w, str
     acc3 = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         w = tl.load(w_ptr + n * stride_w + j).to(tl.float32)
-        e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=mask, other=0.0).to(tl.float32)
-        p = e * w
+        if HAS_LOCAL:
+            mine = tl.load(local_ptr + n * stride_l + j) >= 0
+            e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=mask & mine, other=0.0).to(tl.float32)
+            p = tl.where(mine, e * w, 0.0)
+        else:
+            e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=mask, other=0.0).to(tl.float32)
+            p = e * w
         if ORDER == 0:
             acc0 = acc0 + p
         else:  # accumulator j % 4 (torch's CUDA reduction with 4 accumulators per thread)
@@ -368,7 +375,7 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out
     launch = {"launch_pdl": True} if pdl else {}
     block = min(COMBINE_BLOCK_H, triton.next_power_of_2(h))
     _moe_combine_kernel[(n, triton.cdiv(h, block))](
-        e2, topk_weights, s2, out, h, e2.stride(0), topk_weights.stride(0), s2.stride(0), out.stride(0),
+        e2, topk_weights, topk_weights, s2, out, h, e2.stride(0), topk_weights.stride(0), 0, s2.stride(0), out.stride(0),
         TOP_K=k, BLOCK_H=block, ORDER=order, HAS_SHARED=shared_out is not None, PDL=pdl,
         num_warps=COMBINE_NUM_WARPS, **FP_OPTIONS, **launch)
     return out
