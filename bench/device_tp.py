@@ -369,7 +369,9 @@ def build(rank: int, cfg: dict, device: torch.device, out: dict) -> tuple:
     from lingc.trace import PROGRAMS, TraceOptions, trace
 
     dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
-    config = preset(cfg["preset"], num_nextn_predict_layers=1)
+    over = {"num_hidden_layers": cfg["layers"]} if cfg.get("layers") else {}
+    over |= {"vocab_size": cfg["vocab"]} if cfg.get("vocab") else {}
+    config = preset(cfg["preset"], num_nextn_predict_layers=1, **over)
     model = random_model(config, seed=0, dtype=dtype, device=device)
     out["weights_identical_across_ranks"] = _same_on_all_ranks(_signature(model), cfg["tp"])
     options = TraceOptions(batch=1, prefill_tokens=cfg["prefill_tokens"], max_len=cfg["max_len"], page_size=16,
@@ -548,6 +550,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default=None, choices=("triton", "reference"),
                     help="default: triton on cuda, reference on cpu")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds before the ranks are killed")
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging, e.g. on CPU)")
+    ap.add_argument("--vocab", type=int, default=0, help="override vocab_size (debugging, e.g. on CPU)")
     ap.add_argument("--profile", action="store_true", help="also profile each TP graph kernel by kernel (CUDA)")
     ap.add_argument("--pg-timeout", type=float, default=300.0, help="process-group (collective) timeout, seconds")
     args = ap.parse_args(argv)
