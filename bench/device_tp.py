@@ -408,7 +408,8 @@ def measure_tp1(tp1, device: torch.device, cfg: dict, prompt: list[int], out: di
     from lingc.runtime.executor import Executor
     backend = cfg["backend"]
     exe = Executor(tp1, device, backend, pdl=backend == "triton" and device.type == "cuda")
-    out["tp1"] = {"times": time_program(exe, cfg["context"], cfg["repeats"]), "tokens": {}}
+    out["tp1"] = {"times": None if cfg.get("parity_only") else time_program(exe, cfg["context"], cfg["repeats"]),
+                  "tokens": {}}
     del exe
     _free(device)
     keep = None
@@ -449,7 +450,8 @@ def run_rank(rank: int, cfg: dict, out: dict, save) -> None:
     _free(device)
     phase("build_trace_passes_tp_pass")
     _barrier(device)
-    measure_tp(program, device, cfg, config.hidden_size, out, phase)
+    if not cfg.get("parity_only"):
+        measure_tp(program, device, cfg, config.hidden_size, out, phase)
     prompt = [(7 * i + 3) % config.vocab_size for i in range(PROMPT_TOKENS)]
     probe = measure_tp1(tp1, device, cfg, prompt, out)
     phase("tp1")
@@ -550,6 +552,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default=None, choices=("triton", "reference"),
                     help="default: triton on cuda, reference on cpu")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds before the ranks are killed")
+    ap.add_argument("--parity-only", action="store_true", help="skip the timings: greedy parity only (e.g. on CPU "
+                    "with --backend triton under TRITON_INTERPRET=1)")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging, e.g. on CPU)")
     ap.add_argument("--vocab", type=int, default=0, help="override vocab_size (debugging, e.g. on CPU)")
     ap.add_argument("--profile", action="store_true", help="also profile each TP graph kernel by kernel (CUDA)")
