@@ -60,7 +60,12 @@ def profile_graph(graphs, exe, name: str, replays: int, trace_out: str | None) -
             torch.cuda.synchronize()
     path = trace_out or os.path.join(tempfile.mkdtemp(), f"{name}.json")
     prof.export_chrome_trace(path)
-    kernels = kernel_events(path)
+    return summarize_replays(kernel_events(path), replays)
+
+
+def summarize_replays(kernels: list[dict], replays: int) -> dict:
+    """Kernel events of `replays` identical graph replays -> per-replay medians: kernels per replay, span, busy
+    (union of intervals), kernel sum, idle, median gap, and the kernels grouped by name (also bench/device_tp.py)."""
     if not kernels or len(kernels) % replays:
         return {"error": f"{len(kernels)} kernel events for {replays} replays"}
     per = len(kernels) // replays

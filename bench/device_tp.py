@@ -153,13 +153,12 @@ def time_program(exe, context: int, repeats: int, profile: bool = False) -> dict
 def profile_graphs(run, names: list[str], device: torch.device, replays: int = 5) -> dict:
     """Per graph: kernels per replay, busy / idle time and the kernels grouped by name (torch profiler, CUPTI), as
     bench/device_profile.py reports them. Every rank replays the same count (the graphs hold collectives)."""
-    import collections
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from device_profile import busy_us, kernel_events
+    from device_profile import kernel_events, summarize_replays
     out = {}
     for name in names:
         for _ in range(3):
@@ -171,25 +170,10 @@ def profile_graphs(run, names: list[str], device: torch.device, replays: int = 5
                 _sync(device)
         path = os.path.join(tempfile.mkdtemp(), f"{name}.json")
         prof.export_chrome_trace(path)
-        kernels = kernel_events(path)
-        if not kernels or len(kernels) % replays:
-            out[name] = {"error": f"{len(kernels)} kernel events for {replays} replays"}
-            continue
-        per = len(kernels) // replays
-        reps = [kernels[i * per:(i + 1) * per] for i in range(replays)]
-        by_name: dict[str, list[float]] = collections.defaultdict(list)
-        count: collections.Counter = collections.Counter(k["name"] for k in reps[0])
-        for r in reps:
-            acc: dict[str, float] = collections.defaultdict(float)
-            for k in r:
-                acc[k["name"]] += k["dur"]
-            for n, v in acc.items():
-                by_name[n].append(v)
-        spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in reps]
-        out[name] = {"kernels_per_replay": per, "span_us": statistics.median(spans),
-                     "busy_us": statistics.median(busy_us(r) for r in reps),
-                     "by_kernel": sorted(({"kernel": n[:90], "launches": count[n], "us": statistics.median(v)}
-                                          for n, v in by_name.items()), key=lambda r: -r["us"])[:40]}
+        summary = summarize_replays(kernel_events(path), replays)
+        if "by_kernel" in summary:
+            summary["by_kernel"] = summary["by_kernel"][:40]
+        out[name] = summary
     return out
 
 
