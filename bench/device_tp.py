@@ -206,6 +206,7 @@ def isolated_all_reduce(device: torch.device, tp: int, hidden: int, repeats: int
     """Microseconds per call, ISOLATED_CALLS calls per CUDA graph, median over `repeats` replays (wall time on CPU)."""
     import torch.distributed as dist
 
+    from lingc.kernels import allreduce
     from lingc.ops import OPS
     x = torch.randn(1, hidden, device=device).to(torch.bfloat16)
     y = torch.empty_like(x)
@@ -222,10 +223,42 @@ def isolated_all_reduce(device: torch.device, tp: int, hidden: int, repeats: int
     def copy_only() -> None:
         for _ in range(ISOLATED_CALLS):
             y.copy_(x)
-    out = {}
-    for name, body in (("lingc_all_reduce_us", lingc_op), ("nccl_bf16_all_reduce_after_copy_us", nccl_after_copy),
-                       ("copy_only_us", copy_only)):
+
+    def one_shot() -> None:
+        for _ in range(ISOLATED_CALLS):
+            allreduce.launch(x, ws)
+    bodies = [("lingc_all_reduce_us", lingc_op), ("nccl_bf16_all_reduce_after_copy_us", nccl_after_copy),
+              ("copy_only_us", copy_only)]
+    ws = allreduce.active()
+    out: dict = {"one_shot_checks": one_shot_checks(device, tp, hidden) if ws else None}
+    if ws:
+        bodies.append(("one_shot_all_reduce_us", one_shot))
+    for name, body in bodies:
         out[name] = _per_call_us(body, device, repeats)
+    if ws:
+        out["one_shot_timeouts"] = allreduce.timeouts()
+    return out
+
+
+def one_shot_checks(device: torch.device, tp: int, hidden: int) -> dict[str, bool]:
+    """The one-shot kernel eagerly against the reference sum of the gathered partials (fold_sum: fp32 in rank order,
+    one rounding), bit for bit, per (tokens, dtype); each rank draws its own partials."""
+    import torch.distributed as dist
+
+    from lingc.kernels import allreduce
+    from lingc.ops.dist import fold_sum
+    g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
+    out = {}
+    for tokens in (1, 6, 16):
+        for dtype in (torch.bfloat16, torch.float32):
+            for _ in range(3):                                       # both regions, the call counter moving on
+                x = (torch.randn(tokens, hidden, device=device, generator=g) * 4).to(dtype)
+                got = allreduce.all_reduce(x, tp)
+                parts = [torch.empty_like(x) for _ in range(tp)]
+                dist.all_gather(parts, x)
+                key = f"{tokens}x{hidden}_{str(dtype).split('.')[-1]}"
+                out[key] = out.get(key, True) and torch.equal(got, fold_sum(parts, dtype))
+    _sync(device)
     return out
 
 
@@ -368,12 +401,22 @@ def build(rank: int, cfg: dict, device: torch.device, out: dict) -> tuple:
 
 def measure_tp(program, device: torch.device, cfg: dict, hidden: int, out: dict, phase) -> None:
     """Phases 2-4: TP2 graph times, launch counts, times without all_reduce, one all_reduce in isolation."""
+    from lingc.kernels import allreduce
     from lingc.runtime.executor import Executor
     backend = cfg["backend"]
     exe = Executor(program, device, backend, pdl=backend == "triton" and device.type == "cuda")
     out["counts"] = launch_counts(exe)
-    out["tp"] = {"times": time_program(exe, cfg["context"], cfg["repeats"], cfg.get("profile", False))}
+    out["tp"] = {"all_reduce_impl": "one-shot" if allreduce.active() else "reference (NCCL / gloo)",
+                 "times": time_program(exe, cfg["context"], cfg["repeats"], cfg.get("profile", False))}
     phase("tp_times")
+    if allreduce.active():                       # A/B: the same graphs captured with the reference op (NCCL)
+        del exe
+        _free(device)
+        ws = allreduce.disable()
+        exe = Executor(program, device, backend, pdl=backend == "triton" and device.type == "cuda")
+        out["tp"]["times_nccl"] = time_program(exe, cfg["context"], cfg["repeats"])
+        allreduce.use(ws)
+        phase("tp_times_nccl")
     out["tp"]["all_reduce_swapped"] = skip_all_reduce(exe)
     out["tp"]["times_without_all_reduce"] = time_program(exe, cfg["context"], cfg["repeats"])
     del exe
@@ -499,6 +542,7 @@ def summarize(result: dict) -> dict:
     launch counts, TP1 ms and the speedup over it."""
     r0 = result["ranks"].get("0", {})
     times, without = r0.get("tp", {}).get("times"), r0.get("tp", {}).get("times_without_all_reduce")
+    nccl = r0.get("tp", {}).get("times_nccl")
     tp1, counts = r0.get("tp1", {}).get("times"), r0.get("counts", {})
     if not times:
         return {}
@@ -510,7 +554,7 @@ def summarize(result: dict) -> dict:
     table = {}
     for name, key, g, members in rows:
         row = {"tp2_ms": mean2(times, key, g), "tp2_no_all_reduce_ms": mean2(without, key, g),
-               "tp1_ms": mean2(tp1, key, g)}
+               "tp1_ms": mean2(tp1, key, g), "tp2_nccl_ms": mean2(nccl, key, g)}
         if row["tp2_no_all_reduce_ms"] is not None:
             row["all_reduce_share"] = 1 - row["tp2_no_all_reduce_ms"] / row["tp2_ms"]
         if row["tp1_ms"] is not None:
