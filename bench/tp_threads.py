@@ -114,7 +114,7 @@ def first_router_difference(tp1: list, tp2: list) -> dict | None:
                     "router_logits_max_abs_delta": float((a["logits"] - b["logits"]).abs().max()),
                     "router_logits_max_abs": float(a["logits"].abs().max()),
                     "tp1_selection_margin_at_rows": [float(m[r]) for r in rows],
-                    "tp1_median_selection_margin": float(m.median()),
+                    "tp1_median_selection_margin_all_calls": float(torch.cat([margin(r) for r in tp1[:i + 1]]).median()),
                     "calls_before_with_same_ids": i}
     return None
 
@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)        # set_device (also in the rank threads) wants an index
         torch.cuda.set_device(device)
     backends = (args.backends or ("triton" if device.type == "cuda" else "reference")).split(",")
     t0 = time.perf_counter()

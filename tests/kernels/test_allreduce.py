@@ -1,7 +1,7 @@
 """lingc.kernels.allreduce's one-shot kernel in the Triton interpreter, its W ranks' workspaces simulated in one
 process: every "peer" buffer and flag vector is a local tensor whose address stands in for the peer mapping, the
 peers' partials and signals are written beforehand, and rank `me`'s kernel then runs for real (copy, signal, wait,
-sum). Outputs are poisoned (NaN) first and compared bit for bit with the reference sum (lingc.ops.dist.fold_sum:
+sum; its partial pushed into every rank's slot). Outputs are poisoned (NaN) first and compared bit for bit with the reference sum (lingc.ops.dist.fold_sum:
 fp32 in rank order, one rounding). The protocol's own state is checked too: the region the call used, the signal
 it left in every peer's flags, the call counter, and that a missing peer makes the kernel give up (counted),
 never hang. Cross-process peer memory itself is checked on the two H200s (bench/kernel_allreduce.py)."""
@@ -14,7 +14,7 @@ import torch
 from lingc.kernels import allreduce as ar
 from lingc.ops.dist import fold_sum
 
-REGION = 32 * 1024       # bytes per region: room for the largest case below (3 x 2100 fp32)
+REGION = 4 * 32 * 1024   # bytes per region: 4 slots, each room for the largest case below (3 x 2100 fp32)
 
 
 class FakePeers:
@@ -33,13 +33,14 @@ class FakePeers:
                             torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64),
                             self.calls, self.timeouts, REGION)
 
-    def region(self, rank: int, call: int, like: torch.Tensor) -> torch.Tensor:
-        start = (call % 2) * REGION
-        return self.data[rank][start:start + like.nbytes].view(like.dtype).view(like.shape)
+    def slot(self, owner: int, source: int, call: int, like: torch.Tensor) -> torch.Tensor:
+        """Slot `source` of `owner`'s region for call `call`, viewed like `like`."""
+        start = (call % 2) * REGION + source * (REGION // self.world // 16 * 16)
+        return self.data[owner][start:start + like.nbytes].view(like.dtype).view(like.shape)
 
     def post(self, rank: int, me: int, call: int, partial: torch.Tensor) -> None:
-        """Peer `rank` has done its part of call `call`: its partial in its region, its signal in me's flags."""
-        self.region(rank, call, partial).copy_(partial)
+        """Peer `rank` has done its part of call `call`: its partial pushed into me's region, its signal set."""
+        self.slot(me, rank, call, partial).copy_(partial)
         self.flags[me][rank] = call
 
 
@@ -67,7 +68,7 @@ def test_one_shot_sum_matches_reference_bits(dtype: torch.dtype, world: int, me:
         assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
         assert int(peers.calls) == call
-        assert torch.equal(peers.region(me, call, parts[me]), parts[me])          # my partial went to this region
+        assert all(torch.equal(peers.slot(r, me, call, parts[me]), parts[me]) for r in range(world))   # pushed
         assert all(int(peers.flags[r][me]) == call for r in range(world))         # signalled every rank
         assert int(peers.timeouts) == 0
 
@@ -90,6 +91,6 @@ def test_launcher_falls_back_to_the_reference_op_without_a_workspace() -> None:
 
 def test_oversized_operand_is_refused_by_launch_and_routed_away_by_the_lowering() -> None:
     peers = FakePeers(2)
-    big = torch.zeros(REGION // 4 + 1)
+    big = torch.zeros(REGION // 2 // 4 + 1)                  # one float more than a slot of 2 ranks
     with pytest.raises(ValueError, match="do not fit"):
         ar.launch(big, peers.ws(0))
