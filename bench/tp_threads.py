@@ -187,7 +187,7 @@ def run_threads(programs, device, spec, backend, prompt, n, timeout_s) -> tuple[
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="Ling-3.0-tiny")
+    ap.add_argument("--preset", default="ling-3.0-tiny")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")

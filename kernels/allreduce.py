@@ -5,11 +5,11 @@ Reference op: `torch.ops.lingc.all_reduce` (lingc/ops/dist.py): the W partials s
 to sixteen tokens' hidden vectors (3-50 KB), where NCCL's all-reduce costs ~8 us inside a CUDA graph on the
 two H200s (shared/docs/kernels.md 7b) and lingc's op ~11 us with its fp32 copy and cast, 48 times per
 Ling-3.0-tiny decode step at TP2. This kernel is the custom all-reduce of vLLM / SGLang / TRT-LLM in one
-program: every rank writes its partial into its own slot of every rank's peer-mapped workspace (stores over
-NVLink, posted), signals every peer, waits for every peer's signal, then sums the W partials from its own memory.
-Measured on the two H200s (bench/device_tp.py, [1, 1536] bf16, 50 calls per CUDA graph): 5.7 us per call when
-each rank pulled the peers' partials after the signals (a remote-read round trip after the flag's), against
-10.7 us for the reference op over NCCL.
+program, with NCCL's low-latency ("LL") protocol: every rank writes its partial into its own slot of every rank's
+peer-mapped workspace as 8-byte words that carry 4 bytes of data and the call's number (stores over NVLink,
+posted), then waits until every word of every slot in its own memory carries this call's number and sums them.
+No separate flag, no fence: a word is written by one aligned 8-byte store, so a reader that sees the call number
+sees the data that came with it, and the one NVLink crossing per call is one-way.
 
 Why our own kernel rather than torch's `symm_mem.one_shot_all_reduce`: the reference numerics (fp32 in rank
 order, one rounding, so TP runs agree bit for bit with the CPU / gloo path and `passes.tp.run_lockstep`), a
@@ -17,32 +17,31 @@ PDL constexpr like every other launch, and a body a later pass can fuse with the
 reads it. torch's symmetric memory provides the peer mapping (`torch.distributed._symmetric_memory`: the
 allocation, the IPC handle exchange, the mapped addresses), which we do not rewrite.
 
+Measured on the two H200s ([1, 1536] bf16, 50 calls per CUDA graph, bench/device_tp.py): the reference op over
+NCCL 10.7-11.0 us per call (fp32 copy, NCCL 8.0-8.4 us, cast); earlier versions of this kernel that signalled
+with a flag after the data (release store, acquire spin) took 5.7 us pulling the peers' partials after the flag
+and 5.4 us pushing them before it.
+
 Workspace (per process, `enable(group)`): a symmetric uint8 buffer of 2 regions x REGION_BYTES, each region W
-slots (one per source rank), a symmetric int64 flag vector [W] (flags[r] on a rank: the last call number rank r
-has signalled it), a local int64 call counter and a local int32 timeout counter. Call c (1, 2, ...; read from the
-counter, so it advances inside replayed CUDA graphs as well) uses region c % 2:
+slots (one per source rank) of 8-byte words, a local int64 call counter and a local int32 timeout counter. Call c
+(1, 2, ...; read from the counter, so it advances inside replayed CUDA graphs as well) uses region c % 2:
 
-    for each rank p: x -> slot `rank` of p's region;  CTA barrier
-    for each rank p: p's flags[rank] := c (release, system scope)
-    for each rank p: spin until my flags[p] >= c (acquire, system scope)   [bounded: MAX_SPINS, then count a
-                                                                            timeout and go on, never hang]
-    CTA barrier;  out = sum over p = 0..W-1 of float(my region's slot p), cast once;  counter := c
+    for each rank p: word i of slot `rank` of p's region := (c << 32) | x_word[i]        (x viewed as int32)
+    for each rank p = 0..W-1: poll slot p of my region (volatile loads) until every word's high half is c
+                              [bounded: MAX_SPINS polls, then count a timeout and go on, never hang]
+    out = sum over p of float(slot p's data) in rank order (bf16: two per word), cast once;  counter := c
 
-Alternating regions replaces a closing barrier: a rank writes into region c % 2 again at call c + 2, which it reaches
-only after call c + 1's signals, and every peer sends those only after finishing call c (its reads included: the
-kernel waits for the previous kernel with PDL on, `gdc_wait` comes first, and it triggers its dependents only
-after its last read). Flags only grow, so a peer that is already one call ahead is no problem (>= c). Every rank
-must run the same sequence of one-shot calls: the tp pass makes the ranks' graphs identical and the runtime
-replays them in lockstep; the size gate (MAX_BYTES) depends on shapes only, so it picks the same path on every
-rank. A dead peer makes the spin time out (`timeouts()` counts it; the TP runtime's watchdog ends the process).
+Alternating regions make a reset or closing barrier unnecessary: a rank writes into region c % 2 again at call
+c + 2, which it reaches only after reading every peer's call c + 1 words, and a peer writes those only after
+finishing call c (its reads included: with PDL on, `gdc_wait` comes first and the trigger follows the last read).
+Words left from call c - 2 carry c - 2 (and the zeroed buffer 0), never c. Every rank must run the same sequence
+of one-shot calls: the tp pass makes the ranks' graphs identical and the runtime replays them in lockstep; the
+size gate (MAX_BYTES) depends on shapes only, so it picks the same path on every rank. A dead peer makes the poll
+time out (`timeouts()` counts it; the TP runtime's watchdog ends the process).
 
-The slots are read with plain loads: the system-scope acquire load of the flag (`ld.acquire.sys`, which also
-invalidates the SM's L1) followed by the CTA barrier orders them after the peers' released writes (the PTX memory
-model; torch's symmetric-memory kernels use the same signal pattern: CTA barrier, then a release by one thread).
-
-One program: at batch 1 the operand is at most a few tens of KB and the cost is the NVLink round trip of the
-flags, not bandwidth. Operands above MAX_BYTES (or a slot) (prefill chunks) and CPU tensors use the reference
-op (NCCL / gloo), as does every call before `enable` (and `LINGC_ALL_REDUCE=nccl` keeps it off).
+One program: at batch 1 the operand is at most a few tens of KB and the cost is the NVLink latency, not
+bandwidth. Operands above MAX_BYTES (prefill chunks), of other dtypes, and CPU tensors use the reference op
+(NCCL / gloo), as does every call before `enable` (and `LINGC_ALL_REDUCE=nccl` keeps it off).
 """
 
 from __future__ import annotations
@@ -60,51 +59,67 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, the fallback)
 from lingc.kernels.pdl import pdl_supported
 
 # Tunables (none changes an output bit)
-REGION_BYTES = 256 * 1024     # one region of the workspace per call parity
+REGION_BYTES = 512 * 1024     # one region of the workspace per call parity (W slots of 8-byte words)
 MAX_BYTES = 64 * 1024         # operands up to this size take the one-shot kernel (decode / verify: 3-37 KB)
-BLOCK = 2048                  # elements per step of the copy and sum loops
+BLOCK = 1024                  # 4-byte words per step of the push and sum loops
 NUM_WARPS = 4
-MAX_SPINS = 1 << 26           # polls of one flag before the kernel gives up on a peer (seconds, not a hang)
+MAX_SPINS = 1 << 24           # polls of one peer's block before the kernel gives up on it (seconds, not a hang)
 ENV = "LINGC_ALL_REDUCE"      # "nccl": never enable the one-shot path
+HIGH = tl.constexpr(-(1 << 32))  # int64 mask of a word's high half (the call number)
+LOW = tl.constexpr((1 << 32) - 1)  # and of its low half (the data)
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, out_ptr, bufs_ptr, flags_ptr, calls_ptr, timeouts_ptr, numel, region_elems, slot_elems,
-                     rank, max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _one_shot_kernel(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
+                     max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
-    dt = x_ptr.dtype.element_ty
     call = tl.load(calls_ptr) + 1                                          # int64: this call's number
-    base = (call % 2) * region_elems
-    for start in range(0, numel, BLOCK):                                   # push: my partial into slot `rank` of
-        offs = start + tl.arange(0, BLOCK)                                 # every rank's region (stores to peers
-        m = offs < numel                                                   # are posted, not waited for)
-        x = tl.load(x_ptr + offs, mask=m)
+    flag = (call & LOW) << 32                                              # ... in a word's high half
+    base = (call % 2) * region_words
+    for start in range(0, words, BLOCK):                                   # push: (flag | data) words into slot
+        offs = start + tl.arange(0, BLOCK)                                 # `rank` of every rank's region
+        m = offs < words
+        packed = flag | (tl.load(xw_ptr + offs, mask=m).to(tl.int64) & LOW)
         for p in tl.static_range(WORLD):
-            dst = tl.multiple_of(tl.load(bufs_ptr + p).to(tl.pointer_type(dt)) + base + rank * slot_elems, 16)
-            tl.store(dst + offs, x, mask=m)
-    tl.debug_barrier()                                                     # every thread's stores are issued
-    for p in tl.static_range(WORLD):
-        peer_flags = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(peer_flags + rank, call, sem="release", scope="sys")
-    my_flags = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int64))
-    for p in tl.static_range(WORLD):
-        seen = tl.atomic_add(my_flags + p, 0, sem="acquire", scope="sys")
-        spins = 0
-        while (seen < call) & (spins < max_spins):
-            seen = tl.atomic_add(my_flags + p, 0, sem="acquire", scope="sys")
-            spins += 1
-        if seen < call:
-            tl.atomic_add(timeouts_ptr, 1)
-    tl.debug_barrier()                                                     # the acquire orders every thread's reads
-    mine = tl.multiple_of(tl.load(bufs_ptr + rank).to(tl.pointer_type(dt)) + base, 16)
-    for start in range(0, numel, BLOCK):                                   # every partial is local now
+            dst = tl.load(bufs_ptr + p).to(tl.pointer_type(tl.int64)) + base + rank * slot_words
+            tl.store(tl.multiple_of(dst, 16) + offs, packed, mask=m)
+    mine = tl.multiple_of(tl.load(bufs_ptr + rank).to(tl.pointer_type(tl.int64)) + base, 16)
+    for start in range(0, words, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = offs < numel
-        acc = tl.load(mine + offs, mask=m).to(tl.float32)                  # rank 0's first, as fold_sum
-        for p in tl.static_range(1, WORLD):
-            acc += tl.load(mine + p * slot_elems + offs, mask=m).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(dt), mask=m)
+        m = offs < words
+        for p in tl.static_range(WORLD):                                   # rank order, as fold_sum
+            src = mine + p * slot_words + offs
+            v = tl.load(src, mask=m, other=flag, volatile=True)
+            ready = tl.min(((v & HIGH) == flag).to(tl.int32), axis=0)
+            spins = 0
+            while (ready == 0) & (spins < max_spins):                    # words still from call - 2 (or 0)
+                v = tl.load(src, mask=m, other=flag, volatile=True)
+                ready = tl.min(((v & HIGH) == flag).to(tl.int32), axis=0)
+                spins += 1
+            if ready == 0:
+                tl.atomic_add(timeouts_ptr, 1)
+            d = (v & LOW).to(tl.int32)
+            if BF16:                                                       # two bf16 per word: low, high half
+                lo = (d << 16).to(tl.float32, bitcast=True)
+                hi = (d & -65536).to(tl.float32, bitcast=True)
+                if p == 0:
+                    acc_lo, acc_hi = lo, hi
+                else:
+                    acc_lo += lo
+                    acc_hi += hi
+            else:
+                f = d.to(tl.float32, bitcast=True)
+                if p == 0:
+                    acc = f
+                else:
+                    acc += f
+        if BF16:
+            lo16 = acc_lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+            hi16 = acc_hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+            tl.store(outw_ptr + offs, hi16 | lo16, mask=m)
+        else:
+            tl.store(outw_ptr + offs, acc.to(tl.int32, bitcast=True), mask=m)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(calls_ptr, call)
@@ -118,16 +133,20 @@ class Workspace:
     world: int
     device: torch.device
     bufs: torch.Tensor         # int64 [W]: every rank's data buffer address, as mapped in this process
-    flags: torch.Tensor        # int64 [W]: every rank's flag vector address
     calls: torch.Tensor        # int64 [1]: calls made (local)
     timeouts: torch.Tensor     # int32 [1]: peers given up on (local)
     region_bytes: int
-    keep: tuple = ()           # the symmetric tensors and handles (the mapping lives as long as they do)
+    keep: tuple = ()           # the symmetric tensor and handle (the mapping lives as long as they do)
 
     @property
-    def slot_bytes(self) -> int:
-        """Bytes per rank's slot of a region (16-byte aligned): the largest operand."""
-        return self.region_bytes // self.world // 16 * 16
+    def slot_words(self) -> int:
+        """8-byte words per rank's slot of a region (a multiple of 2: 16-byte aligned)."""
+        return self.region_bytes // 8 // self.world // 2 * 2
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest operand: one 4-byte data word per slot word."""
+        return self.slot_words * 4
 
 
 _WORKSPACE: Workspace | None = None
@@ -157,16 +176,13 @@ def enable(group: Any = None, region_bytes: int = REGION_BYTES) -> Workspace | N
         group = group or dist.group.WORLD
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         data = symm_mem.empty(2 * region_bytes, dtype=torch.uint8, device=device)
-        flags = symm_mem.empty(world, dtype=torch.int64, device=device)
-        flags.zero_()
-        torch.cuda.synchronize(device)                    # zeroed before any peer can signal (rendezvous is collective)
-        h_data = symm_mem.rendezvous(data, group)
-        h_flags = symm_mem.rendezvous(flags, group)
+        data.zero_()                                      # call numbers start at 1: no word looks ready
+        torch.cuda.synchronize(device)                    # zeroed before any peer can write (rendezvous is collective)
+        handle = symm_mem.rendezvous(data, group)
         ws = Workspace(rank, world, device,
-                       torch.tensor(_peer_addresses(data, h_data, rank), dtype=torch.int64, device=device),
-                       torch.tensor(_peer_addresses(flags, h_flags, rank), dtype=torch.int64, device=device),
+                       torch.tensor(_peer_addresses(data, handle, rank), dtype=torch.int64, device=device),
                        torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32, device=device),
-                       region_bytes, (data, flags, h_data, h_flags))
+                       region_bytes, (data, handle))
         dist.barrier(group)
     except Exception as e:                                # noqa: BLE001 -- optional fast path, reported
         print(f"lingc: one-shot all-reduce unavailable ({type(e).__name__}: {e}); using NCCL", file=sys.stderr)
@@ -199,15 +215,19 @@ def timeouts() -> int:
 
 
 def launch(x: torch.Tensor, ws: Workspace, *, pdl: bool = False, max_spins: int = MAX_SPINS) -> torch.Tensor:
-    """The one-shot kernel on x (contiguous, on ws.device, at most ws.region_bytes) -> the sum over ranks."""
-    if x.nbytes > ws.slot_bytes:
-        raise ValueError(f"all_reduce: {x.nbytes} bytes do not fit a {ws.slot_bytes}-byte workspace slot")
+    """The one-shot kernel on x (bf16 or fp32, a whole number of 4-byte words, at most ws.max_bytes, on ws.device)
+    -> the sum over the ranks."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.nbytes % 4:
+        raise ValueError(f"all_reduce: the one-shot kernel takes bf16 / fp32 operands of whole 4-byte words, got "
+                         f"{x.dtype} {list(x.shape)}")
+    if x.nbytes > ws.max_bytes:
+        raise ValueError(f"all_reduce: {x.nbytes} bytes do not fit a workspace slot ({ws.max_bytes} bytes)")
     x = x.contiguous()
     out = torch.empty_like(x)
-    _one_shot_kernel[(1,)](x, out, ws.bufs, ws.flags, ws.calls, ws.timeouts, x.numel(),
-                           ws.region_bytes // x.element_size(), ws.slot_bytes // x.element_size(), ws.rank,
-                           max_spins, WORLD=ws.world, BLOCK=BLOCK, PDL=pdl and pdl_supported(x.device),
-                           num_warps=NUM_WARPS)
+    _one_shot_kernel[(1,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.bufs, ws.calls,
+                           ws.timeouts, x.nbytes // 4, ws.region_bytes // 8, ws.slot_words, ws.rank, max_spins,
+                           WORLD=ws.world, BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
+                           PDL=pdl and pdl_supported(x.device), num_warps=NUM_WARPS)
     return out
 
 
@@ -216,7 +236,7 @@ def all_reduce(x: torch.Tensor, world_size: int, *, pdl: bool = False) -> torch.
     is enabled and x is at most MAX_BYTES; otherwise the reference op."""
     ws = _WORKSPACE
     if (ws is None or world_size == 1 or ws.world != world_size or x.device != ws.device
-            or x.nbytes > min(MAX_BYTES, ws.slot_bytes)):
+            or x.nbytes > min(MAX_BYTES, ws.max_bytes) or x.nbytes % 4 or x.dtype not in (torch.bfloat16, torch.float32)):
         return torch.ops.lingc.all_reduce(x, world_size)
     return launch(x, ws, pdl=pdl)
 

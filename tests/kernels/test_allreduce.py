@@ -1,10 +1,10 @@
 """lingc.kernels.allreduce's one-shot kernel in the Triton interpreter, its W ranks' workspaces simulated in one
 process: every "peer" buffer and flag vector is a local tensor whose address stands in for the peer mapping, the
 peers' partials and signals are written beforehand, and rank `me`'s kernel then runs for real (copy, signal, wait,
-sum; its partial pushed into every rank's slot). Outputs are poisoned (NaN) first and compared bit for bit with the reference sum (lingc.ops.dist.fold_sum:
-fp32 in rank order, one rounding). The protocol's own state is checked too: the region the call used, the signal
-it left in every peer's flags, the call counter, and that a missing peer makes the kernel give up (counted),
-never hang. Cross-process peer memory itself is checked on the two H200s (bench/kernel_allreduce.py)."""
+sum; its partial pushed into every rank's slot as (call number, data) words). Outputs are poisoned (NaN) first and compared bit for bit with the reference sum (lingc.ops.dist.fold_sum:
+fp32 in rank order, one rounding). The protocol's own state is checked too: the words it left in every rank's slot,
+the call counter, and that a missing peer makes the kernel give up (counted), never hang. Cross-process peer
+memory itself is checked on the two H200s (bench/device_tp.py's one_shot_checks, bit for bit, eagerly)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from lingc.kernels import allreduce as ar
 from lingc.ops.dist import fold_sum
 
-REGION = 4 * 32 * 1024   # bytes per region: 4 slots, each room for the largest case below (3 x 2100 fp32)
+REGION = 4 * 2 * 32 * 1024   # bytes per region: 4 slots of 8-byte words, each room for 3 x 2100 fp32 below
 
 
 class FakePeers:
@@ -23,25 +23,28 @@ class FakePeers:
     def __init__(self, world: int):
         self.world = world
         self.data = [torch.zeros(2 * REGION, dtype=torch.uint8) for _ in range(world)]
-        self.flags = [torch.zeros(world, dtype=torch.int64) for _ in range(world)]
         self.calls = torch.zeros(1, dtype=torch.int64)
         self.timeouts = torch.zeros(1, dtype=torch.int32)
 
     def ws(self, me: int) -> ar.Workspace:
         return ar.Workspace(me, self.world, torch.device("cpu"),
                             torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64),
-                            torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64),
                             self.calls, self.timeouts, REGION)
 
-    def slot(self, owner: int, source: int, call: int, like: torch.Tensor) -> torch.Tensor:
-        """Slot `source` of `owner`'s region for call `call`, viewed like `like`."""
-        start = (call % 2) * REGION + source * (REGION // self.world // 16 * 16)
-        return self.data[owner][start:start + like.nbytes].view(like.dtype).view(like.shape)
+    def words(self, owner: int, source: int, call: int, n: int) -> torch.Tensor:
+        """The n int64 words of slot `source` in `owner`'s region for call `call`."""
+        slot = REGION // 8 // self.world // 2 * 2
+        start = (call % 2) * (REGION // 8) + source * slot
+        return self.data[owner].view(torch.int64)[start:start + n]
 
     def post(self, rank: int, me: int, call: int, partial: torch.Tensor) -> None:
-        """Peer `rank` has done its part of call `call`: its partial pushed into me's region, its signal set."""
-        self.slot(me, rank, call, partial).copy_(partial)
-        self.flags[me][rank] = call
+        """Peer `rank` has done its part of call `call`: its partial pushed into me's region as (call, data) words."""
+        data = partial.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        self.words(me, rank, call, data.numel()).copy_((call << 32) | data)
+
+    def pushed(self, owner: int, source: int, call: int, partial: torch.Tensor) -> bool:
+        data = partial.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        return torch.equal(self.words(owner, source, call, data.numel()), (call << 32) | data)
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +71,7 @@ def test_one_shot_sum_matches_reference_bits(dtype: torch.dtype, world: int, me:
         assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
         assert int(peers.calls) == call
-        assert all(torch.equal(peers.slot(r, me, call, parts[me]), parts[me]) for r in range(world))   # pushed
-        assert all(int(peers.flags[r][me]) == call for r in range(world))         # signalled every rank
+        assert all(peers.pushed(r, me, call, parts[me]) for r in range(world))   # my words in every rank's slot
         assert int(peers.timeouts) == 0
 
 
@@ -91,6 +93,42 @@ def test_launcher_falls_back_to_the_reference_op_without_a_workspace() -> None:
 
 def test_oversized_operand_is_refused_by_launch_and_routed_away_by_the_lowering() -> None:
     peers = FakePeers(2)
-    big = torch.zeros(REGION // 2 // 4 + 1)                  # one float more than a slot of 2 ranks
+    big = torch.zeros(REGION // 8 // 2 + 1)                   # one word more than a slot of 2 ranks holds
     with pytest.raises(ValueError, match="do not fit"):
         ar.launch(big, peers.ws(0))
+    with pytest.raises(ValueError, match="whole 4-byte words"):
+        ar.launch(torch.zeros(3, dtype=torch.bfloat16), peers.ws(0))
+
+
+_COMPILE_PROBE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lingc.kernels.allreduce as A
+d = [["tt.divisibility", 16]]
+for bf16 in (True, False):
+    sig = {"xw_ptr": "*i32", "outw_ptr": "*i32", "bufs_ptr": "*i64", "calls_ptr": "*i64", "timeouts_ptr": "*i32",
+           "words": "i32", "region_words": "i32", "slot_words": "i32", "rank": "i32", "max_spins": "i32",
+           "WORLD": "constexpr", "BLOCK": "constexpr", "BF16": "constexpr", "PDL": "constexpr"}
+    src = ASTSource(fn=A._one_shot_kernel, signature=sig, attrs={(0,): d, (1,): d, (5,): d, (6,): d, (7,): d},
+                    constexprs={"WORLD": 2, "BLOCK": A.BLOCK, "BF16": bf16, "PDL": True})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": A.NUM_WARPS}).asm["ptx"]
+    print(bf16, ptx.count("ld.volatile.global"), ptx.count("st.global.v2.b64"), ptx.count("griddepcontrol.wait"))
+"""
+
+
+def test_kernel_compiles_for_sm90_with_volatile_polls_and_8_byte_word_stores() -> None:
+    """The interpreter accepts things the compiler refuses (it let a non-constexpr global through once): compile
+    for sm_90 without a GPU (a fresh process without TRITON_INTERPRET, a few seconds) and check the protocol's
+    instructions: polls are volatile loads, words go out as whole 8-byte stores, PDL waits first."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for line in proc.stdout.splitlines():
+        _, volatile, stores, waits = line.split()
+        assert int(volatile) > 0 and int(stores) > 0 and int(waits) == 1, line
