@@ -10,7 +10,8 @@ This script separates the candidate causes on one device, without NCCL, CUDA gra
   - TP1 runs the program before the tp pass, eagerly too;
   - both record every router call (router_topk / router_align: its fp32 logits, the expert ids it chose) in
     launch order, so the first call where TP2 picks other experts than TP1 is found, with how far its router
-    logits had moved and TP1's selection margin there (gap between the k-th and (k+1)-th biased score).
+    logits had moved and TP1's selection margins there (the k-th minus the (k+1)-th biased expert score within the
+    eligible groups, and the same between the topk_group-th and the next group score).
 
 If the tokens still part here, it is the TP arithmetic (row-parallel sums rounded per rank, a router near-tie
 flipped), not NCCL / graphs / PDL / the runtime protocol; `--backend reference` tells the Triton kernels from
@@ -59,6 +60,12 @@ class Exchange:
     def all_gather(self, rank: int, x: torch.Tensor, dim: int, world_size: int, **_) -> torch.Tensor:
         return self._swap(rank, x, lambda parts: torch.cat(parts, dim=dim))
 
+    def fused(self, norm):
+        """all_reduce_add_rmsnorm for a rank: the exchange's sum, then `norm` (the backend's add_rmsnorm)."""
+        def run(rank: int, residual, x, weight, eps, world_size, **_):
+            return norm(residual, self.all_reduce(rank, x, world_size), weight, eps)
+        return run
+
 
 def _op(label: str) -> str:
     return label.split(":", 1)[-1].rsplit(".", 1)[-1]
@@ -72,6 +79,11 @@ def instrument(engine, rank: int | None, exchange: Exchange | None, record: list
             op = _op(launch.label)
             if op in ("all_reduce", "all_gather") and exchange is not None:
                 launch.fn = partial(getattr(exchange, op), rank)
+                swapped += 1
+            elif op == "all_reduce_add_rmsnorm" and exchange is not None:
+                from lingc.ops import OPS
+                from lingc.runtime.executor import kernel_for
+                launch.fn = partial(exchange.fused(kernel_for(OPS.add_rmsnorm, engine.exe.backend)[0]), rank)
                 swapped += 1
             elif op in ROUTERS:
                 launch.fn = _recording(launch.fn, graph, record)
@@ -89,16 +101,21 @@ def _recording(fn, graph: str, record: list):
     return run
 
 
-def margin(rec: dict) -> torch.Tensor:
-    """Per row: the k-th minus the (k+1)-th biased score among the experts of the eligible groups."""
+def margins(rec: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, TP1's two selection margins: the k-th minus the (k+1)-th biased score among the experts of the
+    eligible groups, and the topk_group-th minus the next group score (a group's score: its two best biased
+    scores). A flip needs a perturbation of about the smaller one."""
     x = rec["logits"]
     N, E = x.shape
     biased = torch.sigmoid(x) + rec["bias"]
-    groups = biased.view(N, rec["n_group"], -1)
-    keep = groups.topk(2, dim=-1).values.sum(-1).topk(rec["topk_group"], dim=-1).indices
+    group_scores = biased.view(N, rec["n_group"], -1).topk(2, dim=-1).values.sum(-1)
+    ranked = group_scores.sort(dim=-1, descending=True).values
+    group_margin = (ranked[:, rec["topk_group"] - 1] - ranked[:, rec["topk_group"]]
+                    if rec["topk_group"] < rec["n_group"] else torch.full((N,), float("inf")))
+    keep = group_scores.topk(rec["topk_group"], dim=-1).indices
     mask = torch.zeros(N, rec["n_group"]).scatter_(1, keep, 1.0).repeat_interleave(E // rec["n_group"], dim=1)
     top = biased.masked_fill(mask == 0, float("-inf")).topk(rec["top_k"] + 1, dim=-1).values
-    return top[:, -2] - top[:, -1]
+    return top[:, -2] - top[:, -1], group_margin
 
 
 def first_router_difference(tp1: list, tp2: list) -> dict | None:
@@ -109,12 +126,15 @@ def first_router_difference(tp1: list, tp2: list) -> dict | None:
         same = torch.equal(a["ids"].sort(-1).values, b["ids"].sort(-1).values)
         if not same:
             rows = (a["ids"].sort(-1).values != b["ids"].sort(-1).values).any(-1).nonzero().flatten().tolist()
-            m = margin(a)
+            m, gm = margins(a)
+            every = [margins(r) for r in tp1[:i + 1]]
             return {"call": i, "graph": a["graph"], "rows": rows,
                     "router_logits_max_abs_delta": float((a["logits"] - b["logits"]).abs().max()),
                     "router_logits_max_abs": float(a["logits"].abs().max()),
-                    "tp1_selection_margin_at_rows": [float(m[r]) for r in rows],
-                    "tp1_median_selection_margin_all_calls": float(torch.cat([margin(r) for r in tp1[:i + 1]]).median()),
+                    "tp1_expert_margin_at_rows": [float(m[r]) for r in rows],
+                    "tp1_group_margin_at_rows": [float(gm[r]) for r in rows],
+                    "tp1_median_expert_margin_all_calls": float(torch.cat([e for e, _ in every]).median()),
+                    "tp1_median_group_margin_all_calls": float(torch.cat([g for _, g in every]).median()),
                     "calls_before_with_same_ids": i}
     return None
 

@@ -57,6 +57,8 @@ import triton.language as tl
 
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, the fallback)
 from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps
+from lingc.kernels.rmsnorm import add_rmsnorm as _add_rmsnorm_launch
 
 # Tunables (none changes an output bit)
 REGION_BYTES = 512 * 1024     # one region of the workspace per call parity (W slots of 8-byte words)
@@ -70,10 +72,9 @@ LOW = tl.constexpr((1 << 32) - 1)  # and of its low half (the data)
 
 
 @triton.jit
-def _one_shot_kernel(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
-                     max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+def _push_and_sum(xw_ptr, dstw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
+                  max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """The protocol (module docstring) up to the sum: its words stored at dstw_ptr. Returns this call's number."""
     call = tl.load(calls_ptr) + 1                                          # int64: this call's number
     flag = (call & LOW) << 32                                              # ... in a word's high half
     base = (call % 2) * region_words
@@ -117,9 +118,44 @@ def _one_shot_kernel(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words,
         if BF16:
             lo16 = acc_lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
             hi16 = acc_hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
-            tl.store(outw_ptr + offs, hi16 | lo16, mask=m)
+            tl.store(dstw_ptr + offs, hi16 | lo16, mask=m)
         else:
-            tl.store(outw_ptr + offs, acc.to(tl.int32, bitcast=True), mask=m)
+            tl.store(dstw_ptr + offs, acc.to(tl.int32, bitcast=True), mask=m)
+    return call
+
+
+@triton.jit
+def _one_shot_kernel(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
+                     max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    call = _push_and_sum(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
+                         max_spins, WORLD, BLOCK, BF16)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(calls_ptr, call)
+
+
+@triton.jit
+def _one_shot_add_rmsnorm_kernel(xw_ptr, res_ptr, w_ptr, out_ptr, outw_ptr, res_out_ptr, bufs_ptr, calls_ptr,
+                                 timeouts_ptr, rows, N, eps, region_words, slot_words, rank, max_spins,
+                                 WORLD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BF16: tl.constexpr, PDL: tl.constexpr):
+    """The sum lands in `out` (the all_reduce's rounding), then each row's add + norm reads it back and overwrites
+    it: kernels/rmsnorm.py's own row code, so the pair of kernels and this one agree bit for bit."""
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)                        # a weight: before the wait
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    words = rows * N // 2 if BF16 else rows * N
+    call = _push_and_sum(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
+                         max_spins, WORLD, BLOCK, BF16)
+    tl.debug_barrier()                                                     # the summed rows, for every thread
+    for r in range(rows):
+        res = tl.load(res_ptr + r * N + cols, mask=mask, other=0.0)
+        x = tl.load(out_ptr + r * N + cols, mask=mask, other=0.0)
+        _add_rmsnorm_row(res, x, w, out_ptr + r * N, res_out_ptr + r * N, cols, mask, N, eps)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(calls_ptr, call)
@@ -150,6 +186,11 @@ class Workspace:
 
 
 _WORKSPACE: Workspace | None = None
+
+
+def _new(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised output (the kernels write every element; tests poison it here)."""
+    return torch.empty_like(like)
 
 
 def _peer_addresses(t: torch.Tensor, handle: Any, rank: int) -> list[int]:
@@ -223,7 +264,7 @@ def launch(x: torch.Tensor, ws: Workspace, *, pdl: bool = False, max_spins: int 
     if x.nbytes > ws.max_bytes:
         raise ValueError(f"all_reduce: {x.nbytes} bytes do not fit a workspace slot ({ws.max_bytes} bytes)")
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = _new(x)
     _one_shot_kernel[(1,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.bufs, ws.calls,
                            ws.timeouts, x.nbytes // 4, ws.region_bytes // 8, ws.slot_words, ws.rank, max_spins,
                            WORLD=ws.world, BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
@@ -231,14 +272,50 @@ def launch(x: torch.Tensor, ws: Workspace, *, pdl: bool = False, max_spins: int 
     return out
 
 
+def _one_shot_ok(x: torch.Tensor, world_size: int, ws: Workspace | None) -> bool:
+    return (ws is not None and world_size > 1 and ws.world == world_size and x.device == ws.device
+            and x.dtype in (torch.bfloat16, torch.float32) and x.nbytes % 4 == 0
+            and x.nbytes <= min(MAX_BYTES, ws.max_bytes))
+
+
 def all_reduce(x: torch.Tensor, world_size: int, *, pdl: bool = False) -> torch.Tensor:
     """torch.ops.lingc.all_reduce through the one-shot kernel when a workspace for world_size ranks on x's device
-    is enabled and x is at most MAX_BYTES; otherwise the reference op."""
-    ws = _WORKSPACE
-    if (ws is None or world_size == 1 or ws.world != world_size or x.device != ws.device
-            or x.nbytes > min(MAX_BYTES, ws.max_bytes) or x.nbytes % 4 or x.dtype not in (torch.bfloat16, torch.float32)):
+    is enabled and x fits (MAX_BYTES, bf16 / fp32, whole words); otherwise the reference op."""
+    if not _one_shot_ok(x, world_size, _WORKSPACE):
         return torch.ops.lingc.all_reduce(x, world_size)
-    return launch(x, ws, pdl=pdl)
+    return launch(x, _WORKSPACE, pdl=pdl)
 
 
-LOWERINGS = {"all_reduce": all_reduce}
+def launch_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, ws: Workspace, *,
+                       pdl: bool = False, max_spins: int = MAX_SPINS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel: (rmsnorm(residual + sum), residual + sum), sum the one-shot all-reduce of x."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"all_reduce_add_rmsnorm: residual {list(residual.shape)} {residual.dtype}, x "
+                         f"{list(x.shape)} {x.dtype}, weight {list(weight.shape)}; want residual and x alike and "
+                         f"weight [{x.shape[-1]}]")
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] % 2 or x.nbytes > ws.max_bytes:
+        raise ValueError(f"all_reduce_add_rmsnorm: the fused kernel takes bf16 / fp32 rows of even width up to "
+                         f"{ws.max_bytes} bytes, got {x.dtype} {list(x.shape)}")
+    x, residual = x.contiguous(), residual.contiguous()
+    n = x.shape[-1]
+    out, res_out = _new(x), _new(x)
+    block_n = triton.next_power_of_2(n)
+    _one_shot_add_rmsnorm_kernel[(1,)](
+        x.view(-1).view(torch.int32), residual, weight, out, out.view(-1).view(torch.int32), res_out, ws.bufs,
+        ws.calls, ws.timeouts, x.numel() // n, n, eps, ws.region_bytes // 8, ws.slot_words, ws.rank, max_spins,
+        WORLD=ws.world, BLOCK=BLOCK, BLOCK_N=block_n, BF16=x.dtype == torch.bfloat16,
+        PDL=pdl and pdl_supported(x.device), num_warps=_num_warps(block_n))
+    return out, res_out
+
+
+def all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           world_size: int, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ops.lingc.all_reduce_add_rmsnorm: the fused one-shot kernel when `all_reduce` would take the one-shot
+    path and the row is even; else the all_reduce launcher (reference op) then the add_rmsnorm kernel."""
+    ws = _WORKSPACE
+    if _one_shot_ok(x, world_size, ws) and x.shape[-1] % 2 == 0 and residual.shape == x.shape:
+        return launch_add_rmsnorm(residual, x, weight, eps, ws, pdl=pdl)
+    return _add_rmsnorm_launch(residual, all_reduce(x, world_size), weight, eps, pdl=pdl)
+
+
+LOWERINGS = {"all_reduce": all_reduce, "all_reduce_add_rmsnorm": all_reduce_add_rmsnorm}

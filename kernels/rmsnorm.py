@@ -51,6 +51,20 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
 
 
 @triton.jit
+def _add_rmsnorm_row(res, x, w, out_row_ptr, res_out_row_ptr, cols, mask, N, eps):
+    """One row's add + norm from loaded [BLOCK_N] res, x, w; stores new residual and normed output. Shared with the
+    fused one-shot all-reduce + add + norm (kernels/allreduce.py), which so matches this kernel bit for bit."""
+    # fp32 add rounded once: bit-identical to torch's bf16/fp32 `residual + x` (fp32 has > 2*8+2 bits).
+    new_res = (res.to(tl.float32) + x.to(tl.float32)).to(res.dtype)
+    tl.store(res_out_row_ptr + cols, new_res, mask=mask)
+    hf = new_res.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    normed = (hf * rstd).to(res.dtype)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_row_ptr.dtype.element_ty)
+    tl.store(out_row_ptr + cols, out, mask=mask)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, res_out_ptr,
                         stride_res, stride_x, stride_out, stride_res_out, N, eps,
                         BLOCK_N: tl.constexpr, PDL: tl.constexpr):
@@ -64,14 +78,7 @@ def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, res_out_ptr,
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    # fp32 add rounded once: bit-identical to torch's bf16/fp32 `residual + x` (fp32 has > 2*8+2 bits).
-    new_res = (res.to(tl.float32) + x.to(tl.float32)).to(res.dtype)
-    tl.store(res_out_ptr + row * stride_res_out + cols, new_res, mask=mask)
-    hf = new_res.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
-    normed = (hf * rstd).to(res.dtype)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    _add_rmsnorm_row(res, x, w, out_ptr + row * stride_out, res_out_ptr + row * stride_res_out, cols, mask, N, eps)
 
 
 def _num_warps(block_n: int) -> int:

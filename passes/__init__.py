@@ -4,6 +4,7 @@ from lingc.passes.base import Pass, PassRecord
 from lingc.passes.bf16_router import Bf16Router
 from lingc.passes.capture_metadata import CaptureMetadata
 from lingc.passes.fuse_add_norm import FuseAddNorm
+from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
 from lingc.passes.fuse_index_chains import FuseIndexChains
 from lingc.passes.fuse_kda import FuseKda
 from lingc.passes.fuse_moe_align import FuseMoeAlign
@@ -19,7 +20,8 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, Fuse
                                                      FuseProjections, FuseAddNorm, FuseMoeAlign, FuseSharedExpert,
                                                      FuseKda, FuseNormLinear, Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
-# after every pass above, with the degree as its argument (lingc.passes.tp.run_tp_stage)
-EXPLICIT_PASSES: dict[str, type[Pass]] = {TensorParallel.name: TensorParallel}
+# after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
+# inserted (lingc.passes.tp.run_tp_stage)
+EXPLICIT_PASSES: dict[str, type[Pass]] = {TensorParallel.name: TensorParallel, FuseAllReduceNorm.name: FuseAllReduceNorm}
 
 __all__ = ["EXPLICIT_PASSES", "PASSES", "Pass", "PassRecord"]

@@ -524,6 +524,13 @@ def run_lockstep(programs: list[Program], graph: str, inputs: list[dict[str, tor
                 value = torch.cat(parts, dim=node.args[1])
             for r in range(tp):
                 envs[r][node.name] = value.clone()
+        elif node.target is OPS.all_reduce_add_rmsnorm:             # fuse_all_reduce_norm: the sum, then each
+            parts = [envs[r][nodes[r].args[1].name] for r in range(tp)]   # rank's add + norm on it
+            value = fold_sum(parts, parts[0].dtype)
+            norm = call(OPS.add_rmsnorm) if call else OPS.add_rmsnorm
+            for r in range(tp):
+                residual, _, weight, eps, _ = fx.node.map_arg(nodes[r].args, lambda a, r=r: envs[r][a.name])
+                envs[r][node.name] = norm(residual, value.clone(), weight, eps)
         else:
             for r in range(tp):
                 n = nodes[r]
@@ -598,4 +605,43 @@ def run_tp_stage(result: Any, tp: int, verify: bool = False) -> list[dict[str, t
               f"-{len(record.nodes_removed)} ~{len(record.nodes_rewritten)} nodes, numerics changed, {tp} ranks)")
     result.stages.append(Stage(index, "tp", program_text(new, header), record))
     result.program = new
+    _fuse_all_reduce_norm(result, p.rank_weights, verify)
     return p.rank_weights
+
+
+def _fuse_all_reduce_norm(result: Any, rank_weights: list[dict[str, torch.Tensor]], verify: bool) -> None:
+    """The stage after tp: passes/fuse_all_reduce_norm.py on the all_reduces tp inserted (weights untouched).
+    --verify: the N ranks in lockstep before and after, every output bit-identical (numerics unchanged)."""
+    from lingc.ir.lint import LintError, lint
+    from lingc.ir.text import program_text
+    from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
+    from lingc.passes.manager import Stage, VerifyError
+    from lingc.passes.verify import random_inputs
+
+    before = result.program
+    new, record = FuseAllReduceNorm().run(before)
+    try:
+        lint(new)
+    except LintError as e:
+        raise LintError(f"after pass 'fuse_all_reduce_norm': {e}") from None
+    if verify:
+        old_ranks, new_ranks = rank_programs(before, rank_weights), rank_programs(new, rank_weights)
+        tp = len(rank_weights)
+        report: dict[str, Any] = {"exact": True, "graphs": {}, "ok": True, "tp": tp}
+        for graph in sorted(new.graphs):
+            inputs = random_inputs(before, [graph])              # rank-sized already: every rank gets a copy
+            outs = [run_lockstep(ranks, graph, [{k: v.clone() for k, v in inputs.items()} for _ in range(tp)])
+                    for ranks in (old_ranks, new_ranks)]
+            flat = [[v for v in (o[0] if isinstance(o[0], (tuple, list)) else [o[0]]) if v is not None] for o in outs]
+            same = len(flat[0]) == len(flat[1]) and all(torch.equal(a, b) for a, b in zip(*flat))
+            report["graphs"][graph] = {"problems": [] if same else ["rank 0's outputs are not bit-identical"]}
+            report["ok"] &= same
+        record.verify = report
+        if not report["ok"]:
+            raise VerifyError(f"--verify failed after pass 'fuse_all_reduce_norm': {report['graphs']}")
+    index = len(result.stages)
+    header = (f"# stage {index:02d}: fuse_all_reduce_norm (v{record.version}, {record.ms:.1f} ms, "
+              f"+{len(record.nodes_added)} -{len(record.nodes_removed)} ~{len(record.nodes_rewritten)} nodes, "
+              f"numerics unchanged)")
+    result.stages.append(Stage(index, "fuse_all_reduce_norm", program_text(new, header), record))
+    result.program = new

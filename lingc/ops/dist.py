@@ -120,6 +120,28 @@ def _(x, dim, world_size):
 register("all_gather")
 
 
+@torch.library.custom_op("lingc::all_reduce_add_rmsnorm", mutates_args=())
+def all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rmsnorm(residual, all_reduce(x, world_size), weight, eps) as one op (passes/fuse_all_reduce_norm.py):
+    (rmsnorm(residual + sum), residual + sum), where sum is the all_reduce of this rank's partial x.
+
+    residual, x [..., h] of one dtype (residual whole on every rank, x this rank's partial), weight [h]. The same
+    arithmetic as the two ops, so both outputs are bit-identical to the pair's; the GPU lowering runs the
+    one-shot all-reduce and the add + norm in one launch (kernels/allreduce.py).
+    """
+    from lingc.ops.norm import add_rmsnorm
+    return add_rmsnorm(residual, all_reduce(x, world_size), weight, eps)
+
+
+@all_reduce_add_rmsnorm.register_fake
+def _(residual, x, weight, eps, world_size):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+register("all_reduce_add_rmsnorm")
+
+
 def ep_sizes(num_pairs: int, num_local: int, block_m: int) -> tuple[int, int]:
     """(max padded rows, blocks) of ep_align's outputs: moe_align's sizes for NP pairs over El experts."""
     max_padded = num_pairs + num_local * (block_m - 1)

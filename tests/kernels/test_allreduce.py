@@ -49,7 +49,7 @@ class FakePeers:
 
 @pytest.fixture(autouse=True)
 def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ar.torch, "empty_like", lambda x: torch.full_like(x, float("nan")))
+    monkeypatch.setattr(ar, "_new", lambda x: torch.full_like(x, float("nan")))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -73,6 +73,51 @@ def test_one_shot_sum_matches_reference_bits(dtype: torch.dtype, world: int, me:
         assert int(peers.calls) == call
         assert all(peers.pushed(r, me, call, parts[me]) for r in range(world))   # my words in every rank's slot
         assert int(peers.timeouts) == 0
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("world,me,rows,n", [(2, 0, 1, 1536), (2, 1, 6, 96), (4, 3, 3, 200)])
+def test_fused_add_rmsnorm_matches_the_kernel_pair_bits(dtype: torch.dtype, world: int, me: int, rows: int,
+                                                        n: int) -> None:
+    """all_reduce_add_rmsnorm's one launch == the one-shot sum (fold_sum, shown above) then kernels/rmsnorm.py's
+    add_rmsnorm kernel, bit for bit (the same row code), over several calls; and the reference op within
+    conftest's tolerance."""
+    from lingc.kernels.rmsnorm import add_rmsnorm as add_rmsnorm_kernel
+    from lingc.ops import OPS
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    peers = FakePeers(world)
+    ws = peers.ws(me)
+    weight = (torch.rand(n, generator=g) + 0.5).to(dtype)
+    for call in (1, 2, 3):
+        parts = [(torch.randn(rows, n, generator=g) * 2).to(dtype) for _ in range(world)]
+        residual = (torch.randn(rows, n, generator=g) * 4).to(dtype)
+        for r in range(world):
+            if r != me:
+                peers.post(r, me, call, parts[r])
+        normed, new_res = ar.launch_add_rmsnorm(residual, parts[me], weight, 1e-6, ws, max_spins=10)
+        want_normed, want_res = add_rmsnorm_kernel(residual, fold_sum(parts, dtype), weight, 1e-6)
+        assert torch.equal(_bits(new_res), _bits(want_res)) and torch.equal(_bits(normed), _bits(want_normed))
+        ref_normed, ref_res = OPS.add_rmsnorm(residual, fold_sum(parts, dtype), weight, 1e-6)
+        assert torch.equal(new_res, ref_res)
+        torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=1e-2, atol=1e-2)
+        assert int(peers.calls) == call and int(peers.timeouts) == 0
+        assert all(peers.pushed(r, me, call, parts[me]) for r in range(world))
+
+
+def test_fused_launcher_falls_back_to_all_reduce_then_the_norm_kernel() -> None:
+    """Without a workspace: the reference all_reduce (world 1: identity), then the add_rmsnorm kernel."""
+    from lingc.ops import OPS
+    ar.disable()
+    g = torch.Generator().manual_seed(5)
+    res, x, w = torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g), torch.rand(64, generator=g)
+    got = ar.all_reduce_add_rmsnorm(res, x, w, 1e-6, 1)
+    want = OPS.add_rmsnorm(res, x, w, 1e-6)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0])
 
 
 def test_missing_peer_times_out_instead_of_hanging() -> None:
@@ -114,10 +159,19 @@ for bf16 in (True, False):
                     constexprs={"WORLD": 2, "BLOCK": A.BLOCK, "BF16": bf16, "PDL": True})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": A.NUM_WARPS}).asm["ptx"]
     print(bf16, ptx.count("ld.volatile.global"), ptx.count("st.global.v2.b64"), ptx.count("griddepcontrol.wait"))
+    t = "bf16" if bf16 else "fp32"
+    sig = {"xw_ptr": "*i32", "res_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "outw_ptr": "*i32",
+           "res_out_ptr": f"*{t}", "bufs_ptr": "*i64", "calls_ptr": "*i64", "timeouts_ptr": "*i32", "rows": "i32",
+           "N": "i32", "eps": "fp32", "region_words": "i32", "slot_words": "i32", "rank": "i32", "max_spins": "i32",
+           "WORLD": "constexpr", "BLOCK": "constexpr", "BLOCK_N": "constexpr", "BF16": "constexpr", "PDL": "constexpr"}
+    src = ASTSource(fn=A._one_shot_add_rmsnorm_kernel, signature=sig, attrs={(i,): d for i in (0, 1, 2, 3, 4, 5, 10)},
+                    constexprs={"WORLD": 2, "BLOCK": A.BLOCK, "BLOCK_N": 2048, "BF16": bf16, "PDL": True})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    print(bf16, ptx.count("ld.volatile.global"), ptx.count("st.global.v2.b64"), ptx.count("griddepcontrol.wait"))
 """
 
 
-def test_kernel_compiles_for_sm90_with_volatile_polls_and_8_byte_word_stores() -> None:
+def test_kernels_compile_for_sm90_with_volatile_polls_and_8_byte_word_stores() -> None:
     """The interpreter accepts things the compiler refuses (it let a non-constexpr global through once): compile
     for sm_90 without a GPU (a fresh process without TRITON_INTERPRET, a few seconds) and check the protocol's
     instructions: polls are volatile loads, words go out as whole 8-byte stores, PDL waits first."""

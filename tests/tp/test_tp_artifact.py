@@ -22,7 +22,7 @@ def test_manifest_lists_one_weight_set_per_rank(tp_artifacts):
     assert m2["weights"]["ranks"] == [["weights/rank0-00000.safetensors"], ["weights/rank1-00000.safetensors"]]
     assert m2["weights"]["files"] == m2["weights"]["ranks"][0]
     assert {f for files in m2["weights"]["ranks"] for f in files} <= set(m2["files"])        # every rank hashed
-    assert m2["stages"][-1]["name"] == "tp" and m2["passes"][-1]["name"] == "tp"
+    assert [s["name"] for s in m2["stages"][-2:]] == [p["name"] for p in m2["passes"][-2:]] == ["tp", "fuse_all_reduce_norm"]
     assert m2["weights"]["info"]["lm_head.weight"]["tp"] == {"rule": "rows"}
     assert len(read_manifest(tp_artifacts[4]).manifest["weights"]["ranks"]) == 4
     m1 = read_manifest(tp_artifacts[1]).manifest
