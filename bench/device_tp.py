@@ -13,8 +13,11 @@ runs) and keeps its own weights. Then, every rank in lockstep, in this order (th
      NEXTN's draft, verify and extend; the all_reduce / all_gather launches counted per graph
   2. the same graphs with every lingc.all_reduce launch swapped for a no-op (a launch-list edit of this bench only):
      all-reduce share = 1 - t_without / t_with (the no-op run also skips the wait for the slower rank)
-  3. one lingc.all_reduce of a [1, hidden] bf16 tensor, 50 per CUDA graph, median per call; and NCCL's bf16
-     all_reduce after a copy, as shared/docs/kernels.md 7b measured it
+  2b. with the one-shot all-reduce on (kernels/allreduce.py; runtime/tp.py enables it on NCCL): the same graphs
+     captured again with the reference op (NCCL), `times_nccl`, an A/B in the same run
+  3. the one-shot kernel eagerly against the reference sum of the gathered partials, bit for bit (1, 6, 16 tokens,
+     bf16 / fp32); one lingc.all_reduce of a [1, hidden] bf16 tensor, 50 per CUDA graph, median per call, the one-shot
+     kernel alone, and NCCL's bf16 all_reduce after a copy, as shared/docs/kernels.md 7b measured it
   4. TP1 on each GPU alone (the program before the tp pass): the same graph times, greedy tokens (plain and NEXTN)
   5. greedy parity: TP2 tokens (runtime/tp.py's TPEngine on rank 0 driving its worker loop `_serve` on rank 1 over
      the store, in-memory programs) == TP1 tokens, plain decode and NEXTN; a divergence is reported, with TP1's logit
