@@ -71,20 +71,20 @@ def _op(label: str) -> str:
     return label.split(":", 1)[-1].rsplit(".", 1)[-1]
 
 
-def instrument(engine, rank: int | None, exchange: Exchange | None, record: list) -> int:
-    """Swap the engine's collectives for the exchange; record every router call. Returns the collectives swapped."""
-    swapped = 0
+def instrument(engine, rank: int | None, exchange: Exchange | None, record: list) -> dict[str, int]:
+    """Swap the engine's collectives for the exchange; record every router call. Returns the launches swapped, by op."""
+    swapped: dict[str, int] = {}
     for graph, low in engine.exe.lowered.items():
         for launch in low.launches:
             op = _op(launch.label)
             if op in ("all_reduce", "all_gather") and exchange is not None:
                 launch.fn = partial(getattr(exchange, op), rank)
-                swapped += 1
+                swapped[op] = swapped.get(op, 0) + 1
             elif op == "all_reduce_add_rmsnorm" and exchange is not None:
                 from lingc.ops import OPS
                 from lingc.runtime.executor import kernel_for
                 launch.fn = partial(exchange.fused(kernel_for(OPS.add_rmsnorm, engine.exe.backend)[0]), rank)
-                swapped += 1
+                swapped[op] = swapped.get(op, 0) + 1
             elif op in ROUTERS:
                 launch.fn = _recording(launch.fn, graph, record)
     return swapped
@@ -174,12 +174,13 @@ def run_tp1(program, device, spec, backend, prompt, n) -> tuple[list[int], list]
     return tokens, record
 
 
-def run_threads(programs, device, spec, backend, prompt, n, timeout_s) -> tuple[list[int], list]:
-    """Every rank's Engine in its own thread over one device; rank 0's tokens and router record."""
+def run_threads(programs, device, spec, backend, prompt, n, timeout_s) -> tuple[list[int], list, dict]:
+    """Every rank's Engine in its own thread over one device; rank 0's tokens, router record and swapped launches."""
     from lingc.runtime.engine import Engine, Request
     exchange = Exchange(len(programs), timeout_s)
     results: list = [None] * len(programs)
     records: list = [[] for _ in programs]
+    swapped: list = [{} for _ in programs]
     errors: list = []
 
     def rank(r: int) -> None:
@@ -187,7 +188,7 @@ def run_threads(programs, device, spec, backend, prompt, n, timeout_s) -> tuple[
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             engine = Engine(programs[r], str(device), spec, backend=backend, cuda_graphs=False, pdl=False)
-            instrument(engine, r, exchange, records[r])
+            swapped[r] = instrument(engine, r, exchange, records[r])
             results[r] = engine.generate(Request(prompt, n, ignore_eos=True)).tokens
         except BaseException as e:            # noqa: BLE001 -- reported below; the barrier is broken for the others
             errors.append(f"rank {r}: {type(e).__name__}: {e}")
@@ -202,7 +203,7 @@ def run_threads(programs, device, spec, backend, prompt, n, timeout_s) -> tuple[
         raise RuntimeError("; ".join(errors))
     if any(res != results[0] for res in results[1:]):
         raise RuntimeError(f"the rank threads disagree on the tokens: {results}")
-    return results[0], records[0]
+    return results[0], records[0], swapped[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,13 +236,13 @@ def main(argv: list[str] | None = None) -> None:
         for spec in args.specs.split(","):
             t1 = time.perf_counter()
             a, rec1 = run_tp1(tp1, device, spec, backend, prompt, args.tokens)
-            b, rec2 = run_threads(ranks, device, spec, backend, prompt, args.tokens, args.timeout)
+            b, rec2, swapped = run_threads(ranks, device, spec, backend, prompt, args.tokens, args.timeout)
             i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
             first = first_router_difference(rec1, rec2)
             upto = first["call"] if first else len(rec1)
             d = drift(rec1, rec2, upto)
             run = {"tp1": a, "tp2_threads": b, "equal": a == b, "first_token_divergence": i,
-                   "router_calls": len(rec1), "first_router_difference": first,
+                   "router_calls": len(rec1), "first_router_difference": first, "collectives_swapped": swapped,
                    "router_logit_drift_before_it": {"max": max(d, default=0.0),
                                                     "median": sorted(d)[len(d) // 2] if d else 0.0},
                    "seconds": time.perf_counter() - t1}

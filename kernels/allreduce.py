@@ -39,8 +39,10 @@ of one-shot calls: the tp pass makes the ranks' graphs identical and the runtime
 size gate (MAX_BYTES) depends on shapes only, so it picks the same path on every rank. A dead peer makes the poll
 time out (`timeouts()` counts it; the TP runtime's watchdog ends the process).
 
-One program: at batch 1 the operand is at most a few tens of KB and the cost is the NVLink latency, not
-bandwidth. Operands above MAX_BYTES (prefill chunks), of other dtypes, and CPU tensors use the reference op
+all_reduce is one program: at batch 1 the operand is at most a few tens of KB and the cost is the NVLink latency,
+not bandwidth. all_reduce_add_rmsnorm is one program per row (each row's words go through the protocol on their
+own, so the row norms run in parallel; the last program to finish advances the counter, after every program has
+read it). Operands above MAX_BYTES (prefill chunks), of other dtypes, and CPU tensors use the reference op
 (NCCL / gloo), as does every call before `enable` (and `LINGC_ALL_REDUCE=nccl` keeps it off).
 """
 
@@ -72,13 +74,14 @@ LOW = tl.constexpr((1 << 32) - 1)  # and of its low half (the data)
 
 
 @triton.jit
-def _push_and_sum(xw_ptr, dstw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
+def _push_and_sum(xw_ptr, dstw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, first, words, region_words, slot_words, rank,
                   max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr):
-    """The protocol (module docstring) up to the sum: its words stored at dstw_ptr. Returns this call's number."""
+    """The protocol (module docstring) up to the sum, over words [first, words) of the operand: the summed words
+    stored at dstw_ptr (same indices). Returns this call's number."""
     call = tl.load(calls_ptr) + 1                                          # int64: this call's number
     flag = (call & LOW) << 32                                              # ... in a word's high half
     base = (call % 2) * region_words
-    for start in range(0, words, BLOCK):                                   # push: (flag | data) words into slot
+    for start in range(first, words, BLOCK):                               # push: (flag | data) words into slot
         offs = start + tl.arange(0, BLOCK)                                 # `rank` of every rank's region
         m = offs < words
         packed = flag | (tl.load(xw_ptr + offs, mask=m).to(tl.int64) & LOW)
@@ -86,7 +89,7 @@ def _push_and_sum(xw_ptr, dstw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, re
             dst = tl.load(bufs_ptr + p).to(tl.pointer_type(tl.int64)) + base + rank * slot_words
             tl.store(tl.multiple_of(dst, 16) + offs, packed, mask=m)
     mine = tl.multiple_of(tl.load(bufs_ptr + rank).to(tl.pointer_type(tl.int64)) + base, 16)
-    for start in range(0, words, BLOCK):
+    for start in range(first, words, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < words
         for p in tl.static_range(WORLD):                                   # rank order, as fold_sum
@@ -129,8 +132,8 @@ def _one_shot_kernel(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words,
                      max_spins, WORLD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
-    call = _push_and_sum(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
-                         max_spins, WORLD, BLOCK, BF16)
+    call = _push_and_sum(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, 0, words, region_words, slot_words,
+                         rank, max_spins, WORLD, BLOCK, BF16)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(calls_ptr, call)
@@ -138,27 +141,31 @@ def _one_shot_kernel(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words,
 
 @triton.jit
 def _one_shot_add_rmsnorm_kernel(xw_ptr, res_ptr, w_ptr, out_ptr, outw_ptr, res_out_ptr, bufs_ptr, calls_ptr,
-                                 timeouts_ptr, rows, N, eps, region_words, slot_words, rank, max_spins,
+                                 done_ptr, timeouts_ptr, rows, N, eps, region_words, slot_words, rank, max_spins,
                                  WORLD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BF16: tl.constexpr, PDL: tl.constexpr):
-    """The sum lands in `out` (the all_reduce's rounding), then each row's add + norm reads it back and overwrites
-    it: kernels/rmsnorm.py's own row code, so the pair of kernels and this one agree bit for bit."""
+    """One program per row: the row's words go through the protocol, its sum lands in `out` (the all_reduce's
+    rounding), then the row's add + norm reads it back and overwrites it with kernels/rmsnorm.py's own row code, so
+    the pair of kernels and this one agree bit for bit. The last program to finish advances the call counter."""
+    r = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)                        # a weight: before the wait
     if PDL:
         tl.extra.cuda.gdc_wait()
-    words = rows * N // 2 if BF16 else rows * N
-    call = _push_and_sum(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, words, region_words, slot_words, rank,
-                         max_spins, WORLD, BLOCK, BF16)
-    tl.debug_barrier()                                                     # the summed rows, for every thread
-    for r in range(rows):
-        res = tl.load(res_ptr + r * N + cols, mask=mask, other=0.0)
-        x = tl.load(out_ptr + r * N + cols, mask=mask, other=0.0)
-        _add_rmsnorm_row(res, x, w, out_ptr + r * N, res_out_ptr + r * N, cols, mask, N, eps)
+    row_words = N // 2 if BF16 else N
+    call = _push_and_sum(xw_ptr, outw_ptr, bufs_ptr, calls_ptr, timeouts_ptr, r * row_words, (r + 1) * row_words,
+                         region_words, slot_words, rank, max_spins, WORLD, BLOCK, BF16)
+    tl.debug_barrier()                                                     # the summed row, for every thread
+    res = tl.load(res_ptr + r * N + cols, mask=mask, other=0.0)
+    x = tl.load(out_ptr + r * N + cols, mask=mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(calls_ptr, call)
+    _add_rmsnorm_row(res, x, w, out_ptr + r * N, res_out_ptr + r * N, cols, mask, N, eps)
+    finished = tl.atomic_add(done_ptr, 1, sem="acq_rel")                  # every program has read the counter
+    if finished == rows - 1:
+        tl.store(done_ptr, 0)
+        tl.store(calls_ptr, call)
 
 
 @dataclass
@@ -171,6 +178,7 @@ class Workspace:
     bufs: torch.Tensor         # int64 [W]: every rank's data buffer address, as mapped in this process
     calls: torch.Tensor        # int64 [1]: calls made (local)
     timeouts: torch.Tensor     # int32 [1]: peers given up on (local)
+    done: torch.Tensor         # int32 [1]: programs of the running fused call that finished (local, back to 0)
     region_bytes: int
     keep: tuple = ()           # the symmetric tensor and handle (the mapping lives as long as they do)
 
@@ -223,7 +231,7 @@ def enable(group: Any = None, region_bytes: int = REGION_BYTES) -> Workspace | N
         ws = Workspace(rank, world, device,
                        torch.tensor(_peer_addresses(data, handle, rank), dtype=torch.int64, device=device),
                        torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32, device=device),
-                       region_bytes, (data, handle))
+                       torch.zeros(1, dtype=torch.int32, device=device), region_bytes, (data, handle))
         dist.barrier(group)
     except Exception as e:                                # noqa: BLE001 -- optional fast path, reported
         print(f"lingc: one-shot all-reduce unavailable ({type(e).__name__}: {e}); using NCCL", file=sys.stderr)
@@ -300,9 +308,10 @@ def launch_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Te
     n = x.shape[-1]
     out, res_out = _new(x), _new(x)
     block_n = triton.next_power_of_2(n)
-    _one_shot_add_rmsnorm_kernel[(1,)](
+    rows = x.numel() // n
+    _one_shot_add_rmsnorm_kernel[(rows,)](
         x.view(-1).view(torch.int32), residual, weight, out, out.view(-1).view(torch.int32), res_out, ws.bufs,
-        ws.calls, ws.timeouts, x.numel() // n, n, eps, ws.region_bytes // 8, ws.slot_words, ws.rank, max_spins,
+        ws.calls, ws.done, ws.timeouts, rows, n, eps, ws.region_bytes // 8, ws.slot_words, ws.rank, max_spins,
         WORLD=ws.world, BLOCK=BLOCK, BLOCK_N=block_n, BF16=x.dtype == torch.bfloat16,
         PDL=pdl and pdl_supported(x.device), num_warps=_num_warps(block_n))
     return out, res_out

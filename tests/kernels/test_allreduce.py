@@ -25,11 +25,12 @@ class FakePeers:
         self.data = [torch.zeros(2 * REGION, dtype=torch.uint8) for _ in range(world)]
         self.calls = torch.zeros(1, dtype=torch.int64)
         self.timeouts = torch.zeros(1, dtype=torch.int32)
+        self.done = torch.zeros(1, dtype=torch.int32)
 
     def ws(self, me: int) -> ar.Workspace:
         return ar.Workspace(me, self.world, torch.device("cpu"),
                             torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64),
-                            self.calls, self.timeouts, REGION)
+                            self.calls, self.timeouts, self.done, REGION)
 
     def words(self, owner: int, source: int, call: int, n: int) -> torch.Tensor:
         """The n int64 words of slot `source` in `owner`'s region for call `call`."""
@@ -104,7 +105,7 @@ def test_fused_add_rmsnorm_matches_the_kernel_pair_bits(dtype: torch.dtype, worl
         ref_normed, ref_res = OPS.add_rmsnorm(residual, fold_sum(parts, dtype), weight, 1e-6)
         assert torch.equal(new_res, ref_res)
         torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=1e-2, atol=1e-2)
-        assert int(peers.calls) == call and int(peers.timeouts) == 0
+        assert int(peers.calls) == call and int(peers.timeouts) == 0 and int(peers.done) == 0
         assert all(peers.pushed(r, me, call, parts[me]) for r in range(world))
 
 
@@ -161,10 +162,10 @@ for bf16 in (True, False):
     print(bf16, ptx.count("ld.volatile.global"), ptx.count("st.global.v2.b64"), ptx.count("griddepcontrol.wait"))
     t = "bf16" if bf16 else "fp32"
     sig = {"xw_ptr": "*i32", "res_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "outw_ptr": "*i32",
-           "res_out_ptr": f"*{t}", "bufs_ptr": "*i64", "calls_ptr": "*i64", "timeouts_ptr": "*i32", "rows": "i32",
+           "res_out_ptr": f"*{t}", "bufs_ptr": "*i64", "calls_ptr": "*i64", "done_ptr": "*i32", "timeouts_ptr": "*i32", "rows": "i32",
            "N": "i32", "eps": "fp32", "region_words": "i32", "slot_words": "i32", "rank": "i32", "max_spins": "i32",
            "WORLD": "constexpr", "BLOCK": "constexpr", "BLOCK_N": "constexpr", "BF16": "constexpr", "PDL": "constexpr"}
-    src = ASTSource(fn=A._one_shot_add_rmsnorm_kernel, signature=sig, attrs={(i,): d for i in (0, 1, 2, 3, 4, 5, 10)},
+    src = ASTSource(fn=A._one_shot_add_rmsnorm_kernel, signature=sig, attrs={(i,): d for i in (0, 1, 2, 3, 4, 5, 11)},
                     constexprs={"WORLD": 2, "BLOCK": A.BLOCK, "BLOCK_N": 2048, "BF16": bf16, "PDL": True})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     print(bf16, ptx.count("ld.volatile.global"), ptx.count("st.global.v2.b64"), ptx.count("griddepcontrol.wait"))
@@ -186,3 +187,21 @@ def test_kernels_compile_for_sm90_with_volatile_polls_and_8_byte_word_stores() -
     for line in proc.stdout.splitlines():
         _, volatile, stores, waits = line.split()
         assert int(volatile) > 0 and int(stores) > 0 and int(waits) == 1, line
+
+
+def test_enable_keeps_the_reference_op_off_nccl_and_when_told() -> None:
+    """enable() maps a workspace only on NCCL (CUDA); under gloo, or with LINGC_ALL_REDUCE=nccl, it returns None and
+    the lowered all_reduce stays the reference op."""
+    import torch.distributed as dist
+    ar.disable()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert ar.enable() is None and ar.active() is None
+    finally:
+        dist.destroy_process_group()
+    import os
+    os.environ[ar.ENV] = "nccl"
+    try:
+        assert ar.enable() is None
+    finally:
+        del os.environ[ar.ENV]
