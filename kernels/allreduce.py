@@ -37,7 +37,8 @@ finishing call c (its reads included: with PDL on, `gdc_wait` comes first and th
 Words left from call c - 2 carry c - 2 (and the zeroed buffer 0), never c. Every rank must run the same sequence
 of one-shot calls: the tp pass makes the ranks' graphs identical and the runtime replays them in lockstep; the
 size gate (MAX_BYTES) depends on shapes only, so it picks the same path on every rank. A dead peer makes the poll
-time out (`timeouts()` counts it; the TP runtime's watchdog ends the process).
+time out after MAX_SPINS polls instead of hanging the GPU for good (`timeouts()` counts it; the TP runtime's
+watchdog ends the process first, and rank 0's engine refuses a request's result if the count moved, runtime/tp.py).
 
 all_reduce is one program: at batch 1 the operand is at most a few tens of KB and the cost is the NVLink latency,
 not bandwidth. all_reduce_add_rmsnorm is one program per row (each row's words go through the protocol on their
@@ -67,7 +68,8 @@ REGION_BYTES = 512 * 1024     # one region of the workspace per call parity (W s
 MAX_BYTES = 64 * 1024         # operands up to this size take the one-shot kernel (decode / verify: 3-37 KB)
 BLOCK = 1024                  # 4-byte words per step of the push and sum loops
 NUM_WARPS = 4
-MAX_SPINS = 1 << 24           # polls of one peer's block before the kernel gives up on it (seconds, not a hang)
+MAX_SPINS = 1 << 30           # polls of one peer's block before giving up on it (minutes: a rank still compiling
+                              # kernels must not time out; a dead one is ended by the TP watchdog long before)
 ENV = "LINGC_ALL_REDUCE"      # "nccl": never enable the one-shot path
 HIGH = tl.constexpr(-(1 << 32))  # int64 mask of a word's high half (the call number)
 LOW = tl.constexpr((1 << 32) - 1)  # and of its low half (the data)

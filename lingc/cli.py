@@ -121,8 +121,9 @@ def passes_cmd() -> None:
         table.add_row(name, cls.summary, numerics, after)
     for name, cls in EXPLICIT_PASSES.items():        # not in `all`: each has its own flag
         numerics = f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics else "[green]unchanged[/green]"
-        via = getattr(cls, "only_via", f"--{name} N")
-        table.add_row(f"{name} (only via {via})", cls.summary, numerics, getattr(cls, "runs_after", "every pass above"))
+        after = getattr(cls, "runs_after", None)     # a stage that follows another explicit pass (tp's fusion)
+        table.add_row(name if after else f"{name} (only via --{name} N)", cls.summary, numerics,
+                      after or "every pass above")
     console.print(table)
 
 

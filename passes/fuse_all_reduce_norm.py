@@ -84,11 +84,10 @@ def _fuse(graph: fx.Graph, ar: fx.Node, view: fx.Node | None, norm: fx.Node, res
 
 class FuseAllReduceNorm(Pass):
     name = "fuse_all_reduce_norm"
-    summary = "TP all_reduce + the add_rmsnorm reading it -> one all_reduce_add_rmsnorm (one-shot + add + norm)"
+    summary = "all_reduce + the add_rmsnorm reading it -> one all_reduce_add_rmsnorm"
     requires = ("tp",)
     changes_numerics = False
-    only_via = "--tp N"                  # `lingc passes` listing: run by run_tp_stage, never by --passes
-    runs_after = "tp"
+    runs_after = "tp (runs with --tp N)"     # `lingc passes`: run by run_tp_stage, never by --passes
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused: list[str] = []

@@ -383,7 +383,12 @@ class TPEngine(Engine):
         with self.tp._lock:                         # one request at a time drives the workers
             self.tp.check()
             try:
-                return super().generate(req, on_tokens)
+                result = super().generate(req, on_tokens)
+                from lingc.kernels import allreduce
+                if allreduce.timeouts():               # a host read after the request, never on the step path
+                    raise self.tp.failure(RuntimeError("the one-shot all-reduce gave up waiting for a peer rank "
+                                                       "(its sums are wrong from there on)"))
+                return result
             except TPError:
                 raise
             except EngineError:

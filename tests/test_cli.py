@@ -111,6 +111,7 @@ def test_passes_lists_every_pass_with_its_numerics(runner):
                      r"bf16_router", text)
     assert re.search(r"partition │ .*relay.* │ unchanged │ -", text)
     assert re.search(r"tp \(only via --tp N\) │", text)            # listed, with the flag that runs it
+    assert re.search(r"fuse_all_reduce_norm │ .* │ unchanged │ tp \(runs with --tp N\)", text)
 
 
 def test_console_script_entry_point():
