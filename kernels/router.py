@@ -19,13 +19,15 @@ kernels, chosen by the launcher's `variant`:
   "rows" (N <= MAX_ROWS and a sane tile; NOT the default: on the H200 at N = 1 it wrote wrong sorted_pairs /
   block_expert (block_expert [39, 120, 122, 30, -1, ...] for ids [39, 30, 26, 120, 94, 17, 19, 122]: only some
   experts' blocks, so the next moe_up_act read out of bounds), while the interpreter and N >= 2 on the GPU agree
-  with "pairs"; a cross-warp step that the interpreter does not model is the suspect; not yet fixed): the tokens are a tensor axis the warps split, one or two rows
+  with "pairs". Those block experts fit group offsets gone wrong; at N = 1 the tile's G axis spans 2 lanes x 4
+  repeats (TTGIR), so the tl.cumsum over G was the suspect, and the G and C prefix sums are now comparison sums
+  (bit-identical in the interpreter; NOT yet re-run on the GPU, so still not the default): the tokens are a tensor axis the warps split, one or two rows
   per warp, so every per-row reduction (the k picks, the group scores) is a warp shuffle and never a CTA barrier.
   The align is read off the routing tile itself, without the pair axis: the tile [L, R, G, C] (experts e =
   g*GS + c*L + l, tokens r) keeps each row's pick index i per expert, so, with bits_e = sum_r (row r picked e)
   << r (the only cross-warp step: one int32 sum over the rows),
       count_e  = popcount(bits_e),  padded_e = ceil(count_e / BM) * BM
-      offset_e = exclusive prefix sum of padded over the experts in id order (scans over L, C and G, in-warp)
+      offset_e = exclusive prefix sum of padded over the experts in id order (a scan over L, sums over C and G)
       rank     = popcount(bits_e & ((1 << r) - 1))           (pairs of one expert are in row order)
       sorted_pairs[offset_e + rank] = r * (k + S) + i,  block_expert[offset_e / BM + b] = e (b < padded_e / BM)
   and the S shared experts (every row, ids E..E+S-1) follow the routed segments: offset = routed total +
@@ -377,7 +379,15 @@ def _align_from_picks(picks, valid, eid, r, kk, N, BM, sorted_ptr, block_expert_
     padded = (_popcount16(bits) + BM - 1) // BM * BM + 0 * r                      # [L, R, G, C]
     chunk = tl.sum(padded, axis=0, keep_dims=True)                                # [1, R, G, C]
     group = tl.sum(chunk, axis=3, keep_dims=True)                                 # [1, R, G, 1]
-    offset = (tl.cumsum(group, 2) - group) + (tl.cumsum(chunk, 3) - chunk) + (tl.cumsum(padded, 0) - padded)
+    # exclusive prefix sums over G and C as comparison sums, not tl.cumsum: at N = 1 the G axis spans 2 lanes with 4
+    # repeats each, and a scan there is the suspect for the wrong offsets seen on the H200 (module docstring)
+    g_other = tl.arange(0, group.shape[2])[:, None, None, None]                   # [G', 1, 1, 1]
+    g_here = tl.arange(0, group.shape[2])[None, None, :, None]                    # [1, 1, G, 1]
+    before_g = tl.sum(tl.where(g_other < g_here, tl.permute(group, (2, 1, 0, 3)), 0), axis=0, keep_dims=True)
+    c_other = tl.arange(0, chunk.shape[3])[:, None, None, None]                   # [C', 1, 1, 1]
+    c_here = tl.arange(0, chunk.shape[3])[None, None, None, :]                    # [1, 1, 1, C]
+    before_c = tl.sum(tl.where(c_other < c_here, tl.permute(chunk, (3, 1, 2, 0)), 0), axis=0, keep_dims=True)
+    offset = before_g + before_c + (tl.cumsum(padded, 0) - padded)
     routed = tl.sum(group, axis=2, keep_dims=True)                                # [1, R, 1, 1] rows in use
     rank = _popcount16(bits & ((1 << r) - 1))
     tl.debug_barrier()                    # every warp's sentinels land before the scatters below overwrite some
