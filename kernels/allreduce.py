@@ -213,16 +213,20 @@ def _peer_addresses(t: torch.Tensor, handle: Any, rank: int) -> list[int]:
 
 def enable(group: Any = None, region_bytes: int = REGION_BYTES) -> Workspace | None:
     """Map the workspace across the ranks of `group` (collective: every rank calls it) and route the lowered
-    `all_reduce` through the one-shot kernel. Returns None (NCCL stays) when LINGC_ALL_REDUCE=nccl, on CPU, or
-    when the peer mapping fails (printed to stderr: the run goes on, slower)."""
+    `all_reduce` through the one-shot kernel. Returns None (NCCL stays) without CUDA or an NCCL process group, with
+    LINGC_ALL_REDUCE=nccl, or when the peer mapping fails on any rank (printed to stderr: the run goes on, slower);
+    the ranks vote, so they all take the same path."""
     global _WORKSPACE
     import torch.distributed as dist
-    if os.environ.get(ENV, "").lower() == "nccl":
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
         return None
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    if device is None or dist.get_backend(group) != "nccl":
+    if dist.get_backend(group) != "nccl":
         return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    ws = None
     try:
+        if os.environ.get(ENV, "").lower() == "nccl":
+            raise RuntimeError(f"{ENV}=nccl")                 # still votes below: every rank takes one path
         import torch.distributed._symmetric_memory as symm_mem
         group = group or dist.group.WORLD
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -234,9 +238,16 @@ def enable(group: Any = None, region_bytes: int = REGION_BYTES) -> Workspace | N
                        torch.tensor(_peer_addresses(data, handle, rank), dtype=torch.int64, device=device),
                        torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32, device=device),
                        torch.zeros(1, dtype=torch.int32, device=device), region_bytes, (data, handle))
-        dist.barrier(group)
     except Exception as e:                                # noqa: BLE001 -- optional fast path, reported
-        print(f"lingc: one-shot all-reduce unavailable ({type(e).__name__}: {e}); using NCCL", file=sys.stderr)
+        if os.environ.get(ENV, "").lower() != "nccl":
+            print(f"lingc: one-shot all-reduce unavailable ({type(e).__name__}: {e}); using NCCL", file=sys.stderr)
+        ws = None
+    # every rank must take the same path (a one-shot call waits for its peers' one-shot calls): one vote, over NCCL
+    agreed = torch.tensor([0 if ws is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if int(agreed.item()) == 0:
+        if ws is not None:
+            print("lingc: one-shot all-reduce unavailable on another rank; using NCCL", file=sys.stderr)
         return None
     _WORKSPACE = ws
     return ws
