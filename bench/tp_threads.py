@@ -73,7 +73,10 @@ def _op(label: str) -> str:
 
 def instrument(engine, rank: int | None, exchange: Exchange | None, record: list) -> dict[str, int]:
     """Swap the engine's collectives for the exchange; record every router call. Returns the launches swapped, by op."""
+    from lingc.ops import OPS
+    from lingc.runtime.executor import kernel_for
     swapped: dict[str, int] = {}
+    norm = kernel_for(OPS.add_rmsnorm, engine.exe.backend)[0]          # the fused op's add + norm, this backend
     for graph, low in engine.exe.lowered.items():
         for launch in low.launches:
             op = _op(launch.label)
@@ -81,9 +84,7 @@ def instrument(engine, rank: int | None, exchange: Exchange | None, record: list
                 launch.fn = partial(getattr(exchange, op), rank)
                 swapped[op] = swapped.get(op, 0) + 1
             elif op == "all_reduce_add_rmsnorm" and exchange is not None:
-                from lingc.ops import OPS
-                from lingc.runtime.executor import kernel_for
-                launch.fn = partial(exchange.fused(kernel_for(OPS.add_rmsnorm, engine.exe.backend)[0]), rank)
+                launch.fn = partial(exchange.fused(norm), rank)
                 swapped[op] = swapped.get(op, 0) + 1
             elif op in ROUTERS:
                 launch.fn = _recording(launch.fn, graph, record)

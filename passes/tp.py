@@ -582,66 +582,66 @@ def verify_tp(before: Program, ranks: list[Program], tolerance: float) -> dict[s
 
 
 def run_tp_stage(result: Any, tp: int, verify: bool = False) -> list[dict[str, torch.Tensor]]:
-    """Run the tp pass after every other pass on a CompileResult (compile --tp N): lint, optionally verify
-    (lockstep), snapshot it as the last stage. Returns every rank's weights (rank 0's are the program's)."""
-    from lingc.ir.lint import LintError, lint
-    from lingc.ir.text import program_text
-    from lingc.passes.manager import Stage, VerifyError
+    """Run the tp pass after every other pass on a CompileResult (compile --tp N), then fuse_all_reduce_norm on the
+    all_reduces it inserted: each linted, optionally verified, snapshotted as a stage. Returns every rank's weights
+    (rank 0's are the program's; the fusion leaves weights alone)."""
+    from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
+    from lingc.passes.manager import VerifyError
 
     p = TensorParallel(tp)
     before = result.program
-    new, record = p.run(before)
-    try:
-        lint(new)
-    except LintError as e:
-        raise LintError(f"after pass 'tp': {e}") from None
+    new, record = _linted(p.run(before), "tp")
     if verify:
         record.verify = verify_tp(before, rank_programs(new, p.rank_weights), p.tolerance)
         if not record.verify["ok"]:
             bad = {g: r["problems"] for g, r in record.verify["graphs"].items() if r["problems"]}
             raise VerifyError(f"--verify failed after pass 'tp': {bad}")
-    index = len(result.stages)
-    header = (f"# stage {index:02d}: tp (v{record.version}, {record.ms:.1f} ms, +{len(record.nodes_added)} "
-              f"-{len(record.nodes_removed)} ~{len(record.nodes_rewritten)} nodes, numerics changed, {tp} ranks)")
-    result.stages.append(Stage(index, "tp", program_text(new, header), record))
-    result.program = new
-    _fuse_all_reduce_norm(result, p.rank_weights, verify)
+    _append_stage(result, "tp", new, record, f"numerics changed, {tp} ranks")
+
+    before = result.program
+    new, record = _linted(FuseAllReduceNorm().run(before), "fuse_all_reduce_norm")
+    if verify:
+        record.verify = verify_unchanged_in_lockstep(before, new, p.rank_weights)
+        if not record.verify["ok"]:
+            raise VerifyError(f"--verify failed after pass 'fuse_all_reduce_norm': {record.verify['graphs']}")
+    _append_stage(result, "fuse_all_reduce_norm", new, record, "numerics unchanged")
     return p.rank_weights
 
 
-def _fuse_all_reduce_norm(result: Any, rank_weights: list[dict[str, torch.Tensor]], verify: bool) -> None:
-    """The stage after tp: passes/fuse_all_reduce_norm.py on the all_reduces tp inserted (weights untouched).
-    --verify: the N ranks in lockstep before and after, every output bit-identical (numerics unchanged)."""
+def _linted(run: tuple[Program, Any], name: str) -> tuple[Program, Any]:
     from lingc.ir.lint import LintError, lint
-    from lingc.ir.text import program_text
-    from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
-    from lingc.passes.manager import Stage, VerifyError
-    from lingc.passes.verify import random_inputs
-
-    before = result.program
-    new, record = FuseAllReduceNorm().run(before)
     try:
-        lint(new)
+        lint(run[0])
     except LintError as e:
-        raise LintError(f"after pass 'fuse_all_reduce_norm': {e}") from None
-    if verify:
-        old_ranks, new_ranks = rank_programs(before, rank_weights), rank_programs(new, rank_weights)
-        tp = len(rank_weights)
-        report: dict[str, Any] = {"exact": True, "graphs": {}, "ok": True, "tp": tp}
-        for graph in sorted(new.graphs):
-            inputs = random_inputs(before, [graph])              # rank-sized already: every rank gets a copy
-            outs = [run_lockstep(ranks, graph, [{k: v.clone() for k, v in inputs.items()} for _ in range(tp)])
-                    for ranks in (old_ranks, new_ranks)]
-            flat = [[v for v in (o[0] if isinstance(o[0], (tuple, list)) else [o[0]]) if v is not None] for o in outs]
-            same = len(flat[0]) == len(flat[1]) and all(torch.equal(a, b) for a, b in zip(*flat))
-            report["graphs"][graph] = {"problems": [] if same else ["rank 0's outputs are not bit-identical"]}
-            report["ok"] &= same
-        record.verify = report
-        if not report["ok"]:
-            raise VerifyError(f"--verify failed after pass 'fuse_all_reduce_norm': {report['graphs']}")
+        raise LintError(f"after pass '{name}': {e}") from None
+    return run
+
+
+def _append_stage(result: Any, name: str, new: Program, record: Any, note: str) -> None:
+    """Snapshot `new` as the next stage of `result` (its text with a header, as the PassManager writes them)."""
+    from lingc.ir.text import program_text
+    from lingc.passes.manager import Stage
     index = len(result.stages)
-    header = (f"# stage {index:02d}: fuse_all_reduce_norm (v{record.version}, {record.ms:.1f} ms, "
-              f"+{len(record.nodes_added)} -{len(record.nodes_removed)} ~{len(record.nodes_rewritten)} nodes, "
-              f"numerics unchanged)")
-    result.stages.append(Stage(index, "fuse_all_reduce_norm", program_text(new, header), record))
+    header = (f"# stage {index:02d}: {name} (v{record.version}, {record.ms:.1f} ms, +{len(record.nodes_added)} "
+              f"-{len(record.nodes_removed)} ~{len(record.nodes_rewritten)} nodes, {note})")
+    result.stages.append(Stage(index, name, program_text(new, header), record))
     result.program = new
+
+
+def verify_unchanged_in_lockstep(before: Program, after: Program,
+                                 rank_weights: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """--verify for a numerics-preserving pass after tp: every graph's N ranks in lockstep before and after, on the
+    same seeded (rank-sized) inputs; rank 0's outputs must be bit-identical."""
+    from lingc.passes.verify import random_inputs
+    old_ranks, new_ranks = rank_programs(before, rank_weights), rank_programs(after, rank_weights)
+    tp = len(rank_weights)
+    report: dict[str, Any] = {"exact": True, "graphs": {}, "ok": True, "tp": tp}
+    for graph in sorted(after.graphs):
+        inputs = random_inputs(before, [graph])                  # rank-sized already: every rank gets a copy
+        outs = [run_lockstep(ranks, graph, [{k: v.clone() for k, v in inputs.items()} for _ in range(tp)])[0]
+                for ranks in (old_ranks, new_ranks)]
+        flat = [[v for v in (o if isinstance(o, (tuple, list)) else [o]) if v is not None] for o in outs]
+        same = len(flat[0]) == len(flat[1]) and all(torch.equal(a, b) for a, b in zip(*flat))
+        report["graphs"][graph] = {"problems": [] if same else ["rank 0's outputs are not bit-identical"]}
+        report["ok"] &= same
+    return report

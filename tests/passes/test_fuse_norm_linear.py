@@ -22,13 +22,14 @@ from lingc.cli import app
 from lingc.ir.text import program_text
 from lingc.ops import OPS
 from lingc.passes import PASSES
-from lingc.passes.base import PassRecord, op_counts
+from lingc.passes.base import PassRecord
 from lingc.passes.fuse_norm_linear import FuseNormLinear
 from lingc.passes.manager import CompileResult, PassManager, resolve
 from lingc.passes.pdl import Pdl
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
 from lingc.runtime.engine import Engine, Request
+from pass_support import count, only   # tests/passes is on sys.path
 
 # per graph: (rmsnorm_linear, add_rmsnorm_linear, want_normed). A target forward: L0's input norm and the q_a norms
 # of 3 MLA layers (4 rmsnorm_linear), every add_rmsnorm (12: the final norm's feeds the lm_head); the kv_a norms
@@ -40,16 +41,6 @@ FUSED = {"prefill": (4, 12, 6), "decode": (4, 12, 6), "step": (4, 12, 5), "verif
          "mtp_prefill": (2, 2, 2), "mtp_decode": (2, 2, 2), "extend": (2, 2, 2), "draft": (8, 8, 7)}
 NUMERICS_GRAPHS = ("decode", "verify", "draft", "mtp_decode")
 EVERY_OTHER_PASS = [name for name in PASSES if name not in ("fuse_norm_linear", "pdl")]
-
-
-def count(program: Program, graph: str, op: str) -> int:
-    return op_counts(program.graphs[graph]).get(f"lingc.{op}", 0)
-
-
-def only(program: Program, graphs: tuple[str, ...]) -> Program:
-    new = program.copy()
-    new.graphs = {g: new.graphs[g] for g in graphs}
-    return new
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from lingc.artifact import load_artifact, write_artifact
 from lingc.ir.text import program_text
 from lingc.ops import OPS
 from lingc.passes import PASSES
-from lingc.passes.base import PassRecord, op_counts
+from lingc.passes.base import PassRecord
 from lingc.passes.fuse_moe_align import FuseMoeAlign
 from lingc.passes.fuse_shared_expert import FuseSharedExpert
 from lingc.passes.fuse_swiglu import interleave_w13
@@ -24,6 +24,7 @@ from lingc.passes.manager import CompileResult, PassManager, resolve
 from lingc.passes.tp import TensorParallel, rank_programs, verify_tp
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
+from pass_support import count, only   # tests/passes is on sys.path
 
 E, K = 16, 4                                                  # test-tiny: experts, experts per token
 FUSED_LAYERS, KEPT_LAYERS = (1, 2), (3, 4, 5, 6)             # 6: the MTP layer
@@ -31,17 +32,6 @@ FUSED_LAYERS, KEPT_LAYERS = (1, 2), (3, 4, 5, 6)             # 6: the MTP layer
 FUSED_PER_GRAPH = {"prefill": 2, "decode": 2, "step": 2, "verify": 2, "mtp_prefill": 0, "mtp_decode": 0,
                    "draft": 0, "extend": 0}
 NUMERICS_GRAPHS = ("decode", "verify")
-
-
-def count(program: Program, graph: str, op: str) -> int:
-    return op_counts(program.graphs[graph]).get(f"lingc.{op}", 0)
-
-
-def only(program: Program, graphs: tuple[str, ...]) -> Program:
-    """A copy of `program` with only `graphs` (numerics checks on the decode-sized graphs keep the test cheap)."""
-    new = program.copy()
-    new.graphs = {g: new.graphs[g] for g in graphs}
-    return new
 
 
 @pytest.fixture(scope="module")
