@@ -13,7 +13,7 @@ B=1) at T=1 (decode) and T=6 (a verify chain), context 8192 and 1024 (positions 
       absorbed_torch_us = plain torch with absorption (q_lat einsum, fp32 softmax over the gathered
       cache, einsums; bf16 matmuls). FlashInfer's MLA core is timed only if `import flashinfer` works.
 bytes = cache rows read (ctx * 576 * 2) + kv_b (4 MB) + q and out; gbps = cache bytes / time (the brief's
-measure), total_gbps = bytes / time. A split-tunable sweep (SPLIT_ROWS x BLOCK_N x warps x stages) follows at
+measure), total_gbps = bytes / time. A tunable sweep (SPLIT_ROWS x BLOCK_N x warps x stages x the combine's blocks) follows at
 context 8192, and rows for mla_cache_write, rope and sigmoid_gate (tiny: launch bound) close the table.
 
     python3 bench/kernel_mla.py [--json $OUT/mla.json]
@@ -38,8 +38,11 @@ SCALE = (N + RR) ** -0.5
 THETA = 6e6
 REL_TOL = 2e-2          # bf16 absorbed vs fp32-expanded reference, relative to max|ref|
 CASES = [(1, 8192), (6, 8192), (1, 1024), (6, 1024)]
-SWEEP = [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 8, 2), (64, 16, 4, 3), (32, 32, 4, 2), (128, 32, 4, 3),
-         (128, 64, 8, 2), (256, 64, 8, 2)]   # (split_rows, block_n, warps, stages)
+# (split_rows, block_n, warps, stages, combine splits per step, combine columns per program); the first row is
+# the combine as it was before 2026-11-30's second session (32 splits per step, 64 columns)
+SWEEP = [(64, 32, 4, 2, 32, 64), (64, 32, 4, 2, 128, 32), (64, 32, 4, 2, 128, 64), (64, 32, 4, 2, 64, 32),
+         (64, 64, 8, 2, 128, 32), (128, 64, 8, 2, 64, 32), (128, 32, 4, 3, 64, 32), (128, 64, 8, 2, 64, 64),
+         (256, 64, 8, 2, 32, 32)]
 BF16 = torch.bfloat16
 
 
@@ -152,8 +155,9 @@ def _attention_rows(T: int, ctx: int) -> list[dict]:
     if fi is not None:
         rows[0]["flashinfer_core_us"] = fi
     if ctx == CAPACITY:
-        for split, bn, warps, stages in SWEEP:
-            kw = dict(split_rows=split, block_n=bn, split_warps=warps, split_stages=stages)
+        for split, bn, warps, stages, cb_s, cb_r in SWEEP:
+            kw = dict(split_rows=split, block_n=bn, split_warps=warps, split_stages=stages, combine_block_s=cb_s,
+                      combine_block_r=cb_r)
             try:
                 o = _mla_attention(qn, qr, kv, w, pr, pos, SCALE, **kw)
                 e = (o.float() - ref.float()).abs().max().item()
@@ -162,7 +166,7 @@ def _attention_rows(T: int, ctx: int) -> list[dict]:
             except Exception as ex:  # noqa: BLE001
                 print(f"sweep {kw} failed: {ex!r}", file=sys.stderr)
                 continue
-            rows.append({"kernel": f"mla_attention[S{split}-N{bn}-w{warps}-s{stages}]", "shape": shape,
+            rows.append({"kernel": f"mla_attention[S{split}-N{bn}-w{warps}-s{stages}-cb{cb_s}x{cb_r}]", "shape": shape,
                          "ok": bool(e / max(ref.float().abs().max().item(), 1e-30) <= REL_TOL),
                          "max_abs_err": e, "bit_exact": bool(torch.equal(o, ref)), "pdl_equal": None,
                          "time_us": t, "ref_time_us": t_ref, "bytes": touched + io_bytes,

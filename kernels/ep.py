@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from lingc.kernels.moe import COMBINE_ORDER, FP_OPTIONS, SEQUENTIAL, _moe_combine_kernel
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.dist import ep_sizes
 
@@ -76,13 +76,13 @@ def _ep_align_kernel(ids_ptr, map_ptr, local_ptr, sorted_ptr, block_expert_ptr, 
                      NP, EL, BM, MAX_PADDED, BLOCKS,
                      NP_BLOCK: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     offs = tl.arange(0, NP_BLOCK)
     valid = offs < NP
     gid = tl.load(ids_ptr + offs, mask=valid, other=0)                            # [NP_BLOCK] global expert ids
     local = tl.load(map_ptr + gid, mask=valid, other=-1).to(tl.int32)             # this rank's index, -1 elsewhere
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(local_ptr + offs, local, mask=valid)
     mine = valid & (local >= 0)
     e = tl.where(mine, local, EL)                                                 # others: bucket El, masked below

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,12 +153,12 @@ def _stats_kernel(logits_ptr, temp_ptr, stats_ptr, ticket_ptr, T, V, stride_b, s
     offs = c * CHUNK + tl.arange(0, CHUNK)
     valid = offs < V
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     temp = tl.load(temp_ptr + b).to(tl.float32)
     temp = tl.where(temp <= 0.0, 1.0, temp)                        # greedy rows: x = logits
     x = _load_x(logits_ptr, row_off, offs, valid, temp)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     m = tl.max(x, axis=0)
     idx = tl.argmax(x, axis=0, tie_break_left=True) + c * CHUNK
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -314,7 +314,7 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
     row = tl.program_id(1)
     b = row // T
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     temp, greedy, k_on, p_on, k, p = _row_params(temp_ptr, topk_ptr, topp_ptr, b, V)
     st = state_ptr + (row * 2 + PHASE) * STATE_FIELDS
     if PHASE == 0:
@@ -346,7 +346,7 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
         valid = offs < V
         x = _load_x(logits_ptr, row_off, offs, valid, temp)
         if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+            pdl_trigger()
         inb = valid & (x >= lo) & (x < hi)
         n = tl.sum(inb.to(tl.int32), axis=0)
         bmin = tl.min(tl.where(inb, x, float("inf")), axis=0)
@@ -393,18 +393,18 @@ def _write_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
     offs = c * CHUNK + tl.arange(0, CHUNK)
     valid = offs < V
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     temp, greedy, k_on, p_on, k, p = _row_params(temp_ptr, topk_ptr, topp_ptr, b, V)
     m, z, amax, xmin = _row_stats(stats_ptr, row, NCHUNK, NCHUNK_PAD)
     if greedy:
         if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+            pdl_trigger()
         probs = tl.where(offs == amax, 1.0, 0.0)
     else:
         row_off = b.to(tl.int64) * stride_b + (row - b * T).to(tl.int64) * stride_t
         x = _load_x(logits_ptr, row_off, offs, valid, temp)
         if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+            pdl_trigger()
         st = state_ptr + (row * 2 + p_on.to(tl.int32)) * STATE_FIELDS   # top-p state if on, else top-k
         thr = tl.where(p_on | k_on, tl.load(st + 0), float("-inf"))
         norm = tl.where(p_on | k_on, tl.load(st + 6), z)

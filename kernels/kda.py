@@ -89,7 +89,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. Recurrence: V columns of S per program and its warps (the same for decode and verify: they set
@@ -230,7 +230,7 @@ def _conv_rows(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr, b, rp,
     w2 = _tap_weight(w_ptr, rp, pm, 2, W)
     w3 = _tap_weight(w_ptr, rp, pm, 3, W)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     pool_row = pool_ptr + slot * s_pool + rp * (W - 1)                                 # [BLOCK_P] window starts
     x_row = x_ptr + b * s_xb + rp
@@ -243,7 +243,7 @@ def _conv_rows(x_ptr, w_ptr, pool_ptr, slots_ptr, staging_ptr, y_ptr, b, rp,
     if not STAGED:                                                                    # loads, barrier, stores
         _store_window(pool_row, pool_row, x_row, s_xt, T, pm, W, True)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
 
 
 @triton.jit
@@ -294,7 +294,7 @@ def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_
     a = _exp(tl.load(a_log_ptr + h).to(tl.float32), PRECISE)
     dtb = tl.load(dt_bias_ptr + h * D + rk, mask=km, other=0.0).to(tl.float32)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     tile = h * D * D + rk[:, None] * D + rv[None, :]                                   # [DB, BV] in a [H, D, D] state
     tmask = km[:, None] & vm[None, :]
@@ -322,7 +322,7 @@ def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_
             tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
         q, k, v, f, bt = q_n, k_n, v_n, f_n, b_n
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     if not STAGED:
         tl.store(pool_ptr + slot * H * D * D + tile, S, mask=tmask)
 
@@ -358,7 +358,7 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
     a = _exp(tl.load(a_log_ptr + h).to(tl.float32), PRECISE)
     dtb = tl.load(dt_bias_ptr + h * D + rk, mask=km, other=0.0).to(tl.float32)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     tile = h * D * D + rk[:, None] * D + rv[None, :]
     tmask = km[:, None] & vm[None, :]
@@ -387,7 +387,7 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
         _store_window(sk_ptr + cst + ck * (W - 1), ck_row, kx_row, s_xt, t + 1, own, W, False)
         _store_window(sv_ptr + cst + cv * (W - 1), cv_row, vx_row, s_xt, t + 1, vm, W, False)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
 
 
 @triton.jit
@@ -399,7 +399,7 @@ def _commit_rows(pool_ptr, staging_ptr, slot, accept, b, blk, N, TS, s_pool, s_s
     pick = tl.minimum(tl.maximum(accept - 1, 0), TS - 1)
     val = tl.load(staging_ptr + b * s_stb + pick * s_stt + offs, mask=m)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(pool_ptr + slot * s_pool + offs, val.to(pool_ptr.dtype.element_ty), mask=m)
 
 
@@ -408,7 +408,7 @@ def _kda_commit_kernel(pool_ptr, slots_ptr, staging_ptr, accept_ptr, N, TS, s_po
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     accept = tl.load(accept_ptr + b).to(tl.int64)
     _commit_rows(pool_ptr, staging_ptr, slot, accept, b, tl.program_id(1), N, TS, s_pool, s_stb, s_stt, BLOCK, PDL)
@@ -423,7 +423,7 @@ def _kda_commit_multi_kernel(slots_ptr, accept_ptr, p0_ptr, st0_ptr, p1_ptr, st1
     b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     accept = tl.load(accept_ptr + b).to(tl.int64)
     if blk < end0:
@@ -450,11 +450,11 @@ def _gated_rmsnorm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, R, HR, N, s_xm, s_xh, s_
     g_off = (rows // HR) * s_gm + (rows % HR) * s_gh
     w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + g_off[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)       # mean as torch: sum * (1/N)
     out = x * rstd[:, None] * w[None, :] * _sigmoid(g, PRECISE)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m)

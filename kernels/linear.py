@@ -63,13 +63,14 @@ gdc_wait. Rows M > 16 run the unfused kernels (the rmsnorm kernel, then F.linear
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
 from lingc.ops.linear import ROW_INVARIANT_ROWS
 
@@ -110,7 +111,8 @@ CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
 SPLIT_TARGET_PROGRAMS = 128   # auto split: grow S (powers of two) until tiles * S reaches ~ one program per SM,
 MIN_SLICE_BLOCKS = 3          # keeping >= 3 BK blocks per slice (the ticket + partial pass costs ~0.4 us)
 PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 per SM) prefetch their first blocks...
-PREFETCH_BLOCKS = tl.constexpr(2)          # ...this many, into L2, before gdc_wait
+PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "2")))  # ...this many
+                                           # (at most; not past their slice), into L2, before gdc_wait
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
 NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536
@@ -132,9 +134,10 @@ def _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program,
     if program < PREFETCH_PROGRAMS:
         rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn              # [BN]
         for b in tl.static_range(PREFETCH_BLOCKS):
-            cols = k_start + b * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE  # [BK / LINE]
-            cols = tl.minimum(cols, tl.minimum(k_end, K) - 1)
-            _prefetch_l2(w_ptr + rows[:, None] + cols[None, :])
+            if k_start + b * BLOCK_K < k_end:
+                cols = k_start + b * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE  # [BK / LINE]
+                cols = tl.minimum(cols, tl.minimum(k_end, K) - 1)
+                _prefetch_l2(w_ptr + rows[:, None] + cols[None, :])
 
 
 @triton.jit
@@ -230,7 +233,7 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
     if PDL:  # weights are written by no earlier kernel: start pulling them in before the wait
         _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, pid_n + pid_s * tl.num_programs(0),
                         BLOCK_K, LINE)
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
         rstd = _norm_rstd(x_ptr, res_ptr, offs_m, m_ok, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_BLOCK,
@@ -258,7 +261,7 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
         res_ptrs += BLOCK_K
         out_offs += BLOCK_K
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     out_mask = n_ok[:, None] & m_ok[None, :]                              # [BN, BM]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]        # [BN, BM] -> y[m, n]
     part_offs = offs_m[None, :] * N + offs_n[:, None]                     # [BN, BM] in one [M, N] slice
@@ -287,7 +290,7 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
     if PDL:
         program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
         _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     rstd = tl.zeros([ROWS], dtype=tl.float32)
     if NORM:
         rstd = _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps, ROWS, NORM_BLOCK,
@@ -316,7 +319,7 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
         res_ptrs += BLOCK_K
         out_offs += BLOCK_K
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     total = tl.sum(acc, axis=2)                                           # [R, BN]
     out_mask = r_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_r[:, None] * stride_ym + offs_n[None, :]        # [R, BN]

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the fallbacks and references)
 
 BLOCK = 1024        # elements per program of a row copy
@@ -42,11 +42,11 @@ def _take_rows_kernel(src_ptr, index_ptr, out_ptr, R, s_b, s_index, BLOCK: tl.co
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < R
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     i = tl.load(index_ptr + b).to(tl.int64)
     x = tl.load(src_ptr + b * s_b + i * s_index + offs, mask=mask)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(out_ptr + b * R + offs, x, mask=mask)
 
 
@@ -56,11 +56,11 @@ def _scatter_rows_kernel(buf_ptr, slots_ptr, value_ptr, R, s_buf, s_value, BLOCK
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < R
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     x = tl.load(value_ptr + b * s_value + offs, mask=mask)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(buf_ptr + slot * s_buf + offs, x.to(buf_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,10 +69,10 @@ def _step_positions_kernel(seq_ptr, out_ptr, T, BLOCK_T: tl.constexpr, PDL: tl.c
     b = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     base = tl.load(seq_ptr + b).to(tl.int64)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(out_ptr + b * T + t, base + t, mask=t < T)
 
 
@@ -81,7 +81,7 @@ def _paged_refill_kernel(pt_ptr, slots_ptr, pos_ptr, rows_ptr, locs_ptr, MP, T, 
                          BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     row = pt_ptr + slot * s_pt
     t = tl.arange(0, BLOCK_T)
@@ -94,7 +94,7 @@ def _paged_refill_kernel(pt_ptr, slots_ptr, pos_ptr, rows_ptr, locs_ptr, MP, T, 
         mask = offs < MP
         tl.store(rows_ptr + b * MP + offs, tl.load(row + offs, mask=mask), mask=mask)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
 
 
 def _rows_contiguous(t: torch.Tensor, lead: int) -> bool:

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. SPLIT_ROWS and BLOCK_N (cache rows per MMA step) and CB_BLOCK_S shape the arithmetic of a query;
@@ -73,8 +73,8 @@ BLOCK_N_FP32 = 16
 SMALL_ACC = 16 * 512     # BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
-CB_BLOCK_S = 32          # splits combined per step (a fixed reduction shape)
-CB_BLOCK_R = 64          # latent columns per combine program
+CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 8192 rows in one step
+CB_BLOCK_R = 32          # latent columns per combine program (M*H x R/32 programs: 256 at T = 1)
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
@@ -87,11 +87,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, M, T, stride_qb, stride_qt, stride_qh, stride_w,
+def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, stride_w,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
                      BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock] for every query m."""
+    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m)."""
     h = tl.program_id(0)
+    m = tl.program_id(2)
     offs_n = tl.arange(0, BLOCK_NOPE)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_n, mask_r = offs_n < N, offs_r < R
@@ -99,15 +100,14 @@ def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, M, T, stride_qb, stride_qt, stride_q
     w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
                 mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_NOPE, BLOCK_R]
     if PDL:
-        tl.extra.cuda.gdc_wait()
-    for m in range(0, M):
-        b, t = m // T, m % T
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
-                    mask=mask_n, other=0.0).to(tl.float32)                             # [BLOCK_NOPE]
-        q_lat = tl.sum(q[:, None] * w, axis=0)                                         # [BLOCK_R]
-        tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
+        pdl_wait()
+    b, t = m // T, m % T
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
+                mask=mask_n, other=0.0).to(tl.float32)                                 # [BLOCK_NOPE]
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
+    q_lat = tl.sum(q[:, None] * w, axis=0)                                             # [BLOCK_R]
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
     offs_e = tl.arange(0, BLOCK_E)
     mask_h, mask_r, mask_e = offs_h < H, offs_r < R, offs_e < RR
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
     start = s * SPLIT
     end = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # visible rows [start, end); empty if start > pos
@@ -164,7 +164,7 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
             acc = tl.dot(p.to(dot_ty), c, acc * alpha[:, None])                        # [BLOCK_H, BLOCK_R]
         m_i = m_new
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     active = end > start
     row = (m * S + s).to(tl.int64) * H + offs_h                                       # [BLOCK_H] partial rows
     tl.store(part_ml_ptr + row * 2, m_i, mask=mask_h & active)
@@ -185,7 +185,7 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
     n_splits = tl.minimum(pos // SPLIT + 1, S)
     rows = (m * S).to(tl.int64) * H + h                      # partial row of split 0; split s adds s * H
@@ -206,17 +206,18 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
         l_sum += w * l_s
         o_sum += tl.sum(w[:, None] * o_s, axis=0)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     out = o_sum / tl.sum(l_sum, axis=0)
     tl.store(olat_ptr + mh.to(tl.int64) * R + offs_r, out, mask=mask_r)
 
 
 @triton.jit
-def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, M, stride_w, H: tl.constexpr, N: tl.constexpr,
+def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, stride_w, H: tl.constexpr, N: tl.constexpr,
                      R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
                      BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r] for every query m."""
+    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m)."""
     h = tl.program_id(0)
+    m = tl.program_id(2)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     mask_v, mask_r = offs_v < VD, offs_r < R
@@ -224,13 +225,12 @@ def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, M, stride_w, H: tl.constexpr, N: 
     w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
                 mask=mask_v[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_V, BLOCK_R]
     if PDL:
-        tl.extra.cuda.gdc_wait()
-    for m in range(0, M):
-        o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)   # [BLOCK_R] fp32
-        out = tl.sum(w * o[None, :], axis=1)                                           # [BLOCK_V]
-        tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+        pdl_wait()
+    o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)   # [BLOCK_R] fp32
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
+    out = tl.sum(w * o[None, :], axis=1)                                               # [BLOCK_V]
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 # --------------------------------------------------------------------------------- cache write, rope, gate
@@ -245,11 +245,11 @@ def _cache_write_kernel(kv_ptr, latent_ptr, locs_ptr, T, L, stride_row, stride_l
     offs = tl.arange(0, BLOCK_L)
     mask = offs < L
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     loc = tl.load(locs_ptr + b.to(tl.int64) * stride_locs_b + t * stride_locs_t).to(tl.int64)
     x = tl.load(latent_ptr + b.to(tl.int64) * stride_lb + t * stride_lt + offs, mask=mask)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(kv_ptr + loc * stride_row + offs, x.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
@@ -270,13 +270,13 @@ def _rope_kernel(x_ptr, pos_ptr, out_ptr, T, NH, HALF, ln_theta_hi, ln_theta_lo,
     power = tl.exp(expo.to(tl.float64) * ln_theta).to(tl.float32)
     inv_freq = tl.math.div_rn(tl.full([BLOCK_HALF], 1.0, tl.float32), power)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.float32)
     src = x_ptr + b.to(tl.int64) * stride_xb + t * stride_xt + offs_h[:, None] * stride_xh + 2 * offs_i[None, :]
     xe = tl.load(src, mask=mask, other=0.0).to(tl.float32)                             # [BLOCK_NH, BLOCK_HALF]
     xo = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     angle = pos * inv_freq                                                             # [BLOCK_HALF]
     cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
     dst = out_ptr + (m * NH + offs_h[:, None]).to(tl.int64) * (2 * HALF) + offs_i[None, :]
@@ -297,13 +297,13 @@ def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, T, H, V, stride_xb, stride_xt, s
     mask_h = offs_h < H
     mask = mask_h[:, None] & (offs_v < V)[None, :]
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + offs_h * stride_gh, mask=mask_h,
                 other=0.0).to(tl.float32)
     x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + t * stride_xt + offs_h[:, None] * stride_xh + offs_v[None, :],
                 mask=mask, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     e = tl.exp((-g).to(tl.float64)).to(tl.float32)           # exp in float64 rounded once: expf to < 1 ulp
     gate = tl.math.div_rn(tl.full([BLOCK_H], 1.0, tl.float32), 1.0 + e).to(x.dtype)
     out = x.to(tl.float32) * gate.to(tl.float32)[:, None]
@@ -365,7 +365,8 @@ def _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions
 def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
                    page_rows: torch.Tensor, positions: torch.Tensor, scale: float, *, pdl: bool = False,
                    split_rows: int = SPLIT_ROWS, block_n: int | None = None, split_warps: int | None = None,
-                   split_stages: int = SPLIT_STAGES) -> torch.Tensor:
+                   split_stages: int = SPLIT_STAGES, combine_block_s: int = CB_BLOCK_S,
+                   combine_block_r: int = CB_BLOCK_R) -> torch.Tensor:
     """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them)."""
     B, T, H, N, Rr, R, Vd = _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions)
     block_h, block_r, fp32 = _pow2(H, MIN_DOT), _pow2(R, MIN_DOT), kv_pages.dtype == torch.float32
@@ -389,8 +390,8 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
     pdl, launch = _launch_opts(pdl, dev)
     head_rows = N + Vd
-    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R))](
-        q_nope, kv_b, q_lat, M, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
+    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), M)](
+        q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl,
         num_warps=GEMV_WARPS, **launch)
     _split_kernel[(M, S)](
@@ -399,12 +400,12 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         page_rows.stride(0), positions.stride(0), positions.stride(1),
         H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
         BLOCK_N=block_n, IEEE=fp32, PDL=pdl, num_warps=split_warps, num_stages=split_stages, **launch)
-    _combine_kernel[(M * H, triton.cdiv(R, CB_BLOCK_R))](
+    _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
-        H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=CB_BLOCK_S, BLOCK_R=CB_BLOCK_R, PDL=pdl,
+        H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
         num_warps=GEMV_WARPS, **launch)
-    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V))](
-        o_lat, kv_b, out, M, kv_b.stride(0), H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
+    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
+        o_lat, kv_b, out, kv_b.stride(0), H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
         BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, PDL=pdl, num_warps=GEMV_WARPS, **launch)
     return out
 

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import align_sizes
 
@@ -114,7 +114,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     total = tl.load(total_ptr)
     if pid_m * BLOCK_M >= total:
         return
@@ -144,7 +144,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     h = acc.to(out_ptr.dtype.element_ty)  # the one rounding moe_up stores; the fused epilogue starts from it
     out_rows = out_ptr + pairs.to(tl.int64)[:, None] * stride_om
     if SWIGLU:
@@ -164,11 +164,11 @@ def _silu_and_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, inter, limit,
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
     up = tl.load(h_ptr + row * stride_h + inter + cols, mask=mask, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     act = _swiglu(gate, up, limit, HAS_LIMIT, LIBDEVICE_EXP).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, act, mask=mask)
 
@@ -183,7 +183,7 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     acc0 = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -211,7 +211,7 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
     if HAS_SHARED:
         shared = tl.load(s_ptr + n * stride_s + cols, mask=mask, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     routed = acc0
     if ORDER == 1:
         routed = ((acc0 + acc1) + acc2) + acc3

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
 from lingc.ops.moe import align_sizes
 
@@ -60,12 +60,12 @@ NUM_WARPS = 4
 def _moe_align_pairs_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM, MAX_PADDED, BLOCKS,
                             NP_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     offs = tl.arange(0, NP_BLOCK)
     valid = offs < NP
     e = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)        # [NP_BLOCK], padding lanes = E
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     # sentinels everywhere first (padding inside each expert's last block, the tail past the total)
     fill = tl.arange(0, FILL)
     for start in range(0, MAX_PADDED, FILL):

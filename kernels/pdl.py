@@ -1,12 +1,60 @@
-"""Whether a kernel launch may use PDL (programmatic dependent launch), shared by every kernel family."""
+"""PDL (programmatic dependent launch) for every kernel family: whether a launch may use it, and the two
+device-side calls, with where the trigger goes.
+
+A PDL-launched kernel calls `pdl_wait()` before its first access to anything an earlier kernel wrote, and
+`pdl_trigger()` where the old rule put `gdc_launch_dependents` (after its last load of such data). Where the
+trigger fires is a speed choice, never a correctness one: a dependent's own `gdc_wait` waits for this kernel's
+completion whatever the trigger does. LINGC_PDL_TRIGGER picks it (read once, at import; it is a constexpr, so
+it is part of every kernel's compile key):
+
+    early            `pdl_wait()` triggers right after the wait. The next kernel's programs are scheduled as soon
+                     as every program of this one has passed its wait (the kernel before it has completed), and
+                     its pre-wait prologue (weights into registers, the linear's L2 prefetch of its weight slice)
+                     overlaps this kernel's whole run. Only one kernel runs ahead: it in turn triggers only after
+                     its own wait returns. `pdl_trigger()` is then a no-op.
+    late (default)   the trigger after the last dependent load (`pdl_trigger()`), as Inductor places it.
+
+Early is not "at kernel entry" (shared/docs/kernels.md 1.5's pitfall): triggering before the wait would let every
+later kernel of a chain launch and hold SM slots while it waits. bench/device_step.py measures both
+(`bench/results/step-*`).
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 PDL_MIN_CAPABILITY = 9  # griddepcontrol needs sm90+
+TRIGGER_MODES = ("early", "late")
+
+
+def _trigger_mode() -> str:
+    mode = os.environ.get("LINGC_PDL_TRIGGER", "late")
+    if mode not in TRIGGER_MODES:
+        raise ValueError(f"LINGC_PDL_TRIGGER={mode!r}: want one of {', '.join(TRIGGER_MODES)}")
+    return mode
+
+
+TRIGGER = _trigger_mode()
+TRIGGER_EARLY = tl.constexpr(TRIGGER == "early")
+
+
+@triton.jit
+def pdl_wait():
+    """gdc_wait; under the early trigger, also let the next kernel launch (call only on the PDL path)."""
+    tl.extra.cuda.gdc_wait()
+    if TRIGGER_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger():
+    """gdc_launch_dependents under the late trigger; nothing under the early one (pdl_wait did it)."""
+    if not TRIGGER_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_supported(device: torch.device) -> bool:

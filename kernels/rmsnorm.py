@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. One program holds a whole row, so the row must fit one block.
@@ -39,10 +39,10 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
     mask = cols < N
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     normed = (xf * rstd).to(x.dtype)
@@ -73,11 +73,11 @@ def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, res_out_ptr,
     mask = cols < N
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     _add_rmsnorm_row(res, x, w, out_ptr + row * stride_out, res_out_ptr + row * stride_res_out, cols, mask, N, eps)
 
 

@@ -80,7 +80,7 @@ import triton
 import triton.language as tl
 
 from lingc.kernels.moe_align import moe_align
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import align_sizes
 
@@ -192,11 +192,11 @@ def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_row, GS,
     rows = tl.program_id(0) + tl.arange(0, 1)                                     # one row per program
     bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
                                1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     if SHARED > 0:
         weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
     _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
@@ -211,11 +211,11 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
     rows = tl.arange(0, R_BLOCK)                                                  # all N rows side by side
     bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
                                R_BLOCK, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     if SHARED > 0:
         weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
     _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
@@ -341,10 +341,10 @@ def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, 
     cell = tl.where(valid, eid, 0)              # (a select: no axis looks contiguous, see the section comment)
     bias = tl.load(bias_ptr + cell, mask=valid, other=0.0).to(tl.float32)         # a weight: before the wait
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     x = tl.load(logits_ptr + r.to(tl.int64) * stride_row + cell, mask=valid, other=0.0).to(tl.float32)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     NP = N * W
     for start in range(0, max_padded, FILL):                                      # sentinels first
         cells = start + tl.arange(0, FILL)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables (read at call time). CHUNK is the ids per stage-1 program; no result depends on it (argmax is exact;
@@ -77,10 +77,10 @@ def _greedy_partials_kernel(x_ptr, val_ptr, id_ptr, T, stride_b, stride_t, V, n_
     c = tl.program_id(1)
     x_row_ptr = x_ptr + (row // T).to(tl.int64) * stride_b + (row % T).to(tl.int64) * stride_t
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     val, idx = _argmax_chunk(x_row_ptr, c * CHUNK + tl.arange(0, CHUNK), V, NO_ID)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(val_ptr + row * n_chunks + c, val)
     tl.store(id_ptr + row * n_chunks + c, idx)
 
@@ -92,11 +92,11 @@ def _greedy_final_kernel(val_ptr, id_ptr, out_ptr, n_chunks, C_BLOCK: tl.constex
     cc = tl.arange(0, C_BLOCK)
     cm = cc < n_chunks
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     vals = tl.load(val_ptr + row * n_chunks + cc, mask=cm, other=float("-inf"))
     ids = tl.load(id_ptr + row * n_chunks + cc, mask=cm, other=NO_ID)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     _, idx = _argmax_merge(vals, ids, NO_ID)
     tl.store(out_ptr + row, idx.to(tl.int64))
 
@@ -138,7 +138,7 @@ def _chain_partials_kernel(logits_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, val_ptr
     i = row % (K + 1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     temp = tl.load(temp_ptr + b).to(tl.float32)
     if temp <= 0:
         val, idx = _argmax_chunk(logits_ptr + row.to(tl.int64) * V, cols, V, NO_ID)
@@ -152,7 +152,7 @@ def _chain_partials_kernel(logits_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, val_ptr
         tl.store(val_ptr + row * n_chunks + c, tl.sum(res, axis=0))
         tl.store(sum_ptr + row * n_chunks + c, tl.sum(pt, axis=0))
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def _chain_final_kernel(draft_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, u_ptr, val_
     cm = cc < n_chunks
     kk = tl.arange(0, KP1_BLOCK)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     temp = tl.load(temp_ptr + b).to(tl.float32)
     drafts = tl.load(draft_ptr + b * K + kk, mask=kk < K, other=0).to(tl.int64)   # [KP1_BLOCK]
     run = b * 0 + 1                                                              # int32 scalars
@@ -203,7 +203,7 @@ def _chain_final_kernel(draft_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, u_ptr, val_
                             dprobs_ptr + (b * K + tl.minimum(accepted, K - 1)).to(tl.int64) * V,
                             V, accepted < K, residual, CHUNK, NO_ID).to(tl.int64)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(len_ptr + b, (accepted + 1).to(tl.int32))
     tokens = tl.where(kk == accepted, stop, drafts)                              # position K: 0 unless the stop
     tl.store(tok_ptr + b * (K + 1) + kk, tokens, mask=kk < K + 1)
@@ -216,10 +216,10 @@ def _chunk_sums_kernel(p_ptr, sum_ptr, T, stride_b, stride_t, V, n_chunks, CHUNK
     c = tl.program_id(1)
     p_row_ptr = p_ptr + (row // T).to(tl.int64) * stride_b + (row % T).to(tl.int64) * stride_t
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     mass = _chunk_mass(p_row_ptr, p_row_ptr, c * CHUNK + tl.arange(0, CHUNK), V, False, False)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(sum_ptr + row * n_chunks + c, tl.sum(mass, axis=0))
 
 
@@ -230,12 +230,12 @@ def _sample_final_kernel(p_ptr, u_ptr, sum_ptr, out_ptr, T, stride_b, stride_t, 
     cc = tl.arange(0, C_BLOCK)
     p_row_ptr = p_ptr + (row // T).to(tl.int64) * stride_b + (row % T).to(tl.int64) * stride_t
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     sums = tl.load(sum_ptr + row * n_chunks + cc, mask=cc < n_chunks, other=0.0)
     u = tl.load(u_ptr + (row // T) * stride_ub + (row % T) * stride_ut).to(tl.float32)
     token = _inverse_cdf(sums, cc, n_chunks, u, p_row_ptr, p_row_ptr, V, False, False, CHUNK, NO_ID)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -372,11 +372,11 @@ def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL:
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        pdl_wait()
     seed = tl.load(seed_ptr + b).to(tl.int64).to(tl.uint64, bitcast=True)
     counter = tl.load(counter_ptr + b).to(tl.int64)
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger()
     idx = (counter + i).to(tl.uint64, bitcast=True)
     bits = _splitmix64(_splitmix64(seed) ^ idx)
     value = (bits >> 40).to(tl.int64).to(tl.float32) * (1.0 / (1 << 24))
