@@ -37,8 +37,9 @@ S > 1. At M = 1 it is the weight stream; bench/kernel_linear.py reports GB/s aga
 Rows M > 16 (prefill chunks) fall back to torch.nn.functional.linear in the weight dtype, then the cast:
 the reference's own batched path, which cuBLAS runs near its matrix peak.
 
-PDL (shared/docs/kernels.md section 1.5): with the constexpr PDL on, first-wave programs prefetch their first
-weight blocks into L2 (no earlier kernel writes weights) before `gdc_wait()`; x, the workspace and the
+PDL (shared/docs/kernels.md section 1.5): with the constexpr PDL on, first-wave programs prefetch their weight
+slice into L2 (up to PREFETCH_BLOCKS blocks; no earlier kernel writes weights) before `gdc_wait()`; under the early
+trigger (kernels/pdl.py) that runs while the previous kernel does; x, the workspace and the
 counters are touched only after it; `gdc_launch_dependents()` follows the main loop (the last load of
 anything an earlier kernel wrote). With PDL off no GDC or prefetch instruction exists (the interpreter
 cannot run them).
@@ -111,8 +112,9 @@ CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
 SPLIT_TARGET_PROGRAMS = 128   # auto split: grow S (powers of two) until tiles * S reaches ~ one program per SM,
 MIN_SLICE_BLOCKS = 3          # keeping >= 3 BK blocks per slice (the ticket + partial pass costs ~0.4 us)
 PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 per SM) prefetch their first blocks...
-PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "2")))  # ...this many
-                                           # (at most; not past their slice), into L2, before gdc_wait
+PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "16")))  # ...this many
+                     # (at most; not past their slice), into L2, before gdc_wait: 16 covers every slice of the
+                     # Ling shapes (K <= 1536 unsplit is 12 blocks); 2 measured within 3 us of it (pdl.py)
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
 NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536

@@ -74,7 +74,7 @@ SMALL_ACC = 16 * 512     # BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC w
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
 CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 8192 rows in one step
-CB_BLOCK_R = 32          # latent columns per combine program (M*H x R/32 programs: 256 at T = 1)
+CB_BLOCK_R = 64          # latent columns per combine program (M*H x R/64 programs: 128 at T = 1)
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4

@@ -7,16 +7,18 @@ trigger fires is a speed choice, never a correctness one: a dependent's own `gdc
 completion whatever the trigger does. LINGC_PDL_TRIGGER picks it (read once, at import; it is a constexpr, so
 it is part of every kernel's compile key):
 
-    early            `pdl_wait()` triggers right after the wait. The next kernel's programs are scheduled as soon
+    early (default)  `pdl_wait()` triggers right after the wait. The next kernel's programs are scheduled as soon
                      as every program of this one has passed its wait (the kernel before it has completed), and
                      its pre-wait prologue (weights into registers, the linear's L2 prefetch of its weight slice)
                      overlaps this kernel's whole run. Only one kernel runs ahead: it in turn triggers only after
                      its own wait returns. `pdl_trigger()` is then a no-op.
-    late (default)   the trigger after the last dependent load (`pdl_trigger()`), as Inductor places it.
+    late             the trigger after the last dependent load (`pdl_trigger()`), as Inductor places it.
 
 Early is not "at kernel entry" (shared/docs/kernels.md 1.5's pitfall): triggering before the wait would let every
-later kernel of a chain launch and hold SM slots while it waits. bench/device_step.py measures both
-(`bench/results/step-*`).
+later kernel of a chain launch and hold SM slots while it waits. Measured on the H200 (2f1b249, the Ling-3.0-tiny
+step with every pass, `device_step.py --only all` once per mode, linear prefetch 2 / 16 blocks): decode step
+1.5745 / 1.5761 ms late vs 1.5686 / 1.5658 ms early, NEXTN 4.358 / 4.357 vs 4.346 / 4.342 ms: 6-10 us and
+12-16 us, small but the same sign in both pairs (bench/results/pdl-trigger-h200-20261130.json).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ TRIGGER_MODES = ("early", "late")
 
 
 def _trigger_mode() -> str:
-    mode = os.environ.get("LINGC_PDL_TRIGGER", "late")
+    mode = os.environ.get("LINGC_PDL_TRIGGER", "early")
     if mode not in TRIGGER_MODES:
         raise ValueError(f"LINGC_PDL_TRIGGER={mode!r}: want one of {', '.join(TRIGGER_MODES)}")
     return mode

@@ -16,13 +16,8 @@ other rows: `router_topk` and `router_align` give the same bits for a row.
 `router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`) in ONE launch of one program. Two
 kernels, chosen by the launcher's `variant`:
 
-  "rows" (N <= MAX_ROWS and a sane tile; NOT the default: on the H200 at N = 1 it wrote wrong sorted_pairs /
-  block_expert (block_expert [39, 120, 122, 30, -1, ...] for ids [39, 30, 26, 120, 94, 17, 19, 122]: only some
-  experts' blocks, so the next moe_up_act read out of bounds), while the interpreter and N >= 2 on the GPU agree
-  with "pairs". Those block experts fit group offsets gone wrong; at N = 1 the tile's G axis spans 2 lanes x 4
-  repeats (TTGIR), so the tl.cumsum over G was the suspect, and the G and C prefix sums are now comparison sums
-  (bit-identical in the interpreter; NOT yet re-run on the GPU, so still not the default): the tokens are a tensor axis the warps split, one or two rows
-  per warp, so every per-row reduction (the k picks, the group scores) is a warp shuffle and never a CTA barrier.
+  "rows" (N <= MAX_ROWS and a sane tile; the default from 2 rows up, variant "auto"): the tokens are a tensor
+  axis the warps split, one or two rows per warp, so every per-row reduction (the k picks, the group scores) is a warp shuffle and never a CTA barrier.
   The align is read off the routing tile itself, without the pair axis: the tile [L, R, G, C] (experts e =
   g*GS + c*L + l, tokens r) keeps each row's pick index i per expert, so, with bits_e = sum_r (row r picked e)
   << r (the only cross-warp step: one int32 sum over the rows),
@@ -33,7 +28,11 @@ kernels, chosen by the launcher's `variant`:
   and the S shared experts (every row, ids E..E+S-1) follow the routed segments: offset = routed total +
   s * ceil(N / BM) * BM, rank r. The sentinels (NP in sorted_pairs, -1 in block_expert) are stored first and a
   CTA barrier orders them before the scatters. All of it is O(N * E) elementwise work in registers.
-  "pairs" (the default, the previous kernel; N * (k + S) <= MAX_PAIRS): routes the N rows side by side
+  History: on the H200 at N = 1 an earlier version wrote wrong sorted_pairs / block_expert (only some experts'
+  blocks); at N = 1 the tile's G axis spans 2 lanes x 4 repeats (TTGIR) and the tl.cumsum over G was the
+  suspect. With the G and C prefix sums as comparison sums (253218f) the H200 run of 2f1b249 has rows == pairs,
+  all outputs bit for bit, at N = 1 and 6, with and without the shared expert (bench/kernel_router.py).
+  "pairs" (the default at N = 1, the previous kernel; N * (k + S) <= MAX_PAIRS): routes the N rows side by side
   in a [R, G, GS] tile, stores ids, then after a barrier reloads them and aligns the NP pairs with pairwise
   [NP_BLOCK, NP_BLOCK] compares (kernels/moe_align.py's pair axis), writing every cell with disjoint stores.
 Anything else runs the router_topk kernel, then lingc.kernels.moe_align.
@@ -91,7 +90,9 @@ MAX_ROWS = 16                  # router_align "rows" runs for N <= MAX_ROWS (bit
 ROW_LANES = 32                 # "rows": experts of a group per lane chunk (L = min(32, GS padded)); rows fill the rest
 ROW_MAX_WARPS = 8
 ROW_ELEMENTS_PER_THREAD = 32   # "rows": tile cells per thread (E = 512, N = 16: 32 -> 245 registers); more spill
-ALIGN_VARIANTS = ("rows", "pairs")
+ALIGN_VARIANTS = ("auto", "rows", "pairs")
+ROWS_FROM = 2   # "auto": "rows" from this many rows up, "pairs" below (H200, 2026-11-30: N = 1 pairs 3.10 us vs
+                # rows 3.32; N = 6 with the shared expert rows 6.82 vs pairs 8.30 vs the two kernels 8.19; PDL on)
 MIN_NP_BLOCK = 16              # smallest pair block of the fused kernel (as kernels/moe_align.py)
 FILL_BLOCK = 1024              # cells per store of the sentinel tails (sorted_pairs, block_expert)
 # (largest routing tile, num_warps), first match: rows x padded E (one row per router_topk program, all N rows
@@ -479,14 +480,15 @@ def _rows_launch(N: int, n_group: int, group_size: int, top_k: int, fused_shared
 
 def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                  routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int = 0, *,
-                 pdl: bool = False, variant: str = "pairs",
+                 pdl: bool = False, variant: str = "auto",
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights, ids, sorted_pairs, block_expert, total) = router_topk then moe_align on its ids.
 
     num_experts = E + fused_shared. One launch of one program: variant "rows" where `_rows_launch` allows it
     (N <= MAX_ROWS, tile small enough), else "pairs" where N * (top_k + fused_shared) <= MAX_PAIRS; otherwise
-    the router_topk kernel, then moe_align. variant="pairs" skips "rows" (the previous kernel, for timing).
-    Every path gives the same bits.
+    the router_topk kernel, then moe_align. variant="pairs" skips "rows"; "auto" (the default) takes "rows" from
+    ROWS_FROM rows up and "pairs" below, the faster of the two on the H200 at each size. Every path gives the
+    same bits, so the choice by N keeps row invariance.
     """
     logits, group_size = _check(logits, expert_bias, n_group, topk_group, top_k)
     _check_shared(fused_shared)
@@ -498,7 +500,8 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
         raise ValueError(f"router_align: variant must be one of {ALIGN_VARIANTS}, got {variant!r}")
     width = top_k + fused_shared
     num_pairs = N * width
-    rows = _rows_launch(N, n_group, group_size, top_k, fused_shared) if variant == "rows" else None
+    use_rows = variant == "rows" or (variant == "auto" and N >= ROWS_FROM)
+    rows = _rows_launch(N, n_group, group_size, top_k, fused_shared) if use_rows else None
     if rows is None and (num_pairs == 0 or num_pairs > MAX_PAIRS):
         weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor,
                                    fused_shared, pdl=pdl)

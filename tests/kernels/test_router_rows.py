@@ -6,8 +6,9 @@ weight bits); against the torch reference up to its unspecified id order where t
 output cell is poisoned first. Covers N in {1, 2, 6, 16}, ties in scores and in group scores, a dominant bias,
 n_group / topk_group limits, odd group sizes, chunked groups (GS > 32), 0 / 1 / 2 fused shared experts, row
 invariance, the dispatch gates, and (compiled for sm_90 without a GPU) the layout that keeps rows inside warps.
-These pass, yet on the H200 "rows" wrote wrong block experts at N = 1 (kernels/router.py): a GPU-only fault the
-interpreter does not reproduce, which is why "pairs" is the default.
+An earlier "rows" wrote wrong block experts at N = 1 on the H200 (kernels/router.py's history; a GPU-only fault
+the interpreter did not reproduce); since 253218f the H200 agrees. "auto" (the default) runs "rows" from
+ROWS_FROM rows up and "pairs" below, where each is faster.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingc.kernels.router import MAX_PAIRS, MAX_ROWS, _rows_launch, router_align, router_align_ref, router_topk
+import lingc.kernels.router as router_mod
+from lingc.kernels.router import MAX_PAIRS, MAX_ROWS, ROWS_FROM, _rows_launch, router_align, router_align_ref, router_topk
 from lingc.ops.moe import moe_align
 from kernel_support import poisoned_empty  # noqa: E402  (tests/kernels is on sys.path)
 from test_router import SCALE, _assert_same_routing, _inputs  # noqa: E402
@@ -56,7 +58,7 @@ def _check_rows(x: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: i
     assert _rows_launch(N, n_group, E // n_group, top_k, shared) is not None, "case does not reach the rows kernel"
     args = (x, bias, n_group, topk_group, top_k, SCALE, E + shared, block_m, shared)
     with poisoned_empty():
-        got = router_align(*args, variant="rows")                   # not the default (wrong on the H200 at N = 1)
+        got = router_align(*args, variant="rows")
     weights, ids = router_topk(x, bias, n_group, topk_group, top_k, SCALE, shared)
     want = (weights, ids, *moe_align(ids, E + shared, block_m))
     for name, g, w in zip(OUTPUTS, got, want):
@@ -159,3 +161,30 @@ def test_rows_layout_keeps_rows_inside_warps() -> None:
         assert four_d and all(w[0] == w[2] == w[3] == 1 for w in four_d), f"N={n}: warps off the row axis {layouts}"
         # N = 1: one more (the permute of the G prefix sum goes through shared memory; one warp: nearly free)
         assert int(barriers) <= (3 if n == "1" else 8), f"N={n}: {barriers} bar.sync (want <= 8)"
+
+
+@pytest.mark.parametrize("N", [1, ROWS_FROM, 6])
+def test_auto_variant_picks_by_rows(N: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ("auto") launches "pairs" below ROWS_FROM rows and "rows" from there, with the same bits."""
+    x, bias = _inputs(N, 128, 8, 4, 8, torch.float32, seed=N)
+    args = (x, bias, 8, 4, 8, SCALE, 129, 16, 1)
+    launched = []
+    for name in ("_router_align_rows_kernel", "_router_align_kernel"):
+        kernel = getattr(router_mod, name)
+        monkeypatch.setattr(router_mod, name, _Spy(kernel, name, launched))
+    got = router_align(*args)
+    assert launched == ["_router_align_rows_kernel" if N >= ROWS_FROM else "_router_align_kernel"]
+    for variant in ("rows", "pairs"):
+        for name, g, w in zip(OUTPUTS, got, router_align(*args, variant=variant)):
+            assert torch.equal(g, w), f"{name}: auto vs {variant}"
+
+
+class _Spy:
+    """A kernel stand-in recording which kernel a launcher indexed, then launching it."""
+
+    def __init__(self, kernel, name: str, log: list) -> None:
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
