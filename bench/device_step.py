@@ -34,7 +34,8 @@ CONTEXT = 8192
 DRAFT_TOKENS = 6
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
-            "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear")  # "all" adds fuse_index_chains
+            "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe")
+# "all" adds fuse_index_chains
 
 
 def _sync() -> None:
@@ -206,6 +207,8 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="also time torch.compile and transformers peers")
     ap.add_argument("--e2e", action="store_true", help="also run the engine end to end (1024 tokens)")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
+    ap.add_argument("--pdl-scope", choices=("all", "chains"), default="all",
+                    help="A/B: 'chains' makes the pdl pass annotate its chains only (passes/pdl.py SOLO = False)")
     ap.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens of the end-to-end run")
     ap.add_argument("--merge-peers", nargs="*", default=None, metavar="NAME=FILE",
                     help="no GPU work: add peer results (bench/peers.py JSON) to the --json file and re-summarize")
@@ -226,13 +229,16 @@ def main() -> None:
             json.dump(result, f, indent=1, default=str)
         return
     import lingc  # noqa: F401
+    import lingc.passes.pdl
     from lingc.init import random_model
+    lingc.passes.pdl.SOLO = args.pdl_scope == "all"
     from lingc.presets import preset
     from lingc.trace import TraceOptions, trace
 
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "python": platform.python_version(), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
-                    "command": " ".join(sys.argv), "context": CONTEXT, "draft_tokens": DRAFT_TOKENS}
+                    "command": " ".join(sys.argv), "context": CONTEXT, "draft_tokens": DRAFT_TOKENS,
+                    "pdl_scope": args.pdl_scope}
     over = {"num_nextn_predict_layers": 1} | ({"num_hidden_layers": args.layers} if args.layers else {})
     config = preset("ling-3.0-tiny", **over)
     t0 = time.perf_counter()

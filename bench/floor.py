@@ -39,6 +39,12 @@ def step_bytes(exe: Executor, graph: str) -> dict[str, int]:
     def observe(launch: Launch, args: tuple, kwargs: dict, result: Any) -> None:
         op = _op(launch)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if op == "moe_fused":                                               # w13 and w2 of the chosen experts
+            w13, w2, block_expert, total, block_m = args[1], args[2], args[5], args[6], args[8]
+            used = block_expert[: int(total.item()) // int(block_m)]
+            experts = int(torch.unique(used[used >= 0]).numel())
+            counts["experts"] += experts * (_size(w13[0]) + _size(w2[0]))
+            return
         if op in MOE_OPS:
             stack = next(a for a in tensors if id(a) in weight_ids)
             block_expert, total = tensors[-2], tensors[-1]            # (..., sorted_pairs, block_expert, total)

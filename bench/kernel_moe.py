@@ -236,6 +236,37 @@ def _chain_rows(p: Problem) -> list[dict]:
                  unfused_time_us=_time(p.calls(lambda c, w: unfused(p, c, w))))]
 
 
+def _fused_rows(p: Problem) -> list[dict]:
+    """kernels/moe_fused.py: align -> moe_fused (one persistent launch) vs align -> up_act -> down -> combine (PDL),
+    both cold; bit-equality, row invariance (token 0 alone), and the same with the grid forced to 1 program."""
+    from lingc.kernels.moe import moe_combine, moe_down, moe_up_act
+    from lingc.kernels.moe_align import moe_align
+    from lingc.kernels.moe_fused import device_counters, moe_fused
+
+    def one(q: Problem, c: int, w: int, **kw) -> torch.Tensor:
+        al = moe_align(q.ids[c], E, BLOCK_M, pdl=True)
+        return moe_fused(q.x[c], q.w13i[w], q.w2[w], q.weights[c], *al, TOP_K, BLOCK_M, 0.0, q.shared[c], pdl=True,
+                         **kw)
+
+    def chain(q: Problem, c: int, w: int) -> torch.Tensor:
+        al = moe_align(q.ids[c], E, BLOCK_M, pdl=True)
+        act = moe_up_act(q.x[c], q.w13i[w], *al, TOP_K, BLOCK_M, 0.0, pdl=True)
+        return moe_combine(moe_down(act, q.w2[w], *al, BLOCK_M, pdl=True), q.weights[c], q.shared[c], pdl=True)
+
+    got, want = one(p, 0, 0), chain(p, 0, 0)
+    equal = torch.equal(got, want)
+    single = torch.equal(one(p, 0, 0, programs=1), want)
+    row_inv = torch.equal(got[:1], one(p.token0(), 0, 0))
+    again = all(torch.equal(one(p, 0, 0), want) for _ in range(20))          # the counters reset every launch
+    zeroed = not bool(device_counters(got.device).any())
+    err, exact, close = _err(got, want)
+    bytes_ = p.expert_bytes(p.w13) + p.expert_bytes(p.w2)
+    return [_row("moe_fused", p.shape, equal and single and row_inv and again and zeroed, err, exact, True,
+                 _time(p.calls(lambda c, w: one(p, c, w))), None, bytes_, distinct_experts=p.distinct,
+                 equal_to_chain=equal, one_program_equal=single, row_invariant=row_inv, repeat_equal=again,
+                 counters_zero=zeroed, chain_time_us=_time(p.calls(lambda c, w: chain(p, c, w))))]
+
+
 def _tune_rows(p: Problem) -> list[dict]:
     """Other tilings of moe_up_act and moe_down, cold; same_bits: output equal to the default tiling's."""
     from lingc.kernels.moe import DOWN_CONFIG, UP_CONFIG, GemmConfig, moe_down, moe_up_act
@@ -277,7 +308,7 @@ def run(device: torch.device) -> list[dict]:
     rows: list[dict] = []
     for T in (1, 6):
         p = Problem(T, device, g, stacks)
-        for section in (_gemm_rows, _combine_align_rows, _chain_rows, _tune_rows):
+        for section in (_gemm_rows, _combine_align_rows, _chain_rows, _fused_rows, _tune_rows):
             try:
                 rows += section(p)
             except Exception:  # noqa: BLE001  (one section's failure must not lose the others)

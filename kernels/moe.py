@@ -105,19 +105,15 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr, LIBDEVICE_EXP: tl.constexp
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                     num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
-                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
-                     LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if PDL:
-        pdl_wait()
-    total = tl.load(total_ptr)
-    if pid_m * BLOCK_M >= total:
-        return
+def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+               num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
+               TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
+               LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr):
+    """One grouped-GEMM tile: N-tile pid_n of block pid_m (which must be in use), stored. Shared by
+    _moe_gemm_kernel and kernels/moe_fused.py, so the two give a tile the same bits. A_CG loads the A rows
+    through L2 only (.cg): the fused kernel's down tiles read rows other programs of the same launch wrote."""
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = tl.arange(0, TILE_M)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs)  # [TILE_M]
@@ -131,20 +127,22 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            a_mask = valid[:, None]
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy="evict_first")
         else:
             k_ok = k0 + offs_k < K
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            a_mask = valid[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if A_CG:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
+        else:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         if IEEE_DOT:
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if PDL:
-        pdl_trigger()
     h = acc.to(out_ptr.dtype.element_ty)  # the one rounding moe_up stores; the fused epilogue starts from it
     out_rows = out_ptr + pairs.to(tl.int64)[:, None] * stride_om
     if SWIGLU:
@@ -154,6 +152,27 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
         tl.store(out_rows + offs_o[None, :], act, mask=valid[:, None] & (offs_o < N // 2)[None, :])
     else:
         tl.store(out_rows + offs_n[None, :], h, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                     num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
+                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
+                     LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if PDL:
+        pdl_wait()
+    total = tl.load(total_ptr)
+    if pid_m * BLOCK_M >= total:
+        return
+    _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n, num_pairs, N, K, stride_am,
+               stride_we, stride_wn, stride_om, limit, TOP_K, BLOCK_M, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU,
+               HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, False)
+    if PDL:
+        pdl_trigger()
 
 
 @triton.jit
@@ -174,28 +193,32 @@ def _silu_and_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, inter, limit,
 
 
 @triton.jit
-def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, stride_w, stride_l, stride_s, stride_o,
-                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        PDL: tl.constexpr, HAS_LOCAL: tl.constexpr = False):
+def _combine_row(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, n, cols, mask, stride_e, stride_w, stride_l, stride_s,
+                 stride_o, TOP_K: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
+                 HAS_LOCAL: tl.constexpr, E_CG: tl.constexpr, PDL: tl.constexpr):
+    """moe_combine of token n over the columns cols: stored. Shared by _moe_combine_kernel, kernels/ep.py (HAS_LOCAL)
+    and kernels/moe_fused.py (E_CG: expert rows other programs of the same launch wrote, loaded through L2 only).
+    Elementwise per column, so the bits do not depend on how many columns a program takes."""
     # HAS_LOCAL (ep_combine, kernels/ep.py): pair j counts only where local_ids[n, j] >= 0; another rank's pair
     # contributes exactly +0.0 (as the reference) and its expert row is never loaded
-    n = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    if PDL:
-        pdl_wait()
-    acc0 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc0 = tl.zeros(cols.shape, dtype=tl.float32)
+    acc1 = tl.zeros(cols.shape, dtype=tl.float32)
+    acc2 = tl.zeros(cols.shape, dtype=tl.float32)
+    acc3 = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         w = tl.load(w_ptr + n * stride_w + j).to(tl.float32)
+        e_mask = mask
         if HAS_LOCAL:
             mine = tl.load(local_ptr + n * stride_l + j) >= 0
-            e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=mask & mine, other=0.0).to(tl.float32)
+            e_mask = mask & mine
+        if E_CG:
+            e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=e_mask, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+        else:
+            e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=e_mask, other=0.0).to(tl.float32)
+        if HAS_LOCAL:
             p = tl.where(mine, e * w, 0.0)
         else:
-            e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=mask, other=0.0).to(tl.float32)
             p = e * w
         if ORDER == 0:
             acc0 = acc0 + p
@@ -221,6 +244,19 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
     else:
         out = routed.to(out_ty)
     tl.store(out_ptr + n * stride_o + cols, out, mask=mask)
+
+
+@triton.jit
+def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, stride_w, stride_l, stride_s, stride_o,
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        PDL: tl.constexpr, HAS_LOCAL: tl.constexpr = False):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    if PDL:
+        pdl_wait()
+    _combine_row(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, n, cols, mask, stride_e, stride_w, stride_l, stride_s,
+                 stride_o, TOP_K, ORDER, HAS_SHARED, HAS_LOCAL, False, PDL)
 
 
 def _interpreting() -> bool:

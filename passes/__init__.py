@@ -7,6 +7,7 @@ from lingc.passes.fuse_add_norm import FuseAddNorm
 from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
 from lingc.passes.fuse_index_chains import FuseIndexChains
 from lingc.passes.fuse_kda import FuseKda
+from lingc.passes.fuse_moe import FuseMoe
 from lingc.passes.fuse_moe_align import FuseMoeAlign
 from lingc.passes.fuse_norm_linear import FuseNormLinear
 from lingc.passes.fuse_projections import FuseProjections
@@ -18,7 +19,7 @@ from lingc.passes.tp import TensorParallel
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, FuseIndexChains, CaptureMetadata, Bf16Router,
                                                      FuseProjections, FuseAddNorm, FuseMoeAlign, FuseSharedExpert,
-                                                     FuseKda, FuseNormLinear, Pdl)}
+                                                     FuseMoe, FuseKda, FuseNormLinear, Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

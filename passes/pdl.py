@@ -4,6 +4,7 @@ Chains (techniques.md section 5), per layer:
     router  [add_]rmsnorm -> linear (gate) -> router_topk | router_align
             (after fuse_norm_linear: [add_]rmsnorm_linear (norm + gate) -> router_topk | router_align)
     moe     [moe_align ->] moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
+            (after fuse_moe: [moe_align ->] moe_fused [-> all_reduce])
             (after fuse_moe_align the align is inside router_align, which ends the router chain)
     kda     kda_conv[_staged] (q, k, v) -> kda_recurrent[_staged] | kda_chunk -> gated_rmsnorm
             (after fuse_kda: kda_conv_qkv -> kda_recurrent | kda_chunk -> gated_rmsnorm, and in verify
@@ -14,6 +15,13 @@ before the chain's first kernel. A kernel that needs a chain member ends the cha
 Each member gets node.meta['lingc.pdl'] = {chain, index, length, early_launch}; early_launch is false
 for the first member (its predecessor does not trigger it). Labels are unique per graph: a layer that a
 graph runs again (the draft chain's MTP forwards) labels its chains moe@L6, moe@L6#2, ...
+Every other kernel (projections, o_proj, norms, the MLA kernels, lm_head, sampling, metadata: about half of a
+Ling-3.0-tiny step's launches) is annotated too, as chain "solo" ({"chain": "solo", "index": 0, "length": 1,
+"early_launch": true}): the runtime launches every annotated Triton kernel with PDL, so each may start while its
+predecessor runs (its pre-wait prologue: weights into registers, the linear's L2 prefetch of its weight slice)
+and pays no full launch gap. Safe for the same reason as inside a chain: every lingc Triton kernel waits
+(`gdc_wait`) before touching what an earlier kernel wrote, and ops without a Triton kernel launch without PDL,
+so they are stream-ordered as before. SOLO = False restores chain-only annotation (bench A/B).
 Scheduling only: numerics unchanged.
 
 Before:  L1_attention_q_conv1d_kda_conv, L1_attention_k_proj_linear, L1_attention_k_conv1d_kda_conv, ...
@@ -35,6 +43,10 @@ from lingc.passes.base import Pass
 from lingc.passes.matchers import calls, consumers, is_free, producer
 
 
+SOLO = True      # annotate the kernels outside chains as single-kernel "solo" links (module docstring)
+SOLO_META = {"chain": "solo", "index": 0, "length": 1, "early_launch": True}
+
+
 def _only(nodes: list[fx.Node], target: object) -> fx.Node | None:
     found = [n for n in nodes if n.target is target]
     return found[0] if len(found) == 1 else None
@@ -53,7 +65,8 @@ def _router_chain(topk: fx.Node) -> list[fx.Node]:
 def _moe_chain(align: fx.Node) -> list[fx.Node]:
     chain = [align] if align.target is OPS.moe_align else []     # a router_align heads the router chain
     node = align
-    for wanted in ((OPS.moe_up, OPS.moe_up_act), (OPS.silu_and_mul,), (OPS.moe_down,), (OPS.moe_combine,)):
+    for wanted in ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,), (OPS.moe_down,),
+                   (OPS.moe_combine,)):
         nxt = next((c for c in consumers(node) if c.target in wanted), None)
         if nxt is None:
             if wanted == (OPS.silu_and_mul,):
@@ -61,6 +74,8 @@ def _moe_chain(align: fx.Node) -> list[fx.Node]:
             break
         chain.append(nxt)
         node = nxt
+        if nxt.target is OPS.moe_fused:
+            break                 # fuse_moe: the whole chain in one op
     tail = next((c for c in consumers(node) if getattr(OPS, "all_reduce", None) is c.target), None) \
         if "all_reduce" in OPS else None
     return chain + ([tail] if tail is not None else [])
@@ -123,14 +138,15 @@ def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.
 
 class Pdl(Pass):
     name = "pdl"
-    summary = "annotate maximal PDL chains (router, MoE, KDA); move independent kernels out of them"
+    summary = "PDL-launch every kernel: annotate chains (router, MoE, KDA; independent kernels moved out), the rest solo"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
-             "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear")
+             "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
         chains: list[dict[str, Any]] = []
         moved_all: list[str] = []
+        solo: dict[str, int] = {}
         for gname, graph in program.graphs.items():
             found: list[tuple[str, list[fx.Node]]] = []
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
@@ -155,4 +171,9 @@ class Pdl(Pass):
                         node.meta["lingc.pdl"] = {"chain": label, "index": i, "length": len(piece),
                                                   "early_launch": i > 0}
                     chains.append({"graph": gname, "chain": label, "nodes": [n.name for n in piece]})
-        return {"matches": len(chains), "chains": chains, "moved": moved_all}
+            if SOLO:
+                for node in graph.nodes:
+                    if node.op == "call_function" and not is_free(node) and "lingc.pdl" not in node.meta:
+                        node.meta["lingc.pdl"] = dict(SOLO_META)
+                        solo[gname] = solo.get(gname, 0) + 1
+        return {"matches": len(chains), "chains": chains, "moved": moved_all, "solo": solo}

@@ -280,3 +280,25 @@ def _(expert_out, topk_weights, shared_out=None):
 
 
 register("moe_combine")
+
+
+@torch.library.custom_op("lingc::moe_fused", mutates_args=())
+def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int,
+              limit: float, shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed MoE of a layer as one op: moe_combine(moe_down(moe_up_act(...)), topk_weights, shared_out).
+
+    x [N, h], w13_interleaved [E, 2I, h], w2 [E, h, I], topk_weights [N, k] fp32, the align outputs -> [N, h].
+    Exactly the composite (fuse_moe builds it from the three ops; kernels/moe_fused.py runs them in one launch).
+    """
+    act = moe_up_act(x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m, limit)
+    return moe_combine(moe_down(act, w2, sorted_pairs, block_expert, total, block_m), topk_weights, shared_out)
+
+
+@moe_fused.register_fake
+def _(x, w13_interleaved, w2, topk_weights, sorted_pairs, block_expert, total, top_k, block_m, limit,
+      shared_out=None):
+    return x.new_empty((topk_weights.shape[0], w2.shape[1]))
+
+
+register("moe_fused")

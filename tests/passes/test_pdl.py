@@ -21,7 +21,7 @@ from lingc.ops import OPS
 from lingc.passes.base import PassRecord
 from lingc.passes.manager import PassManager
 from lingc.passes.matchers import is_free
-from lingc.passes.pdl import Pdl
+from lingc.passes.pdl import SOLO_META, Pdl
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
 
@@ -38,10 +38,11 @@ def chain_ops(chain: list[fx.Node]) -> list[str]:
 
 
 def chains_of(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    """Chain label -> members in index order, read back from node.meta['lingc.pdl'] (labels unique per graph)."""
+    """Chain label -> members in index order, read back from node.meta['lingc.pdl'] (labels unique per graph;
+    the "solo" kernels outside chains are left out)."""
     out: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
-        if "lingc.pdl" in node.meta:
+        if "lingc.pdl" in node.meta and node.meta["lingc.pdl"] != SOLO_META:
             out.setdefault(node.meta["lingc.pdl"]["chain"], []).append(node)
     for members in out.values():
         members.sort(key=lambda n: n.meta["lingc.pdl"]["index"])
@@ -117,7 +118,11 @@ def test_annotations(scheduled, graph):
             assert pdl == {"chain": c["chain"], "index": i, "length": len(c["nodes"]), "early_launch": i > 0}
             members.add(name)
     annotated = {n.name for n in after.graphs[graph].nodes if "lingc.pdl" in n.meta}
-    assert annotated == members                                                # nothing else is annotated
+    solo = {n.name for n in after.graphs[graph].nodes if n.meta.get("lingc.pdl") == SOLO_META}
+    assert annotated == members | solo and not members & solo
+    kernels = {n.name for n in after.graphs[graph].nodes if n.op == "call_function" and not is_free(n)}
+    assert annotated == kernels                                    # every kernel: in a chain, or solo
+    assert record.details["solo"][graph] == len(solo)
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -195,8 +200,8 @@ def test_after_fuse_swiglu_the_moe_chain_has_moe_up_act(tiny_partitioned):
         for label, members in chains_of(result.program.graphs[graph]).items():
             if label.startswith("moe@"):
                 assert chain_ops(members) == ["moe_align", "moe_up_act", "moe_down", "moe_combine"]
-    assert not any(n.target is OPS.silu_and_mul and "lingc.pdl" in n.meta
-                   for g in result.program.graphs.values() for n in g.nodes)
+    assert not any(n.target is OPS.silu_and_mul and n.meta["lingc.pdl"]["chain"].startswith("moe@")
+                   for g in result.program.graphs.values() for n in g.nodes if "lingc.pdl" in n.meta)
 
 
 def test_input_program_is_not_edited(tiny_partitioned):
