@@ -34,8 +34,9 @@ CONTEXT = 8192
 DRAFT_TOKENS = 6
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
-            "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe")
-# "all" adds fuse_index_chains
+            "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear")
+# "all" adds fuse_index_chains; then two A/B rows: "all:pdl-chains" (the pdl pass annotating its chains only, as
+# before 2026-11-30's second session) and "all+fuse_moe" (the opt-in pass)
 
 
 def _sync() -> None:
@@ -261,10 +262,12 @@ def main() -> None:
         acc.append(p)
         sets.append(("+" + p, list(acc)))
     sets.append(("all", ["all"]))
+    sets += [("all:pdl-chains", ["all"]), ("all+fuse_moe", ["all", "fuse_moe"])]
     only = set(filter(None, args.only.split(",")))
     for name, passes in sets:
         if only and name not in only:
             continue
+        lingc.passes.pdl.SOLO = args.pdl_scope == "all" and name != "all:pdl-chains"
         try:
             row = measure_config(model, traced, passes, bandwidth, with_floor=name in ("none", "partition", "all"))
         except Exception as e:  # noqa: BLE001  (one failing config must not lose the others)

@@ -261,10 +261,12 @@ def _fused_rows(p: Problem) -> list[dict]:
     zeroed = not bool(device_counters(got.device).any())
     err, exact, close = _err(got, want)
     bytes_ = p.expert_bytes(p.w13) + p.expert_bytes(p.w2)
+    per_sm_us = {n: _time(p.calls(lambda c, w, n=n: one(p, c, w, per_sm=n))) for n in (1, 2, 4, 8, 16)}
     return [_row("moe_fused", p.shape, equal and single and row_inv and again and zeroed, err, exact, True,
                  _time(p.calls(lambda c, w: one(p, c, w))), None, bytes_, distinct_experts=p.distinct,
                  equal_to_chain=equal, one_program_equal=single, row_invariant=row_inv, repeat_equal=again,
-                 counters_zero=zeroed, chain_time_us=_time(p.calls(lambda c, w: chain(p, c, w))))]
+                 counters_zero=zeroed, chain_time_us=_time(p.calls(lambda c, w: chain(p, c, w))),
+                 time_us_by_programs_per_sm=per_sm_us)]
 
 
 def _tune_rows(p: Problem) -> list[dict]:

@@ -47,7 +47,7 @@ from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_
                                _check_align, _combine_row, _float_dtype, _gemm_tile, _interpreting, _out)
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 
-CTAS_PER_SM = 2               # programs per SM at most (the weight stream wants >1 tile in flight per SM)
+CTAS_PER_SM = 4               # programs per SM at most (the weight stream wants several tiles in flight per SM)
 WORKSPACE_COUNTERS = 1 << 14  # int32 counters per device: up_count[blocks] + down_count[h strips] + done
 
 
@@ -117,13 +117,15 @@ def device_counters(device: torch.device | str) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _resident_programs(device: torch.device, n_regs: int, shared: int, num_warps: int) -> int:
-    """Programs that are surely resident at once: SMs x min(CTAS_PER_SM, what registers / shared memory allow)."""
+def _resident_programs(device: torch.device, n_regs: int, shared: int, num_warps: int, per_sm: int) -> int:
+    """Programs that are surely resident at once: SMs x min(per_sm, what registers / shared memory / warps allow)."""
     props = torch.cuda.get_device_properties(device)
     regs_per_cta = -(-max(n_regs, 1) * 32 // 256) * 256 * num_warps           # allocated per warp in 256s
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
     regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    fits = min(CTAS_PER_SM, regs_per_sm // regs_per_cta, smem_per_sm // (shared + 1024) if shared else CTAS_PER_SM)
+    warps_per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
+    fits = min(per_sm, regs_per_sm // regs_per_cta, warps_per_sm // num_warps,
+               smem_per_sm // (shared + 1024) if shared else per_sm)
     if fits < 1:
         raise RuntimeError(f"moe_fused: one program ({n_regs} registers x {num_warps} warps, {shared} B shared) "
                            f"does not fit an SM of {props.name}")
@@ -133,10 +135,11 @@ def _resident_programs(device: torch.device, n_regs: int, shared: int, num_warps
 def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int,
               limit: float, shared_out: torch.Tensor | None = None, *, pdl: bool = False,
-              programs: int | None = None) -> torch.Tensor:
+              programs: int | None = None, per_sm: int = CTAS_PER_SM) -> torch.Tensor:
     """moe_up_act -> moe_down -> moe_combine in one persistent launch, bit-identical to the three (module doc).
 
-    `programs` overrides the persistent grid size (tests; on the GPU it must not exceed what is resident at once).
+    `programs` overrides the persistent grid size (tests; on the GPU it must not exceed what is resident at once);
+    `per_sm` caps the programs per SM (bench sweeps; the occupancy of the compiled kernel caps it too).
     """
     op = "moe_fused"
     _float_dtype(x, op, "x")
@@ -198,7 +201,7 @@ def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, 
         else:
             compiled = _moe_fused_kernel.warmup(*args, grid=(1,), **meta, **launch)
             compiled._init_handles()                                  # loads the binary: n_regs is known then
-            programs = _resident_programs(x.device, compiled.n_regs, compiled.metadata.shared, up.num_warps)
+            programs = _resident_programs(x.device, compiled.n_regs, compiled.metadata.shared, up.num_warps, per_sm)
     _moe_fused_kernel[(programs,)](*args, **meta, **launch)
     return out
 

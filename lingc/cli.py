@@ -118,7 +118,7 @@ def passes_cmd() -> None:
     for name, cls in PASSES.items():
         numerics = f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics else "[green]unchanged[/green]"
         after = ", ".join(a for a in (*cls.requires, *cls.after) if a in PASSES) or "-"
-        table.add_row(name, cls.summary, numerics, after)
+        table.add_row(name if cls.in_all else f"{name} (opt-in)", cls.summary, numerics, after)
     for name, cls in EXPLICIT_PASSES.items():        # not in `all`: each has its own flag
         numerics = f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics else "[green]unchanged[/green]"
         after = getattr(cls, "runs_after", None)     # a stage that follows another explicit pass (tp's fusion)

@@ -70,6 +70,7 @@ class Pass:
     after: ClassVar[tuple[str, ...]] = ()        # if also requested, run before this one
     changes_numerics: ClassVar[bool] = False
     tolerance: ClassVar[float | None] = None     # max |delta| of float outputs --verify accepts (numerics changed)
+    in_all: ClassVar[bool] = True                # False: opt-in, only when named (it measured slower on the H200)
 
     @classmethod
     def version(cls) -> str:

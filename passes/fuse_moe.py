@@ -16,6 +16,13 @@ and lets the down-GEMM's weight stream start while the up-GEMM's last tiles run.
 up-GEMM is read only by the down-GEMM, the down-GEMM only by the combine, both read the same align outputs and
 all three are in one stage (where they name one). The tp pass splits moe_fused back (`unfuse`): its expert parallelism rewrites the
 separate combine.
+
+Opt-in (not in `all`, `--passes all,fuse_moe` adds it): on the H200 (6b5b75d) the kernel is bit-identical to the
+three kernels but slower: 20.1 vs 17.6 us at 1 token, 88.1 vs 61.6 us at 6 (bench/kernel_moe.py, cold weights),
+and the Ling-3.0-tiny decode step 1.609 vs 1.446 ms with it. A persistent grid of 2 programs per SM walks its
+tiles one after another, so fewer weight tiles are in flight than when each tile has its own program (288 up
+and 432 down programs at decode, all resident at once). bench/results/step-h200-*.json's `all+fuse_moe` row and
+the moe family's sweep of programs per SM record where it stands.
 """
 
 from __future__ import annotations
@@ -82,9 +89,10 @@ def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:
 
 class FuseMoe(Pass):
     name = "fuse_moe"
-    summary = "moe_up_act + moe_down + moe_combine -> one moe_fused (one persistent launch per MoE layer)"
+    summary = "moe_up_act + moe_down + moe_combine -> one moe_fused; not in all"
     after = ("partition", "fuse_swiglu", "fuse_moe_align", "fuse_shared_expert", "bf16_router")
     changes_numerics = False
+    in_all = False        # opt-in: slower than the three kernels on the H200 (module docstring)
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused_nodes: list[str] = []

@@ -46,10 +46,11 @@ class CompileResult:
 
 
 def resolve(names: list[str], registry: dict[str, type[Pass]]) -> list[type[Pass]]:
-    """The passes to run, in order. 'all' means every registered pass."""
+    """The passes to run, in order. 'all' means every registered pass but the opt-in ones (`in_all = False`), which
+    run only when named (`--passes all,fuse_moe`)."""
     names = [n.strip() for n in names if n.strip()]
     if "all" in names:
-        names = [n for n in names if n != "all"] + [n for n in registry if n not in names]
+        names = [n for n in names if n != "all"] + [n for n in registry if n not in names and registry[n].in_all]
     unknown = [n for n in names if n not in registry]
     if unknown:
         raise PassOrderError(f"unknown pass(es) {unknown}; known passes: {', '.join(sorted(registry))}, all")

@@ -138,7 +138,7 @@ def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.
 
 class Pdl(Pass):
     name = "pdl"
-    summary = "PDL-launch every kernel: annotate chains (router, MoE, KDA; independent kernels moved out), the rest solo"
+    summary = "annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe")
     changes_numerics = False

@@ -95,8 +95,13 @@ def test_order_respects_after_regardless_of_user_order(requested, expected):
 
 
 def test_all_expands_to_every_registered_pass():
+    """Every pass but the opt-in ones (in_all = False: fuse_moe), which run only when named."""
     order = names(resolve(["all"], PASSES))
-    assert set(order) == set(PASSES) and len(order) == len(PASSES)
+    opt_in = {n for n, p in PASSES.items() if not p.in_all}
+    assert opt_in == {"fuse_moe"}
+    assert set(order) == set(PASSES) - opt_in and len(order) == len(PASSES) - len(opt_in)
+    with_opt_in = names(resolve(["all", "fuse_moe"], PASSES))
+    assert set(with_opt_in) == set(PASSES) and with_opt_in[-1] == "pdl"
     assert {"partition", "fuse_swiglu", "bf16_router", "pdl"} <= set(PASSES)
     assert order[0] == "partition" and order[-1] == "pdl"          # split first, schedule last
     for i, name in enumerate(order):                                # every declared constraint holds
