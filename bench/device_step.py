@@ -113,6 +113,17 @@ def host_lead(graphs, names, steps: int = 20) -> dict[str, float]:
     return {"host_enqueue_ms_per_step": host, "gpu_ms_per_step": gpu, "gpu_idle_gap_ms_median": statistics.median(gaps)}
 
 
+FLOOR_FIRST = False   # --floor-first: count the floor bytes on the timed executor before capture (the old order)
+
+
+def _floor_bytes(exe, graphs) -> dict:
+    out = {}
+    for g in graphs:
+        reset_request(exe)
+        out[g] = step_bytes(exe, g)
+    return out
+
+
 def measure_config(model, traced, passes: list[str], bandwidth: float, with_floor: bool) -> dict:
     from lingc.passes.manager import PassManager
     from lingc.runtime.executor import Executor
@@ -128,11 +139,8 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     from lingc.passes.manager import resolve
     partitioned = any(cls.name == "partition" for cls in resolve(passes, PASSES)) if passes else False
     step_names = {"step": ("step",), "nextn": NEXTN_GRAPHS if partitioned else ()}
-    if with_floor:
-        row["bytes"] = {}
-        for g in ("step",) + step_names["nextn"]:
-            reset_request(exe)
-            row["bytes"][g] = step_bytes(exe, g)
+    if with_floor and FLOOR_FIRST:
+        row["bytes"] = _floor_bytes(exe, ("step",) + step_names["nextn"])
     graphs = CudaGraphs(exe)
     graphs.capture([g for names in step_names.values() for g in names])
     row["compile_capture_s"] = time.perf_counter() - t0
@@ -147,15 +155,20 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
         reset_request(exe)
         second = time_graphs(graphs, names)
         reset_request(exe)
-        row[key] = {"ms": first, "ms_repeat": second}
-        if with_floor:
+        row[key] = {"ms": first, "ms_repeat": second, "host": host_lead(graphs, names)}
+        reset_request(exe)
+    if with_floor and not FLOOR_FIRST:     # counted after timing, on a fresh executor: the timed one never ran eagerly
+        floor_exe = Executor(program, "cuda", "triton", pdl=pdl)
+        fill_context(floor_exe, model.config)
+        row["bytes"] = _floor_bytes(floor_exe, ("step",) + step_names["nextn"])
+        del floor_exe
+    for key, names in step_names.items():
+        if names and with_floor:
             by_graph = {g: sum(row["bytes"][g].values()) for g in names}
             floors = {g: b / bandwidth / 1e6 for g, b in by_graph.items()}
             floors["total"] = sum(floors.values())
             row[key]["floor_ms"] = floors
-            row[key]["floor_ratio"] = {g: first[g] / floors[g] for g in floors}
-        row[key]["host"] = host_lead(graphs, names)
-        reset_request(exe)
+            row[key]["floor_ratio"] = {g: row[key]["ms"][g] / floors[g] for g in floors}
     del graphs, exe, program
     gc.collect()
     torch.cuda.empty_cache()
@@ -208,6 +221,8 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="also time torch.compile and transformers peers")
     ap.add_argument("--e2e", action="store_true", help="also run the engine end to end (1024 tokens)")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
+    ap.add_argument("--floor-first", action="store_true",
+                    help="count the floor bytes with an eager run of the timed executor before capture (old order)")
     ap.add_argument("--pdl-scope", choices=("all", "chains"), default="all",
                     help="A/B: 'chains' makes the pdl pass annotate its chains only (passes/pdl.py SOLO = False)")
     ap.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens of the end-to-end run")
@@ -233,6 +248,8 @@ def main() -> None:
     import lingc.passes.pdl
     from lingc.init import random_model
     lingc.passes.pdl.SOLO = args.pdl_scope == "all"
+    global FLOOR_FIRST
+    FLOOR_FIRST = args.floor_first
     from lingc.presets import preset
     from lingc.trace import TraceOptions, trace
 
