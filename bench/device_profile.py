@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_step import CONTEXT, DRAFT_TOKENS, NEXTN_GRAPHS, fill_context, reset_request, time_graphs  # noqa: E402
+from device_step import (CONTEXT, DRAFT_TOKENS, NEXTN_GRAPHS, fill_context, launches_pdl, reset_request,  # noqa: E402
+                         time_graphs)
 
 
 def kernel_events(trace_path: str) -> list[dict]:
@@ -115,7 +116,7 @@ def main() -> None:
                            draft_tokens=DRAFT_TOKENS)
     passes = args.passes.split(",")
     program = PassManager(passes).run(trace(model, ["step", "nextn"], options)).program
-    exe = Executor(program, "cuda", "triton", pdl="pdl" in passes or "all" in passes)
+    exe = Executor(program, "cuda", "triton", pdl=launches_pdl(passes))
     fill_context(exe, config)
     graphs = CudaGraphs(exe)
     names = ("step",) + NEXTN_GRAPHS

@@ -124,6 +124,15 @@ def _floor_bytes(exe, graphs) -> dict:
     return out
 
 
+def launches_pdl(passes: list[str]) -> bool:
+    """Whether the pdl pass runs, so the executor launches its annotated kernels with PDL, as the Engine does. Until
+    2026-11-30 this tested `"pdl" in passes`, so the `all` rows ran without PDL launches (their JSON says
+    pdl_launches: false); the cumulative rows from +pdl on had them."""
+    from lingc.passes import PASSES
+    from lingc.passes.manager import resolve
+    return bool(passes) and any(cls.name == "pdl" for cls in resolve(passes, PASSES))
+
+
 def measure_config(model, traced, passes: list[str], bandwidth: float, with_floor: bool) -> dict:
     from lingc.passes.manager import PassManager
     from lingc.runtime.executor import Executor
@@ -131,7 +140,7 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
 
     t0 = time.perf_counter()
     program = PassManager(passes).run(traced).program if passes else traced
-    pdl = "pdl" in passes
+    pdl = launches_pdl(passes)
     exe = Executor(program, "cuda", "triton", pdl=pdl)
     fill_context(exe, model.config)
     row: dict = {"passes": passes or ["(none)"], "pdl_launches": pdl}

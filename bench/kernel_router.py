@@ -5,8 +5,8 @@ Shapes: router E=128, k=8, n_group=8, topk_group=4, scale 2.5, BM=16, N in {1, 6
 greedy_sample V=157184, T in {1, 7}; chain_accept B=1, K=6, V=157184 (greedy: the decode hot path; sampled:
 temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}. (`uniform` moved to kernel_meta.py.)
 
-router_align is timed per kernel variant (kernels/router.py): `router_align[rows]` (the default) and
-`router_align[pairs]` (the previous kernel), side by side, at N in {1, 6}, without (S=0) and with the fused shared
+router_align is timed per kernel variant (kernels/router.py): `router_align[rows]` and `router_align[pairs]` (the
+default "auto" takes rows from 2 tokens up, pairs at 1), side by side, at N in {1, 6}, without (S=0) and with the fused shared
 expert (S=1, num_experts 129: what the step runs after fuse_shared_expert). Each of those rows also carries
 `variants_equal` (rows == pairs, all five outputs bit for bit), `unfused_kernels_time_us` (router_topk kernel +
 moe_align kernel, the pair the fusion replaces) and `ref_time_us` (the torch reference op).

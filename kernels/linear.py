@@ -114,7 +114,7 @@ MIN_SLICE_BLOCKS = 3          # keeping >= 3 BK blocks per slice (the ticket + p
 PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 per SM) prefetch their first blocks...
 PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "16")))  # ...this many
                      # (at most; not past their slice), into L2, before gdc_wait: 16 covers every slice of the
-                     # Ling shapes (K <= 1536 unsplit is 12 blocks); 2 measured within 3 us of it (pdl.py)
+                     # Ling shapes (K <= 1536 unsplit is 12 blocks); not A/B-measured with PDL on (kernels/pdl.py)
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
 NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536

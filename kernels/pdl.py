@@ -15,10 +15,10 @@ it is part of every kernel's compile key):
     late             the trigger after the last dependent load (`pdl_trigger()`), as Inductor places it.
 
 Early is not "at kernel entry" (shared/docs/kernels.md 1.5's pitfall): triggering before the wait would let every
-later kernel of a chain launch and hold SM slots while it waits. Measured on the H200 (2f1b249, the Ling-3.0-tiny
-step with every pass, `device_step.py --only all` once per mode, linear prefetch 2 / 16 blocks): decode step
-1.5745 / 1.5761 ms late vs 1.5686 / 1.5658 ms early, NEXTN 4.358 / 4.357 vs 4.346 / 4.342 ms: 6-10 us and
-12-16 us, small but the same sign in both pairs (bench/results/pdl-trigger-h200-20261130.json).
+later kernel of a chain launch and hold SM slots while it waits. Not measured against `late` with PDL launches on:
+the A/B in bench/results/pdl-trigger-h200-20261130.json ran the step without PDL launches (a bench bug, see its
+note), so it says nothing either way. Every PDL-on step number of 2026-11-30's second session (decode 1.44 ms)
+ran with `early`.
 """
 
 from __future__ import annotations

@@ -17,12 +17,13 @@ up-GEMM is read only by the down-GEMM, the down-GEMM only by the combine, both r
 all three are in one stage (where they name one). The tp pass splits moe_fused back (`unfuse`): its expert parallelism rewrites the
 separate combine.
 
-Opt-in (not in `all`, `--passes all,fuse_moe` adds it): on the H200 (6b5b75d) the kernel is bit-identical to the
-three kernels but slower: 20.1 vs 17.6 us at 1 token, 88.1 vs 61.6 us at 6 (bench/kernel_moe.py, cold weights),
-and the Ling-3.0-tiny decode step 1.609 vs 1.446 ms with it. A persistent grid of 2 programs per SM walks its
-tiles one after another, so fewer weight tiles are in flight than when each tile has its own program (288 up
-and 432 down programs at decode, all resident at once). bench/results/step-h200-*.json's `all+fuse_moe` row and
-the moe family's sweep of programs per SM record where it stands.
+Opt-in (not in `all`, `--passes all,fuse_moe` adds it): on the H200 the kernel is bit-identical to the three
+kernels but slower: 20.1 vs 17.6 us at 1 token, 88.1 vs 61.6 us at 6 with 2 programs per SM (6b5b75d), and
+19.2-25.3 / 64.1-137.7 us over 1-16 programs per SM (f5d05a7; bench/kernel_moe.py, cold weights;
+results/kernels-moe-fused-*); the Ling-3.0-tiny decode step 1.609 vs 1.446 ms with it, PDL on
+(results/step-fuse-moe-h200-20261130.json). A persistent program walks its tiles one after another, so fewer
+weight tiles are in flight than when each tile has its own program (288 up and 432 down programs at decode,
+all resident at once).
 """
 
 from __future__ import annotations
