@@ -6,7 +6,6 @@
 # (speedup_vs_<peer> in step.json's summary). bench/device_step_x2.sh does the same side by side on two GPUs.
 #
 #   bash bench/device_step_1gpu.sh OUT_DIR [path/to/transformers-5.23.0-py3-none-any.whl]
-# (the wheels beside the transformers wheel are installed with it: huggingface_hub, tokenizers, safetensors)
 #
 # About 5 minutes on the H200 (the step part ~3.5, the peers ~1.5). Run from the repository root.
 set -u
@@ -23,7 +22,7 @@ for p in torch_compile_decode torch_compile_nextn; do
   PEER_DUMP_S=100 timeout 110 python3 bench/peers.py "$p" --json "$OUT/$p.json" > "/tmp/lingc-$p.log" 2>&1 &
 done
 if [ -n "$WHEEL" ]; then
-  pip install -q --no-deps --target /tmp/lingc-tf "$(dirname "$WHEEL")"/*.whl   # with the wheels beside it
+  pip install -q --no-deps --target /tmp/lingc-tf "$WHEEL"   # only it: the image's huggingface_hub / tokenizers serve it
   PYTHONPATH=/tmp/lingc-tf:/tmp/lingc-site timeout 110 python3 bench/peers.py transformers \
     --json "$OUT/transformers.json" > /tmp/lingc-transformers.log 2>&1
   merge+=(transformers="$OUT/transformers.json")

@@ -25,7 +25,7 @@ for p in "${peers[@]}"; do
 done
 merge=(torch_compile="$OUT/torch_compile_decode.json" torch_compile="$OUT/torch_compile_nextn.json")
 if [ -n "$WHEEL" ]; then
-  pip install -q --no-deps --target /tmp/lingc-tf "$(dirname "$WHEEL")"/*.whl   # with the wheels beside it
+  pip install -q --no-deps --target /tmp/lingc-tf "$WHEEL"   # only it: the image's huggingface_hub / tokenizers serve it
   CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/lingc-tf:/tmp/lingc-site timeout 500 \
     python3 bench/peers.py transformers --json "$OUT/transformers.json" > /tmp/lingc-transformers.log 2>&1 &
   merge+=(transformers="$OUT/transformers.json")
