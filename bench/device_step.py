@@ -113,9 +113,6 @@ def host_lead(graphs, names, steps: int = 20) -> dict[str, float]:
     return {"host_enqueue_ms_per_step": host, "gpu_ms_per_step": gpu, "gpu_idle_gap_ms_median": statistics.median(gaps)}
 
 
-FLOOR_FIRST = False   # --floor-first: count the floor bytes on the timed executor before capture (the old order)
-
-
 def _floor_bytes(exe, graphs) -> dict:
     out = {}
     for g in graphs:
@@ -133,7 +130,10 @@ def launches_pdl(passes: list[str]) -> bool:
     return bool(passes) and any(cls.name == "pdl" for cls in resolve(passes, PASSES))
 
 
-def measure_config(model, traced, passes: list[str], bandwidth: float, with_floor: bool) -> dict:
+def measure_config(model, traced, passes: list[str], bandwidth: float, with_floor: bool,
+                   floor_first: bool = False) -> dict:
+    """One ablation row. The floor bytes are counted after timing on a fresh executor, or (floor_first, the order
+    before 2026-11-30's second session) on the timed executor before capture."""
     from lingc.passes.manager import PassManager
     from lingc.runtime.executor import Executor
     from lingc.runtime.graphs import CudaGraphs
@@ -148,7 +148,7 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     from lingc.passes.manager import resolve
     partitioned = any(cls.name == "partition" for cls in resolve(passes, PASSES)) if passes else False
     step_names = {"step": ("step",), "nextn": NEXTN_GRAPHS if partitioned else ()}
-    if with_floor and FLOOR_FIRST:
+    if with_floor and floor_first:
         row["bytes"] = _floor_bytes(exe, ("step",) + step_names["nextn"])
     graphs = CudaGraphs(exe)
     graphs.capture([g for names in step_names.values() for g in names])
@@ -166,7 +166,7 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
         reset_request(exe)
         row[key] = {"ms": first, "ms_repeat": second, "host": host_lead(graphs, names)}
         reset_request(exe)
-    if with_floor and not FLOOR_FIRST:     # counted after timing, on a fresh executor: the timed one never ran eagerly
+    if with_floor and not floor_first:     # counted after timing, on a fresh executor: the timed one never ran eagerly
         floor_exe = Executor(program, "cuda", "triton", pdl=pdl)
         fill_context(floor_exe, model.config)
         row["bytes"] = _floor_bytes(floor_exe, ("step",) + step_names["nextn"])
@@ -257,8 +257,6 @@ def main() -> None:
     import lingc.passes.pdl
     from lingc.init import random_model
     lingc.passes.pdl.SOLO = args.pdl_scope == "all"
-    global FLOOR_FIRST
-    FLOOR_FIRST = args.floor_first
     from lingc.presets import preset
     from lingc.trace import TraceOptions, trace
 
@@ -295,7 +293,8 @@ def main() -> None:
             continue
         lingc.passes.pdl.SOLO = args.pdl_scope == "all" and name != "all:pdl-chains"
         try:
-            row = measure_config(model, traced, passes, bandwidth, with_floor=name in ("none", "partition", "all"))
+            row = measure_config(model, traced, passes, bandwidth, with_floor=name in ("none", "partition", "all"),
+                                 floor_first=args.floor_first)
         except Exception as e:  # noqa: BLE001  (one failing config must not lose the others)
             import traceback
             row = {"passes": passes, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}

@@ -31,6 +31,12 @@ def _size(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _distinct_experts(block_expert: torch.Tensor, total: torch.Tensor, block_m: int) -> int:
+    """Experts the router chose in this call: the distinct block experts of moe_align's in-use blocks."""
+    used = block_expert[: int(total.item()) // int(block_m)]
+    return int(torch.unique(used[used >= 0]).numel())
+
+
 def step_bytes(exe: Executor, graph: str) -> dict[str, int]:
     """Bytes by category for one run of `graph` (runs it: the state advances as in a real step)."""
     weight_ids = {id(w): name for name, w in exe.weights.items()}
@@ -41,17 +47,13 @@ def step_bytes(exe: Executor, graph: str) -> dict[str, int]:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if op == "moe_fused":                                               # w13 and w2 of the chosen experts
             w13, w2, block_expert, total, block_m = args[1], args[2], args[5], args[6], args[8]
-            used = block_expert[: int(total.item()) // int(block_m)]
-            experts = int(torch.unique(used[used >= 0]).numel())
-            counts["experts"] += experts * (_size(w13[0]) + _size(w2[0]))
+            counts["experts"] += _distinct_experts(block_expert, total, block_m) * (_size(w13[0]) + _size(w2[0]))
             return
         if op in MOE_OPS:
             stack = next(a for a in tensors if id(a) in weight_ids)
             block_expert, total = tensors[-2], tensors[-1]            # (..., sorted_pairs, block_expert, total)
             block_m = args[-1] if op == "moe_down" else args[-2] if op == "moe_up" else args[-3]
-            used = block_expert[: int(total.item()) // int(block_m)]
-            experts = int(torch.unique(used[used >= 0]).numel())
-            counts["experts"] += experts * _size(stack[0])
+            counts["experts"] += _distinct_experts(block_expert, total, block_m) * _size(stack[0])
             return
         if op == "embedding":
             ids, table = args

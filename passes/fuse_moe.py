@@ -14,8 +14,8 @@ moe_fused is exactly that composite (lingc/ops/moe.py), and its kernel (kernels/
 launch) runs the three kernels' tile code: numerics unchanged, bit for bit. Saves two launches per MoE layer
 and lets the down-GEMM's weight stream start while the up-GEMM's last tiles run. A group fuses only where the
 up-GEMM is read only by the down-GEMM, the down-GEMM only by the combine, both read the same align outputs and
-all three are in one stage (where they name one). The tp pass splits moe_fused back (`unfuse`): its expert parallelism rewrites the
-separate combine.
+all three are in one stage (where they name one). The tp pass splits moe_fused back (`unfuse`): its expert
+parallelism rewrites the separate combine.
 
 Opt-in (not in `all`, `--passes all,fuse_moe` adds it): on the H200 the kernel is bit-identical to the three
 kernels but slower: 20.1 vs 17.6 us at 1 token, 88.1 vs 61.6 us at 6 with 2 programs per SM (6b5b75d), and
@@ -33,7 +33,7 @@ from typing import Any
 import torch.fx as fx
 
 from lingc.ops import OPS
-from lingc.program import Program
+from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
 from lingc.passes.matchers import calls
 
@@ -79,10 +79,18 @@ def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:
         up = graph.call_function(OPS.moe_up_act, (x, w13, sorted_pairs, block_expert, total, top_k, block_m, limit))
         down = graph.call_function(OPS.moe_down, (up, w2, sorted_pairs, block_expert, total, block_m))
         combine = graph.call_function(OPS.moe_combine, (down, weights, *shared))
+    out = fused.meta.get("lingc.tensor")
+    w2_meta = w2.meta.get("lingc.tensor")
+    pairs = out.shape[0] * top_k if out is not None else None
+    shapes = {"moe_up_act": (pairs, w2_meta.shape[2]) if pairs and w2_meta else None,      # [NP, I]
+              "moe_down": (pairs, w2_meta.shape[1]) if pairs and w2_meta else None}         # [NP, h]
     for node, op in ((up, "moe_up_act"), (down, "moe_down"), (combine, "moe_combine")):
         node.meta = dict(meta)
         node._rename(base + op)
-    combine.meta |= {k: fused.meta[k] for k in ("lingc.tensor",) if k in fused.meta}
+        if op == "moe_combine" and out is not None:
+            node.meta["lingc.tensor"] = out
+        elif shapes[op] is not None:
+            node.meta["lingc.tensor"] = TensorMeta(shapes[op], out.dtype)
     fused.replace_all_uses_with(combine)
     graph.erase_node(fused)
     return combine

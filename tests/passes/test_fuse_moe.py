@@ -96,6 +96,10 @@ def test_unfuse_restores_the_three_ops(forms):
     graph.lint()
     for op in ("moe_up_act", "moe_down", "moe_combine"):
         assert count(program, "decode", op) == MOES["decode"]
+    restored = {n.name: n.meta for n in graph.nodes if n.target in (OPS.moe_up_act, OPS.moe_down, OPS.moe_combine)}
+    original = {n.name: n.meta for n in before.graphs["decode"].nodes if n.name in restored}
+    assert restored.keys() == original.keys()                          # the names the three ops had
+    assert all(restored[k]["lingc.tensor"] == original[k]["lingc.tensor"] for k in restored)
     report = compare_stages(only(before, ("decode",)), only(program, ("decode",)), exact=True, tolerance=None)
     assert report["ok"], report
 
