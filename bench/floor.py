@@ -37,52 +37,59 @@ def _distinct_experts(block_expert: torch.Tensor, total: torch.Tensor, block_m: 
     return int(torch.unique(used[used >= 0]).numel())
 
 
+def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Counter:
+    """Bytes by category that one launch must move, from its actual arguments (see the module docstring)."""
+    counts: Counter = Counter()
+    op = _op(launch)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if op == "moe_fused":                                                   # w13 and w2 of the chosen experts
+        w13, w2, block_expert, total, block_m = args[1], args[2], args[5], args[6], args[8]
+        counts["experts"] += _distinct_experts(block_expert, total, block_m) * (_size(w13[0]) + _size(w2[0]))
+        return counts
+    if op in MOE_OPS:
+        stack = next(a for a in tensors if id(a) in weight_ids)
+        block_expert, total = tensors[-2], tensors[-1]                # (..., sorted_pairs, block_expert, total)
+        block_m = args[-1] if op == "moe_down" else args[-2] if op == "moe_up" else args[-3]
+        counts["experts"] += _distinct_experts(block_expert, total, block_m) * _size(stack[0])
+        return counts
+    if op == "embedding":
+        ids, table = args
+        counts["weights"] += ids.numel() * table.shape[1] * table.element_size()
+        return counts
+    for a in tensors:
+        if id(a) in weight_ids:
+            counts["weights"] += _size(a)
+    if op == "kda_fused_verify":                                           # 3 staged convs + staged recurrence
+        slots = args[14]
+        counts["kda_state"] += sum(2 * _size(pool[0]) * slots.numel() for pool in args[8:11])
+        counts["kda_state"] += _size(args[13][0]) * slots.numel() + _size(args[18])
+    elif op == "kda_conv_qkv":                                             # 3 in-place convs
+        counts["kda_state"] += sum(2 * _size(pool[0]) * args[9].numel() for pool in args[6:9])
+    elif op == "kda_commit_multi":
+        counts["kda_state"] += sum(2 * _size(pool[0]) * args[0].numel() for pool in args[2::2] if pool is not None)
+    elif op.startswith("kda_recurrent"):
+        pool, slots = args[7], args[8]
+        state = _size(pool[0]) * slots.numel()
+        counts["kda_state"] += state                                       # read
+        counts["kda_state"] += _size(args[9]) if op.endswith("staged") else state   # staged writes / write back
+    elif op == "kda_commit":
+        counts["kda_state"] += 2 * _size(args[0][0]) * args[1].numel()
+    elif op.startswith("kda_conv"):
+        counts["kda_state"] += 2 * _size(args[2][0]) * args[3].numel()
+    elif op == "mla_attention":
+        kv_pages, positions = args[2], args[5]
+        rows = int(positions.max().item()) + 1                             # the latest query's visible rows
+        counts["mla_cache"] += rows * kv_pages.shape[-1] * kv_pages.element_size() * positions.shape[0]
+    return counts
+
+
 def step_bytes(exe: Executor, graph: str) -> dict[str, int]:
     """Bytes by category for one run of `graph` (runs it: the state advances as in a real step)."""
     weight_ids = {id(w): name for name, w in exe.weights.items()}
     counts: Counter = Counter()
 
     def observe(launch: Launch, args: tuple, kwargs: dict, result: Any) -> None:
-        op = _op(launch)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if op == "moe_fused":                                               # w13 and w2 of the chosen experts
-            w13, w2, block_expert, total, block_m = args[1], args[2], args[5], args[6], args[8]
-            counts["experts"] += _distinct_experts(block_expert, total, block_m) * (_size(w13[0]) + _size(w2[0]))
-            return
-        if op in MOE_OPS:
-            stack = next(a for a in tensors if id(a) in weight_ids)
-            block_expert, total = tensors[-2], tensors[-1]            # (..., sorted_pairs, block_expert, total)
-            block_m = args[-1] if op == "moe_down" else args[-2] if op == "moe_up" else args[-3]
-            counts["experts"] += _distinct_experts(block_expert, total, block_m) * _size(stack[0])
-            return
-        if op == "embedding":
-            ids, table = args
-            counts["weights"] += ids.numel() * table.shape[1] * table.element_size()
-            return
-        for a in tensors:
-            if id(a) in weight_ids:
-                counts["weights"] += _size(a)
-        if op == "kda_fused_verify":                                       # 3 staged convs + staged recurrence
-            slots = args[14]
-            counts["kda_state"] += sum(2 * _size(pool[0]) * slots.numel() for pool in args[8:11])
-            counts["kda_state"] += _size(args[13][0]) * slots.numel() + _size(args[18])
-        elif op == "kda_conv_qkv":                                         # 3 in-place convs
-            counts["kda_state"] += sum(2 * _size(pool[0]) * args[9].numel() for pool in args[6:9])
-        elif op == "kda_commit_multi":
-            counts["kda_state"] += sum(2 * _size(pool[0]) * args[0].numel() for pool in args[2::2] if pool is not None)
-        elif op.startswith("kda_recurrent"):
-            pool, slots = args[7], args[8]
-            state = _size(pool[0]) * slots.numel()
-            counts["kda_state"] += state                                   # read
-            counts["kda_state"] += _size(args[9]) if op.endswith("staged") else state   # staged writes / write back
-        elif op == "kda_commit":
-            counts["kda_state"] += 2 * _size(args[0][0]) * args[1].numel()
-        elif op.startswith("kda_conv"):
-            counts["kda_state"] += 2 * _size(args[2][0]) * args[3].numel()
-        elif op == "mla_attention":
-            kv_pages, positions = args[2], args[5]
-            rows = int(positions.max().item()) + 1                         # the latest query's visible rows
-            counts["mla_cache"] += rows * kv_pages.shape[-1] * kv_pages.element_size() * positions.shape[0]
+        counts.update(launch_bytes(launch, args, weight_ids))
 
     exe.run(graph, observe=observe)
     return dict(counts)

@@ -1,0 +1,209 @@
+"""Launch by launch: each op of a step against its own byte floor, inside the captured CUDA graph.
+
+Builds Ling-3.0-tiny + 1 MTP layer as bench/device_step.py does, compiles it with the given passes and captures
+the graphs with PDL launches off (so a kernel's duration is its own, not time spent waiting on its predecessor).
+Two profiles per graph (torch profiler / CUPTI):
+  eager   one eager run, with a profiler marker after every launch: which kernels each launch issued, and its bytes
+          (bench/floor.py's count for that launch, from its actual arguments)
+  graph   a few replays of the captured graph: the kernels' durations inside the graph
+The graph's kernel sequence must equal the eager run's (same launches, same order); each graph kernel then inherits
+its launch. The table groups launches by op and weight (layer index replaced by *) and reports, per group: launches,
+MB moved, kernel time in the graph, GB/s, its floor (bytes / HBM bandwidth) and the excess (time - floor); the
+launch gaps (graph replay time - busy time) come last. This says where a step's time over its floor goes.
+
+    python3 bench/device_launches.py --json $OUT/launches.json [--passes all] [--graphs step,verify]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_profile import busy_us, kernel_events  # noqa: E402
+from device_step import CONTEXT, DRAFT_TOKENS, NEXTN_GRAPHS, fill_context, reset_request, time_graphs  # noqa: E402
+from floor import launch_bytes  # noqa: E402
+from timing import hbm_bandwidth_gbps  # noqa: E402
+
+LAYER = re.compile(r"layers\.\d+\.")
+
+
+def _trace(prof) -> list[dict]:
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def group_name(label: str, args: tuple, weight_ids: dict[int, str]) -> str:
+    """op + its largest weight's name with layer numbers as *: 'linear model.layers.*.attention.o_proj.weight'."""
+    op = label.split(":")[-1].removeprefix("lingc.")
+    weights = [(a.numel() * a.element_size(), weight_ids[id(a)]) for a in args
+               if isinstance(a, torch.Tensor) and id(a) in weight_ids]
+    name = max(weights)[1] if weights else ""
+    return f"{op} {LAYER.sub('layers.*.', name)}".strip()
+
+
+def eager_launches(exe, name: str) -> tuple[list[dict], list[str], list[int]]:
+    """Run graph `name` eagerly once under the profiler: per launch its group and bytes; and the ordered kernel
+    names with the index of the launch that issued each."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    weight_ids = {id(w): n for n, w in exe.weights.items()}
+    launches: list[dict] = []
+
+    def observe(launch, args, kwargs, result) -> None:
+        with record_function(f"lingc-launch-{len(launches)}"):
+            pass
+        launches.append({"label": launch.label, "group": group_name(launch.label, args, weight_ids),
+                         "bytes": dict(launch_bytes(launch, args, weight_ids))})
+
+    reset_request(exe)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        exe.run(name, observe=observe)
+        torch.cuda.synchronize()
+    events = _trace(prof)
+    marks = sorted((e["ts"], int(e["name"].rsplit("-", 1)[1])) for e in events
+                   if e.get("cat") == "user_annotation" and e.get("name", "").startswith("lingc-launch-"))
+    mark_ts = [t for t, _ in marks]
+    runtime = {e["args"]["correlation"]: e["ts"] for e in events
+               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    owner = []
+    for k in kernels:
+        ts = runtime.get(k["args"].get("correlation"))
+        i = bisect.bisect_left(mark_ts, ts) if ts is not None else len(marks)
+        owner.append(marks[i][1] if i < len(marks) else -1)
+    return launches, [k["name"] for k in kernels], owner
+
+
+def _first_difference(a: list[str], b: list[str]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def graph_kernels(graphs, exe, name: str, replays: int) -> list[list[dict]]:
+    from torch.profiler import ProfilerActivity, profile
+    reset_request(exe)
+    for _ in range(3):
+        graphs.run(name)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.run(name)
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in _trace(prof) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per = len(kernels) // replays
+    return [kernels[i * per:(i + 1) * per] for i in range(replays)]
+
+
+def attribute(launches, eager_names, owner, reps, bandwidth_gbps: float, replay_us: float) -> dict:
+    """Per-group table: launches, MB, graph kernel time (median over replays), GB/s, floor, excess."""
+    graph_names = [k["name"] for k in reps[0]] if reps else []
+    if graph_names != eager_names:
+        i = _first_difference(graph_names, eager_names)
+        return {"error": f"the graph's {len(graph_names)} kernels differ from the eager run's {len(eager_names)} "
+                         f"from kernel {i} on: cannot attribute",
+                "graph_kernel": graph_names[i] if i < len(graph_names) else None,
+                "eager_kernel": eager_names[i] if i < len(eager_names) else None}
+    durations = [statistics.median(r[i]["dur"] for r in reps) for i in range(len(eager_names))]
+    per_launch: dict[int, float] = collections.defaultdict(float)
+    kernels_of: collections.Counter = collections.Counter(owner)
+    for i, d in enumerate(durations):
+        per_launch[owner[i]] += d
+    groups: dict[str, dict] = {}
+    for i, launch in enumerate(launches):
+        if not kernels_of[i] and not sum(launch["bytes"].values()):
+            continue                                         # views, getitems: no kernel, no bytes
+        g = groups.setdefault(launch["group"], {"group": launch["group"], "launches": 0, "kernels": 0,
+                                                "bytes": 0, "us": 0.0})
+        g["launches"] += 1
+        g["kernels"] += kernels_of[i]
+        g["bytes"] += sum(launch["bytes"].values())
+        g["us"] += per_launch.get(i, 0.0)
+    for g in groups.values():
+        g["floor_us"] = g["bytes"] / bandwidth_gbps / 1e3
+        g["excess_us"] = g["us"] - g["floor_us"]
+        g["gbps"] = g["bytes"] / g["us"] / 1e3 if g["us"] else 0.0
+        g["us_per_launch"] = g["us"] / g["launches"]
+    busy = statistics.median(busy_us(r) for r in reps)
+    table = sorted(groups.values(), key=lambda g: -g["excess_us"])
+    return {"replay_us": replay_us, "kernel_sum_us": sum(durations), "busy_us": busy,
+            "gaps_us": replay_us - busy, "floor_us": sum(g["floor_us"] for g in table),
+            "kernels": len(durations), "unattributed_us": per_launch.get(-1, 0.0), "groups": table}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="launches.json")
+    ap.add_argument("--passes", default="all", help="comma-separated passes (default all)")
+    ap.add_argument("--graphs", default="step,verify", help="graphs to attribute (step, draft, verify, extend)")
+    ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
+    args = ap.parse_args()
+    import lingc  # noqa: F401
+    from lingc.init import random_model
+    from lingc.passes.manager import PassManager
+    from lingc.presets import preset
+    from lingc.runtime.executor import Executor
+    from lingc.runtime.graphs import CudaGraphs
+    from lingc.trace import TraceOptions, trace
+
+    over = {"num_nextn_predict_layers": 1} | ({"num_hidden_layers": args.layers} if args.layers else {})
+    config = preset("ling-3.0-tiny", **over)
+    model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
+    bandwidth = hbm_bandwidth_gbps()
+    options = TraceOptions(batch=1, prefill_tokens=64, max_len=CONTEXT + 1024 + 128, page_size=16, request_slots=1,
+                           draft_tokens=DRAFT_TOKENS)
+    passes = args.passes.split(",")
+    program = PassManager(passes).run(trace(model, ["step", "nextn"], options)).program
+    exe = Executor(program, "cuda", "triton", pdl=False)     # PDL off: every kernel's duration is its own
+    fill_context(exe, config)
+    wanted = args.graphs.split(",")
+    for name in ("step",) + NEXTN_GRAPHS:                    # warm-up: Triton compiles, workspaces allocated
+        exe.run(name)
+    eager = {}
+    for name in wanted:
+        fill_context(exe, config)
+        if name in NEXTN_GRAPHS:                             # verify / extend read what draft wrote
+            for g in NEXTN_GRAPHS[:NEXTN_GRAPHS.index(name)]:
+                exe.run(g)
+        eager[name] = eager_launches(exe, name)
+    graphs = CudaGraphs(exe)
+    graphs.capture(("step",) + NEXTN_GRAPHS)
+    fill_context(exe, config)
+    replay = time_graphs(graphs, ("step",)) | time_graphs(graphs, NEXTN_GRAPHS)
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "python": platform.python_version(), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
+                    "command": " ".join(sys.argv), "passes": passes, "context": CONTEXT, "pdl_launches": False,
+                    "hbm_bandwidth_gbps": bandwidth, "graphs": {}}
+    for name in wanted:
+        launches, names, owner = eager[name]
+        reps = graph_kernels(graphs, exe, name, args.replays)
+        row = attribute(launches, names, owner, reps, bandwidth, replay[name] * 1e3)
+        result["graphs"][name] = row
+        if "error" in row:
+            print(name, row["error"], flush=True)
+            continue
+        print(f"\n{name}: replay {row['replay_us']:.1f} us, {row['kernels']} kernels, kernel sum "
+              f"{row['kernel_sum_us']:.1f} us, busy {row['busy_us']:.1f}, gaps {row['gaps_us']:.1f}, "
+              f"floor {row['floor_us']:.1f} us")
+        print(f"  {'excess':>8} {'time':>8} {'floor':>7} {'GB/s':>6} {'n':>4} {'us/n':>6}  group")
+        for g in row["groups"][:40]:
+            print(f"  {g['excess_us']:8.1f} {g['us']:8.1f} {g['floor_us']:7.1f} {g['gbps']:6.0f} {g['launches']:4d} "
+                  f"{g['us_per_launch']:6.2f}  {g['group'][:80]}")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""bench/device_launches.py: graph kernels inherit the eager run's launches in order, grouped by op and weight with
+bytes, floor and excess; a graph whose kernels differ from the eager run's is refused, not mis-attributed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from device_launches import attribute, group_name  # noqa: E402
+
+
+def _launch(group: str, nbytes: int) -> dict:
+    return {"label": "triton:" + group.split()[0], "group": group, "bytes": {"weights": nbytes}}
+
+
+def test_group_name_uses_the_largest_weight_with_layers_starred():
+    w_small, w_big, x = torch.zeros(4), torch.zeros(64, 8), torch.zeros(8)
+    ids = {id(w_small): "model.layers.3.attention.o_norm.weight", id(w_big): "model.layers.3.attention.o_proj.weight"}
+    assert group_name("triton:lingc.linear", (x, w_small, w_big), ids) == "linear model.layers.*.attention.o_proj.weight"
+    assert group_name("lingc.kda_recurrent", (x,), ids) == "kda_recurrent"
+
+
+def test_attribute_groups_kernels_by_launch():
+    launches = [_launch("linear a", 4000), {"label": "getitem", "group": "getitem", "bytes": {}},
+                _launch("linear a", 4000), _launch("norm", 0)]
+    names = ["k1", "k1", "k2", "k3"]
+    owner = [0, 2, 2, 3]                 # launch 2 issued two kernels
+    reps = [[{"name": n, "ts": 10.0 * i + r, "dur": d} for i, (n, d) in enumerate(zip(names, (2.0, 3.0, 1.0, 1.0)))]
+            for r in (0, 100)]
+    out = attribute(launches, names, owner, reps, bandwidth_gbps=4.0, replay_us=40.0)
+    by = {g["group"]: g for g in out["groups"]}
+    assert set(by) == {"linear a", "norm"}                     # a launch with no kernel and no bytes is left out
+    a = by["linear a"]
+    assert (a["launches"], a["kernels"], a["bytes"], a["us"]) == (2, 3, 8000, 6.0)
+    assert a["floor_us"] == pytest.approx(2.0) and a["excess_us"] == pytest.approx(4.0)
+    assert out["kernel_sum_us"] == 7.0 and out["gaps_us"] == pytest.approx(40.0 - out["busy_us"])
+    assert out["groups"][0]["group"] == "linear a"             # sorted by excess
+
+
+def test_attribute_refuses_a_different_kernel_sequence():
+    launches = [_launch("linear a", 10)]
+    reps = [[{"name": "other", "ts": 0.0, "dur": 1.0}]]
+    out = attribute(launches, ["k1"], [0], reps, 4.0, 5.0)
+    assert "error" in out and out["graph_kernel"] == "other" and out["eager_kernel"] == "k1"
