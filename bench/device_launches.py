@@ -85,7 +85,7 @@ def eager_launches(exe, config, name: str) -> tuple[list[dict], list[str], list[
                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith("lingc-launch-"))
     mark_ts = [t for t, _ in marks]
     runtime = {e["args"]["correlation"]: e["ts"] for e in events
-               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     owner = []
     for k in kernels:
@@ -206,7 +206,8 @@ def main() -> None:
         if "error" in row:
             print(name, row["error"], flush=True)
             continue
-        print(f"\n{name}: replay {row['replay_us']:.1f} us, {row['kernels']} kernels, kernel sum "
+        print(f"\n{name}: unattributed {row['unattributed_us']:.1f} us")
+        print(f"{name}: replay {row['replay_us']:.1f} us, {row['kernels']} kernels, kernel sum "
               f"{row['kernel_sum_us']:.1f} us, busy {row['busy_us']:.1f}, gaps {row['gaps_us']:.1f}, "
               f"floor {row['floor_us']:.1f} us")
         print(f"  {'excess':>8} {'time':>8} {'floor':>7} {'GB/s':>6} {'n':>4} {'us/n':>6}  group")
