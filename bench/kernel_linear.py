@@ -24,6 +24,12 @@ PDL off and on); checks: y within the linear bound + a normed element's rounding
 PDL on == off, row invariance, y vs the unfused kernels (max_abs_err, bit_exact).
 
     python3 bench/kernel_linear.py --norm [--only NAME,...] --json $OUT/linear-norm.json
+
+Gated rows (--gated): gated_rmsnorm_linear (KDA's o_norm built block by block inside the o_proj GEMV, H = 16 heads
+of D = 128, N = 1536) vs the gated_rmsnorm kernel then the linear kernel, at M = 1 and M = 6, timed the same way;
+checks: y vs the reference op and vs the unfused kernels (max_abs_err), PDL on == off, row invariance.
+
+    python3 bench/kernel_linear.py --gated --json $OUT/linear-gated.json
 """
 
 from __future__ import annotations
@@ -330,6 +336,57 @@ def run_norm(device: torch.device, shapes: list[NormShape] | None = None, log=la
     return rows
 
 
+GATED_HEADS, GATED_D, GATED_N = 16, 128, 1536      # Ling-3.0-tiny's KDA o_norm -> o_proj
+
+
+def _gated_inputs(m: int, copies: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, GATED_HEADS, GATED_D, device="cuda", generator=g).to(BF16)
+    wide = torch.randn(m, 5 * GATED_HEADS * GATED_D, device="cuda", generator=g).to(BF16)
+    gate = wide[:, 4 * GATED_HEADS * GATED_D:].unflatten(-1, (GATED_HEADS, GATED_D))   # a column slice, as in the step
+    norm_weight = (1 + 0.1 * torch.randn(GATED_D, device="cuda", generator=g)).to(BF16)
+    k = GATED_HEADS * GATED_D
+    w0 = (torch.randn(GATED_N, k, device="cuda", generator=g) / k**0.5).to(BF16)
+    return x, gate, norm_weight, [w0] + [w0.clone() for _ in range(copies - 1)]
+
+
+def run_gated(log=lambda row: None) -> list[dict]:
+    """gated_rmsnorm_linear vs gated_rmsnorm + linear at M = 1 and 6: checks, then time (PDL off and on)."""
+    from lingc.kernels.kda import gated_rmsnorm
+    from lingc.kernels.linear import gated_rmsnorm_linear, gated_rmsnorm_linear_ref, linear, pick_config
+
+    def fused(x, gate, nw, w, pdl=False):
+        return gated_rmsnorm_linear(x, nw, gate, NORM_EPS, w, pdl=pdl)
+
+    def unfused(x, gate, nw, w, pdl=False):
+        return linear(gated_rmsnorm(x, nw, gate, NORM_EPS, pdl=pdl).flatten(-2), w, pdl=pdl)
+
+    rows = []
+    wbytes = GATED_N * GATED_HEADS * GATED_D * 2
+    for m in ROWS:
+        x, gate, nw, (w,) = _gated_inputs(m, 1, seed=m)
+        y = fused(x, gate, nw, w)
+        ref = gated_rmsnorm_linear_ref(x, nw, gate, NORM_EPS, w)
+        alone = torch.cat([fused(x[i:i + 1], gate[i:i + 1], nw, w) for i in range(m)])
+        row = {"kernel": "gated_rmsnorm_linear", "name": "o_norm+o_proj", "m": m,
+               "shape": f"M{m} H{GATED_HEADS} D{GATED_D} N{GATED_N}",
+               "config": _cfg_str(pick_config(GATED_N, GATED_HEADS * GATED_D, BF16)),
+               "max_abs_err": (y.double() - ref.double()).abs().max().item(),
+               "max_abs_err_vs_unfused": (y.double() - unfused(x, gate, nw, w).double()).abs().max().item(),
+               "max_abs_ref": ref.double().abs().max().item(),
+               "pdl_equal": bool(torch.equal(y, fused(x, gate, nw, w, pdl=True))),
+               "row_invariant": bool(torch.equal(y, alone))}
+        row["ok"] = row["pdl_equal"] and row["row_invariant"] and row["max_abs_err"] <= 0.02 * row["max_abs_ref"]
+        x, gate, nw, ws_ = _gated_inputs(m, cold_copies(wbytes, maximum=8192), seed=1)
+        for tag, pdl in (("", False), ("pdl_", True)):
+            row[f"{tag}time_us"] = graph_time_us([lambda w=w: fused(x, gate, nw, w, pdl) for w in ws_], warmup=1)
+            row[f"unfused_{tag}time_us"] = graph_time_us([lambda w=w: unfused(x, gate, nw, w, pdl) for w in ws_],
+                                                         warmup=1)
+        rows.append(row)
+        log(row)
+    return rows
+
+
 def sweep_shape(shape: Shape, log, kinds: tuple[str, ...]) -> list[dict]:
     """Every candidate at M = 1 and M = 6 (5 repeats, <= 1024 weight copies), sorted by the sum."""
     out = []
@@ -352,6 +409,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated shape names")
     ap.add_argument("--kinds", default="dot,fma", help="kernel kinds the sweep tries")
     ap.add_argument("--norm", action="store_true", help="time fuse_norm_linear's fused kernel vs norm + linear")
+    ap.add_argument("--gated", action="store_true", help="time gated_rmsnorm_linear vs gated_rmsnorm + linear")
     args = ap.parse_args()
     import lingc  # noqa: F401
     shapes = [s for s in SHAPES if not args.only or s.name in args.only.split(",")]
@@ -368,6 +426,13 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.gated:
+        run_gated(log)
+        for r in result["rows"]:
+            print(f"M{r['m']} {r['config']:28} fused {r['time_us']:6.2f} unfused {r['unfused_time_us']:6.2f} | pdl "
+                  f"{r['pdl_time_us']:6.2f} vs {r['unfused_pdl_time_us']:6.2f} err {r['max_abs_err']:.3g} "
+                  f"(vs unfused {r['max_abs_err_vs_unfused']:.3g}) {'ok' if r['ok'] else 'FAIL'}")
+        return
     if args.norm:
         run_norm(torch.device("cuda"), [s for s in NORM_SHAPES if not args.only or s.name in args.only.split(",")],
                  log)

@@ -71,6 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.kernels.kda import _sigmoid
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
 from lingc.ops.linear import ROW_INVARIANT_ROWS
@@ -214,16 +215,49 @@ def _x_block(x_ptrs, res_ptrs, mask, nw_ptrs, nw_mask, rstd, res_out_ptrs, norme
     return xb
 
 
+@triton.jit
+def _gated_block(x_ptrs, g_ptrs, mask, nw_ptrs, eps, inv_d, K_AXIS: tl.constexpr, HEAD_D: tl.constexpr,
+                 PRECISE: tl.constexpr):
+    """GATED: one block of gated_rmsnorm(x, nw, g) in the activation dtype, x * rstd * nw * sigmoid(g) in fp32 with
+    rstd = rsqrt(sum(x^2) * (1/D) + eps) per head, the gated_rmsnorm kernel's formula. The block holds whole heads
+    (HEAD_D divides BLOCK_K; blocks start at multiples of BLOCK_K), so each head's sum is local to the block:
+    K_AXIS is the block's K axis (0: the dot kernel's [BK, BM], 1: the fma kernel's [R, BK])."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptrs).to(tl.float32)
+    sq = xf * xf
+    if K_AXIS == 0:                                                     # [BK, BM]
+        if x.shape[0] == HEAD_D:
+            ss = tl.sum(sq, axis=0)[None, :]
+        else:
+            heads = tl.sum(tl.reshape(sq, [x.shape[0] // HEAD_D, HEAD_D, x.shape[1]]), axis=1)   # [BK / D, BM]
+            ss = tl.reshape(tl.broadcast_to(heads[:, None, :], [x.shape[0] // HEAD_D, HEAD_D, x.shape[1]]),
+                            [x.shape[0], x.shape[1]])
+    else:                                                               # [R, BK]
+        if x.shape[1] == HEAD_D:
+            ss = tl.sum(sq, axis=1)[:, None]
+        else:
+            heads = tl.sum(tl.reshape(sq, [x.shape[0], x.shape[1] // HEAD_D, HEAD_D]), axis=2)   # [R, BK / D]
+            ss = tl.reshape(tl.broadcast_to(heads[:, :, None], [x.shape[0], x.shape[1] // HEAD_D, HEAD_D]),
+                            [x.shape[0], x.shape[1]])
+    rstd = tl.math.rsqrt(ss * inv_d + eps)
+    return (xf * rstd * nw * _sigmoid(g, PRECISE)).to(x.dtype)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
                        M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                        LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
+                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr):
     """Program (n, s): acc[BN, BM] = W[n-tile, slice s] @ xT[slice s, all rows], BM = 16 rows always.
     NORM: xT is rmsnorm(x [+ residual]) rebuilt block by block after a prologue over all of K (_norm_rstd);
-    residual_out / normed [M, K] (row stride K) are written by the programs with n == 0."""
+    residual_out / normed [M, K] (row stride K) are written by the programs with n == 0.
+    GATED: xT is gated_rmsnorm(x, nw, gate) with heads of HEAD_D, built block by block (_gated_block); the gate
+    comes in res_ptr (row stride stride_rm)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
@@ -254,9 +288,13 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x_mask = k_ok[:, None] & m_ok[None, :]
-        xt = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[:, None], k_ok[:, None],
-                      rstd[None, :], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
-                      NORM, HAS_RESIDUAL, WRITE_NORMED)                   # [BK, BM]
+        if GATED:
+            xt = _gated_block(x_ptrs, res_ptrs, x_mask, nw_ptr + (tl.arange(0, BLOCK_K) % HEAD_D)[:, None], eps,
+                              1.0 / HEAD_D, 0, HEAD_D, PRECISE)          # [BK, BM]
+        else:
+            xt = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[:, None], k_ok[:, None],
+                          rstd[None, :], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
+                          NORM, HAS_RESIDUAL, WRITE_NORMED)               # [BK, BM]
         acc = tl.dot(w, xt.to(w.dtype), acc, input_precision="ieee" if IEEE else None)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -276,10 +314,12 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                        LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
+                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr):
     """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
     then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
-    NORM: as in _linear_dot_kernel, for the program's R rows (the programs with n == 0 write the outputs)."""
+    NORM, GATED: as in _linear_dot_kernel, for the program's R rows (NORM: the programs with n == 0 write the
+    outputs)."""
     pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -311,9 +351,13 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x_mask = r_ok[:, None] & k_ok[None, :]
-        xv = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[None, :], k_ok[None, :],
-                      rstd[:, None], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
-                      NORM, HAS_RESIDUAL, WRITE_NORMED)                   # [R, BK]
+        if GATED:
+            xv = _gated_block(x_ptrs, res_ptrs, x_mask, nw_ptr + (tl.arange(0, BLOCK_K) % HEAD_D)[None, :], eps,
+                              1.0 / HEAD_D, 1, HEAD_D, PRECISE)          # [R, BK]
+        else:
+            xv = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[None, :], k_ok[None, :],
+                          rstd[:, None], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
+                          NORM, HAS_RESIDUAL, WRITE_NORMED)               # [R, BK]
         xf = xv.to(w.dtype).to(tl.float32)
         acc = tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)  # per-lane sums, sequential in k
         w_ptrs += BLOCK_K
@@ -430,8 +474,18 @@ class NormPrologue:
     normed: torch.Tensor | None               # [M, K] contiguous, the norm's output, when wanted
 
 
+@dataclass(frozen=True)
+class GatedNorm:
+    """The GATED input of one launch (gated_rmsnorm_linear): x is gated_rmsnorm(x, norm_weight, gate) per head."""
+    norm_weight: torch.Tensor                 # [D]
+    eps: float
+    gate: torch.Tensor                        # [M, K] row views, last dim contiguous; K = heads * D
+    head_dim: int
+
+
 def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace: LinearWorkspace | None,
-            config: LinearConfig | None, pdl: bool, norm: NormPrologue | None = None) -> None:
+            config: LinearConfig | None, pdl: bool, norm: NormPrologue | None = None,
+            gated: GatedNorm | None = None) -> None:
     """One kernel launch for y [M, N] = rows [M, K] (or their norm) @ weight.T, 1 <= M <= MAX_ROWS, K >= 1."""
     m, k = rows.shape
     n = weight.shape[0]
@@ -447,20 +501,26 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
         kernel, grid, extra = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k), {"ROWS": cfg.rows}
     else:
         kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
-    res = norm.residual if norm is not None and norm.residual is not None else rows
+    res = norm.residual if norm is not None and norm.residual is not None else gated.gate if gated else rows
     res = res if res.stride(-1) == 1 else res.contiguous()
+    norm_weight = norm.norm_weight if norm else gated.norm_weight if gated else rows
+    if gated:
+        launch["enable_fp_fusion"] = False       # the gated_rmsnorm kernel's per-element arithmetic, uncontracted
     kernel[grid](
         rows, w, y, ws.partials if ws else y, ws.counters if ws else y,
-        res, norm.norm_weight if norm else rows,
+        res, norm_weight,
         norm.residual_out if norm and norm.residual_out is not None else y,
         norm.normed if norm and norm.normed is not None else y,
-        m, n, k, k_per_split, rows.stride(0), w.stride(0), y.stride(0), res.stride(0), norm.eps if norm else 0.0,
+        m, n, k, k_per_split, rows.stride(0), w.stride(0), y.stride(0), res.stride(0),
+        norm.eps if norm else gated.eps if gated else 0.0,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         EVEN_K=k % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
         LINE=min(cfg.block_k, 128 // weight.element_size()), PDL=pdl,
         NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
         WRITE_NORMED=norm is not None and norm.normed is not None,
         NORM_BLOCK=min(NORM_BLOCK_K, triton.next_power_of_2(k)),
+        GATED=gated is not None, HEAD_D=gated.head_dim if gated else 1,
+        PRECISE=gated is not None and rows.device.type == "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **launch)
 
 
@@ -555,6 +615,32 @@ def add_rmsnorm_linear(residual: torch.Tensor, x: torch.Tensor, norm_weight: tor
                         workspace, config)
 
 
+def gated_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                         weight: torch.Tensor, out_dtype: torch.dtype | None = None, *, pdl: bool = False,
+                         workspace: LinearWorkspace | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+    """linear(gated_rmsnorm(x, norm_weight, gate, eps).flatten(-2), weight) as torch.ops.lingc.gated_rmsnorm_linear,
+    in one launch: x and gate [..., H, D] (any strides the [M, H*D] row view allows), norm_weight [D], weight
+    [N, H*D]; y [..., N]. The norm is built block by block in the GEMV (GATED), which needs whole heads in a block
+    (D a power of two dividing the config's BLOCK_K); otherwise, and for M > MAX_ROWS, the two kernels run."""
+    if x.dim() < 2 or gate.shape != x.shape or norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"gated_rmsnorm_linear: x is {list(x.shape)}, gate {list(gate.shape)}, norm_weight "
+                         f"{list(norm_weight.shape)}; want x and gate [..., H, D] alike and norm_weight [D]")
+    d = x.shape[-1]
+    flat = x.flatten(-2)
+    n, k = _check(flat, weight)
+    y = torch.empty((*x.shape[:-2], n), dtype=out_dtype if out_dtype is not None else x.dtype, device=x.device)
+    m = flat.numel() // max(k, 1)
+    cfg = (_fit_split(config, k) if config is not None else pick_config(n, k, weight.dtype)) if k else None
+    whole_heads = cfg is not None and d & (d - 1) == 0 and cfg.block_k % d == 0
+    if not whole_heads or m > MAX_ROWS or m == 0 or n == 0:
+        from lingc.kernels.kda import gated_rmsnorm                     # the unfused kernels' path
+        linear(gated_rmsnorm(x, norm_weight, gate, eps, pdl=pdl).flatten(-2), weight, out_dtype, out=y, pdl=pdl)
+        return y
+    _launch(flat.reshape(m, k), weight, y.view(m, n), workspace, cfg, pdl,
+            gated=GatedNorm(norm_weight, eps, gate.reshape(m, k), d))
+    return y
+
+
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """lingc's reference linear."""
     return torch.ops.lingc.linear(x, weight, out_dtype)
@@ -574,4 +660,11 @@ def add_rmsnorm_linear_ref(residual: torch.Tensor, x: torch.Tensor, norm_weight:
     return torch.ops.lingc.add_rmsnorm_linear(residual, x, norm_weight, eps, weight, out_dtype, want_normed)
 
 
-LOWERINGS = {"linear": linear, "rmsnorm_linear": rmsnorm_linear, "add_rmsnorm_linear": add_rmsnorm_linear}
+def gated_rmsnorm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                             weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """lingc's reference: gated_rmsnorm then linear of it, heads flattened."""
+    return torch.ops.lingc.gated_rmsnorm_linear(x, norm_weight, gate, eps, weight, out_dtype)
+
+
+LOWERINGS = {"linear": linear, "rmsnorm_linear": rmsnorm_linear, "add_rmsnorm_linear": add_rmsnorm_linear,
+             "gated_rmsnorm_linear": gated_rmsnorm_linear}

@@ -19,6 +19,20 @@ After:
     L1_mlp_moe_up_act = lingc.moe_up_act(L1_mlp_view, ...)
 A plain rmsnorm (layer 0's input norm, MLA's q_a_layernorm -> q_b) becomes rmsnorm_linear -> (y, normed).
 
+KDA's gated o_norm (per head: rmsnorm(x) * w * sigmoid(gate)) and the o_proj reading it (H heads of D):
+Before:
+    L0_attention_gated_rmsnorm = lingc.gated_rmsnorm(L0_attention_view_3, w_L0_attention_o_norm_weight,
+                                                     L0_attention_view_4, 1e-06)                # [1, 1, H, D]
+    L0_attention_view_5 = aten.view(L0_attention_gated_rmsnorm, [1, 1, -1])                     # [1, 1, H*D]
+    L0_attention_o_proj_linear = lingc.linear(L0_attention_view_5, w_L0_attention_o_proj_weight)
+After:
+    L0_attention_gated_rmsnorm_linear = lingc.gated_rmsnorm_linear(L0_attention_view_3, w_L0_attention_o_norm_weight,
+        L0_attention_view_4, 1e-06, w_L0_attention_o_proj_weight, None)                          # [1, 1, h]
+    L0_attention_o_proj_linear = aten.view(L0_attention_gated_rmsnorm_linear, [1, 1, -1])
+Only where the norm's one reader is that reshape and the reshape's one reader the linear (always, in Ling-3).
+Any weight size: a K block of the GEMV holds whole heads, so the norm needs no prologue over K (kernels/linear.py
+GATED); -18 launches in Ling-3.0-tiny's decode step and as many in verify.
+
 Which norms: every rmsnorm / add_rmsnorm whose normed output a `linear` over a plain 2-D weight [N, K] reads, in
 the same NEXTN stage, directly or through reshapes that keep the last dim K. With several such linears the first
 in graph order fuses (the router gate before the shared expert's gate_up); the others, and every other reader,
@@ -37,12 +51,14 @@ norm -> q_b 3072x256 3.73 vs 4.16 us win; the MLA projection 848x1536 6.74 vs 5.
 Numerics: the reference ops are the composition of the ops they replace, so the reference backend is bit-identical
 to the unfused graph. The Triton kernel sums the squares of a row in another order than the rmsnorm kernel's one
 tl.sum, so its rstd can differ in the last fp32 bit and a normed element by one bf16 rounding, which the GEMV then
-carries: declared numerics-changing, gated on logits + greedy parity like fuse_projections.
+carries: declared numerics-changing, gated on logits + greedy parity like fuse_projections. The gated kernel sums a
+head's squares in the GEMV's block layout, not the gated_rmsnorm kernel's, with the same consequence.
 """
 
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any
 
 import torch
@@ -55,7 +71,8 @@ from lingc.passes.matchers import calls
 
 aten = torch.ops.aten
 KEEP_META = ("lingc.scope", "lingc.stage")
-MAX_WEIGHT_ELEMENTS = 1 << 20   # larger weights lose on the H200 (module docstring): they keep norm + linear
+MAX_WEIGHT_ELEMENTS = int(os.environ.get("LINGC_NORM_LINEAR_MAX_WEIGHT", 1 << 20))  # larger weights lose on the H200
+# (module docstring): they keep norm + linear. The environment variable is an A/B knob for bench/device_step.py.
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)   # keep the values and their order
 
 
@@ -131,10 +148,52 @@ def _fuse(graph: fx.Graph, norm: fx.Node, normed: fx.Node, lin: fx.Node, views: 
     return fused
 
 
+def _gated_reader(program: Program, norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(linear, reshape) when the gated_rmsnorm's only reader is one reshape to [..., H*D] whose only reader is a
+    linear over a plain [N, H*D] weight in the norm's stage (KDA's o_norm -> o_proj); None otherwise."""
+    x_meta = norm.args[0].meta.get("lingc.tensor") if isinstance(norm.args[0], fx.Node) else None
+    users = list(norm.users)
+    if x_meta is None or len(x_meta.shape) < 2 or len(users) != 1 or users[0].target not in RESHAPES:
+        return None
+    k = x_meta.shape[-1] * x_meta.shape[-2]
+    view = users[0]
+    readers = list(view.users)
+    if _last_dim(view) != k or len(readers) != 1 or readers[0].target is not OPS.linear or readers[0].args[0] is not view:
+        return None
+    lin = readers[0]
+    weight = lin.args[1]
+    if not (weight.op == "get_attr" and program.weights[weight.target].dim() == 2
+            and program.weights[weight.target].shape[1] == k
+            and lin.meta.get("lingc.stage") == norm.meta.get("lingc.stage")):
+        return None
+    return lin, view
+
+
+def _fuse_gated(graph: fx.Graph, norm: fx.Node, lin: fx.Node, view: fx.Node, order: dict[fx.Node, float]) -> fx.Node:
+    """gated_rmsnorm_linear before `norm`; the linear becomes a view of its y; the norm and the reshape go."""
+    x, norm_weight, gate, eps = norm.args
+    weight = lin.args[1]
+    with graph.inserting_before(norm):
+        fused = graph.call_function(OPS.gated_rmsnorm_linear, (x, norm_weight, gate, eps, weight, _out_dtype(lin)))
+    if order[weight] > order[norm]:
+        fused.prepend(weight)
+        order[weight] = order[norm] - 0.5
+    fused.meta = {k: norm.meta[k] for k in KEEP_META if k in norm.meta}
+    y_meta = lin.meta.get("lingc.tensor")
+    if y_meta is not None:
+        fused.meta["lingc.tensor"] = type(y_meta)((*x.meta["lingc.tensor"].shape[:-2], y_meta.shape[-1]), y_meta.dtype)
+    fused._rename(norm.name + "_linear")
+    rows = tuple(y_meta.shape[:-1]) if y_meta is not None else (-1,)
+    lin.target, lin.args, lin.kwargs = aten.view.default, (fused, [*rows, -1]), {}
+    graph.erase_node(view)
+    graph.erase_node(norm)
+    return fused
+
+
 class FuseNormLinear(Pass):
     name = "fuse_norm_linear"
     summary = ("rmsnorm / add_rmsnorm + a linear reading it -> one rmsnorm_linear / add_rmsnorm_linear (the norm "
-               "runs in the GEMV's prologue)")
+               "runs in the GEMV's prologue); KDA's gated o_norm + o_proj -> gated_rmsnorm_linear")
     # after the passes whose matchers look for the plain norm -> linear pattern (bf16_router and fuse_moe_align
     # find the router gate as a linear, fuse_shared_expert the shared expert's gate_up, fuse_kda the projection's
     # split) and after the two that build what it fuses (fuse_add_norm's op, fuse_projections' wide linear)
@@ -148,9 +207,17 @@ class FuseNormLinear(Pass):
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused_nodes: list[str] = []
-        counts = {"rmsnorm": 0, "add_rmsnorm": 0, "want_normed": 0}
+        counts = {"rmsnorm": 0, "add_rmsnorm": 0, "gated_rmsnorm": 0, "want_normed": 0}
         for gname, graph in program.graphs.items():
             order = {n: float(i) for i, n in enumerate(graph.nodes)}
+            for norm in calls(graph, "gated_rmsnorm"):
+                reader = _gated_reader(program, norm)
+                if reader is None:
+                    continue
+                lin_name = reader[0].name
+                fused = _fuse_gated(graph, norm, *reader, order)
+                counts["gated_rmsnorm"] += 1
+                fused_nodes.append(f"{gname}:{fused.name} <- {lin_name}")
             norms = calls(graph, "rmsnorm") + calls(graph, "add_rmsnorm")
             for norm in sorted(norms, key=order.__getitem__):
                 add = norm.target is OPS.add_rmsnorm

@@ -38,7 +38,9 @@ Graph rewrites (per graph; counts for test-tiny decode: 6 layers -> 12 all_reduc
     A fuse_norm_linear op ([add_]rmsnorm_linear) is a linear for these rules: its weight is split as the plain
     linear's would be (q_b rows, a fused projection by parts, the lm_head by vocab with the all_gather after its
     y), the norm weight is replicated and normed / new residual stay whole rows. A row-parallel weight behind a
-    norm is refused (each rank would norm a shard of the row); no Ling-3 norm feeds one.
+    norm is refused (each rank would norm a shard of the row); no Ling-3 norm feeds one. The exception is
+    gated_rmsnorm_linear (KDA's o_norm -> the row-parallel o_proj): its norm is per head and a rank holds whole
+    heads, so it shards as the o_proj linear it replaces (its y is the op itself; the all_reduce follows it).
 
 State: KDA pools hold only the rank's heads (conv [S, P/N, W-1], recurrent [S, H/N, D, D], and their
 staging); MLA latent pages are replicated (each head reads the whole 576-wide latent row). Views that
@@ -214,7 +216,8 @@ def _linear_products(graph: fx.Graph) -> list[tuple[fx.Node, str, fx.Node | None
     replicated, the norm's outputs are full rows on every rank)."""
     out = [(lin, lin.args[1].target, lin) for lin in calls(graph, "linear")]
     for op, index in WEIGHT_ARG.items():
-        out += [(node, node.args[index].target, _getitem_of(node, 0)) for node in calls(graph, op)]
+        out += [(node, node.args[index].target, node if op == "gated_rmsnorm_linear" else _getitem_of(node, 0))
+                for node in calls(graph, op)]
     return out
 
 

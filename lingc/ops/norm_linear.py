@@ -2,11 +2,14 @@
 
     rmsnorm_linear(x, norm_weight, eps, weight, out_dtype, want_normed) -> (y, normed)
     add_rmsnorm_linear(residual, x, norm_weight, eps, weight, out_dtype, want_normed) -> (y, normed, new_residual)
+    gated_rmsnorm_linear(x, norm_weight, gate, eps, weight, out_dtype) -> y      (KDA's o_norm -> o_proj)
 
 x / residual [..., K], norm_weight [K], weight [N, K]; y [..., N] in out_dtype (default: the activation dtype),
 normed and new_residual [..., K] in the activation dtype. `normed` is the norm's output as the unfused graph
 had it; when nothing but the linear reads it the pass sets want_normed = False and the op returns an empty
-[0] tensor in its place (the kernel then never writes it). Each reference is literally the composition of the
+[0] tensor in its place (the kernel then never writes it). gated_rmsnorm_linear takes x and gate [..., H, D]
+(gated_rmsnorm's shapes), norm_weight [D] and weight [N, H*D], and returns y [..., N]: the linear of the norm's
+output with its heads flattened; nothing else ever reads that output, so the op never returns it. Each reference is literally the composition of the
 ops it replaces (rmsnorm or add_rmsnorm, then linear), so the reference backend is bit-identical to the
 unfused graph; the Triton kernel (kernels/linear.py) recomputes the norm in the GEMV's prologue.
 """
@@ -18,7 +21,7 @@ from typing import Optional
 import torch
 
 from lingc.ops.linear import linear
-from lingc.ops.norm import add_rmsnorm, rmsnorm
+from lingc.ops.norm import add_rmsnorm, gated_rmsnorm, rmsnorm
 from lingc.ops.registry import register
 
 
@@ -60,5 +63,19 @@ def _(residual, x, norm_weight, eps, weight, out_dtype, want_normed):
 
 register("add_rmsnorm_linear")
 
+@torch.library.custom_op("lingc::gated_rmsnorm_linear", mutates_args=())
+def gated_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                         weight: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """linear(gated_rmsnorm(x, norm_weight, gate, eps) with its last two dims flattened, weight, out_dtype)."""
+    return linear(gated_rmsnorm(x, norm_weight, gate, eps).flatten(-2), weight, out_dtype)
+
+
+@gated_rmsnorm_linear.register_fake
+def _(x, norm_weight, gate, eps, weight, out_dtype):
+    return x.new_empty((*x.shape[:-2], weight.shape[0]), dtype=out_dtype if out_dtype is not None else x.dtype)
+
+
+register("gated_rmsnorm_linear")
+
 # the position of the linear's weight among each op's arguments (passes and tp look it up here)
-WEIGHT_ARG = {"rmsnorm_linear": 3, "add_rmsnorm_linear": 4}
+WEIGHT_ARG = {"rmsnorm_linear": 3, "add_rmsnorm_linear": 4, "gated_rmsnorm_linear": 4}

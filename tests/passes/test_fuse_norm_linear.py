@@ -1,4 +1,5 @@
-"""fuse_norm_linear: rmsnorm / add_rmsnorm + the linear reading it -> one [add_]rmsnorm_linear.
+"""fuse_norm_linear: rmsnorm / add_rmsnorm + the linear reading it -> one [add_]rmsnorm_linear; gated_rmsnorm + the
+o_proj reading it -> gated_rmsnorm_linear.
 
 Op counts per graph on test-tiny (after partition, fuse_projections and fuse_add_norm), the fused node's arguments
 and names, which norms stay (a cat reads them), want_normed where other readers remain; the reference backend
@@ -39,6 +40,9 @@ from pass_support import count, only   # tests/passes is on sys.path
 # next forward's hnorm
 FUSED = {"prefill": (4, 12, 6), "decode": (4, 12, 6), "step": (4, 12, 5), "verify": (4, 12, 6),
          "mtp_prefill": (2, 2, 2), "mtp_decode": (2, 2, 2), "extend": (2, 2, 2), "draft": (8, 8, 7)}
+# gated_rmsnorm_linear per graph: one per KDA layer of a target forward (test-tiny: 3); MTP layers have none
+GATED = {"prefill": 3, "decode": 3, "step": 3, "verify": 3, "mtp_prefill": 0, "mtp_decode": 0, "extend": 0,
+         "draft": 0}
 NUMERICS_GRAPHS = ("decode", "verify", "draft", "mtp_decode")
 EVERY_OTHER_PASS = [name for name in PASSES if name not in ("fuse_norm_linear", "pdl")]
 
@@ -66,7 +70,9 @@ def test_op_counts(fp32, graph):
     assert count(after, graph, "rmsnorm_linear") == plain and count(after, graph, "add_rmsnorm_linear") == added
     assert count(after, graph, "add_rmsnorm") == 0 and count(before, graph, "add_rmsnorm") == added
     assert count(after, graph, "rmsnorm") == count(before, graph, "rmsnorm") - plain
-    assert count(after, graph, "linear") == count(before, graph, "linear") - plain - added
+    assert count(after, graph, "linear") == count(before, graph, "linear") - plain - added - GATED[graph]
+    assert count(after, graph, "gated_rmsnorm_linear") == GATED[graph]
+    assert count(after, graph, "gated_rmsnorm") == count(before, graph, "gated_rmsnorm") - GATED[graph] == 0
     fused = [n for n in after.graphs[graph].nodes if n.target in (OPS.rmsnorm_linear, OPS.add_rmsnorm_linear)]
     assert sum(n.args[-1] for n in fused) == wanted
 
@@ -74,8 +80,9 @@ def test_op_counts(fp32, graph):
 def test_record(fp32):
     _, _, record = fp32
     assert record.name == "fuse_norm_linear" and record.changes_numerics and record.tolerance == 0.01
-    assert record.matches == sum(p + a for p, a, _ in FUSED.values()) == 92
-    assert record.details["norms_fused"] == {"rmsnorm": 30, "add_rmsnorm": 62, "want_normed": 36}
+    assert record.matches == sum(p + a for p, a, _ in FUSED.values()) + sum(GATED.values()) == 92 + 12
+    assert record.details["norms_fused"] == {"rmsnorm": 30, "add_rmsnorm": 62, "gated_rmsnorm": 12, "want_normed": 36}
+    assert "decode:L0_attention_gated_rmsnorm_linear <- L0_attention_o_proj_linear" in record.details["fused"]
     assert "decode:L1_post_attention_layernorm_add_rmsnorm_linear <- L1_mlp_gate_linear" in record.details["fused"]
     assert "decode:L3_attention_q_a_layernorm_rmsnorm_linear <- L3_attention_q_b_proj_linear" in record.details["fused"]
     assert record.weights_added == record.weights_removed == []
@@ -188,3 +195,17 @@ def test_getitem_names_are_kept(fp32):
     kinds = {n.name: n.target for n in after.graphs["decode"].nodes if n.name in old}
     assert kinds["L0_attention_fused_qkvfbg_linear"] is operator.getitem
     assert kinds["lm_head_linear"] is operator.getitem and kinds["norm_rmsnorm"] is operator.getitem
+    assert kinds["L0_attention_o_proj_linear"] is torch.ops.aten.view.default       # a view of the gated op's y
+
+
+def test_gated_node_takes_the_norm_and_linear_arguments(fp32):
+    before, after, _ = fp32
+    old = {n.name: n for n in before.graphs["decode"].nodes}
+    new = {n.name: n for n in after.graphs["decode"].nodes}
+    norm, lin = old["L0_attention_gated_rmsnorm"], old["L0_attention_o_proj_linear"]
+    fused = new["L0_attention_gated_rmsnorm_linear"]
+    assert fused.target is OPS.gated_rmsnorm_linear
+    assert [a.name if hasattr(a, "name") else a for a in fused.args] == \
+        [norm.args[0].name, norm.args[1].name, norm.args[2].name, norm.args[3], lin.args[1].name, None]
+    assert fused.meta["lingc.tensor"].shape == (*norm.meta["lingc.tensor"].shape[:-2], lin.meta["lingc.tensor"].shape[-1])
+    assert "L0_attention_gated_rmsnorm" not in new
