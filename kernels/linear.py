@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from lingc.kernels.kda import _sigmoid
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
 from lingc.ops.linear import ROW_INVARIANT_ROWS
 
@@ -123,13 +123,6 @@ NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of th
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines at ptrs (PDL path only: inline PTX, which the interpreter cannot run)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program,
                     BLOCK_K: tl.constexpr, LINE: tl.constexpr):
     """First-wave programs ask L2 for the first PREFETCH_BLOCKS blocks of their weight rows (one request per
@@ -140,7 +133,7 @@ def _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program,
             if k_start + b * BLOCK_K < k_end:
                 cols = k_start + b * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE  # [BK / LINE]
                 cols = tl.minimum(cols, tl.minimum(k_end, K) - 1)
-                _prefetch_l2(w_ptr + rows[:, None] + cols[None, :])
+                prefetch_l2(w_ptr + rows[:, None] + cols[None, :])
 
 
 @triton.jit

@@ -44,21 +44,27 @@ Bytes moved at decode (bf16, Ling-3.0-tiny h=1536, I=512, 8 distinct experts): m
 and moe_combine move KB. In general: distinct experts x expert bytes (+ activations).
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, `gdc_wait()` comes first in
-every kernel, since even the GEMMs' weight tiles depend on block_expert, written by moe_align (no weight
-prefetch is possible), and all stores follow it. `gdc_launch_dependents()` follows the last load of data an
+every kernel, since even the GEMMs' weight tiles depend on block_expert, written by moe_align / router_align, and
+all stores follow it. One exception before the wait, a hint: the down-GEMM (PREFETCH, LINGC_MOE_DOWN_PREFETCH=1,
+the default) reads total and its block's expert through L2 and asks L2 for its whole [BLOCK_N, K] weight tile.
+The align that wrote them is two kernels back (align -> up-GEMM -> down-GEMM): the down-GEMM launches only when
+every up-GEMM program has passed its own wait (the trigger follows the wait), so the align has completed and the
+tile is right, and its 12.6 MB stream while the up-GEMM runs. Correctness never depends on it: the tile is loaded
+again after the wait, and a stale expert id (PDL off upstream) would only waste bandwidth. `gdc_launch_dependents()` follows the last load of data an
 earlier kernel wrote (the K loop's A rows, the SwiGLU inputs, the combine inputs). With PDL off no GDC call
 is emitted (the interpreter cannot run them).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import align_sizes
 
@@ -76,6 +82,8 @@ class GemmConfig(NamedTuple):
 # tile over K in 256-byte rows with 3 tiles in flight (num_stages 4).
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
 DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)   # moe_down
+DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "1") != "0"   # the down-GEMM's pre-wait L2 prefetch (A/B)
+PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
 ACT_BLOCK = 1024             # silu_and_mul: output columns per program (I = 512: one program per row)
 ACT_NUM_WARPS = 4
@@ -155,15 +163,33 @@ def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n
 
 
 @triton.jit
+def _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we, stride_wn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LINES: tl.constexpr, LINE: tl.constexpr):
+    """PREFETCH (before the wait): ask L2 for the [BLOCK_N, K] weight tile of this program's block, read through L2
+    (.cg) from the align two kernels back; ids are clamped, so even a stale one names a real expert's lines."""
+    total = tl.load(total_ptr, cache_modifier=".cg")
+    if pid_m * BLOCK_M < total:
+        expert = tl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
+        expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        cols = tl.minimum(tl.arange(0, K_LINES) * LINE, K - 1)
+        prefetch_l2(w_ptr + expert * stride_we + rows[:, None] * stride_wn + cols[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                     num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
+                     num_pairs, num_experts, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
                      TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
-                     LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+                     LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                     K_LINES: tl.constexpr, LINE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if PDL:
+        if PREFETCH:
+            _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we,
+                           stride_wn, BLOCK_M, BLOCK_N, K_LINES, LINE)
         pdl_wait()
     total = tl.load(total_ptr)
     if pid_m * BLOCK_M >= total:
@@ -291,8 +317,10 @@ def _out(op: str, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.
 
 def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
-                  swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig) -> torch.Tensor:
-    """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K]."""
+                  swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
+                  prefetch: bool = False) -> torch.Tensor:
+    """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K].
+    prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring)."""
     _float_dtype(a, op, "activations")
     if a.dim() != 2 or w.dim() != 3 or w.shape[2] != a.shape[1] or w.dtype != a.dtype:
         raise ValueError(f"{op}: activations {list(a.shape)} {a.dtype} and weights {list(w.shape)} {w.dtype}: "
@@ -319,11 +347,12 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
     grid = (triton.cdiv(n, config.block_n), min(block_expert.numel(), num_pairs))
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
-        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
+        num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
         TOP_K=top_k, BLOCK_M=block_m, TILE_M=max(MIN_TILE_M, triton.next_power_of_2(block_m)),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
-        LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl,
+        LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
+        K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
@@ -356,7 +385,7 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, bl
              config: GemmConfig | None = None) -> torch.Tensor:
     """Grouped down-GEMM, unweighted: act [NP, I], w2 [E, h, I] -> [NP, h] in act.dtype (pair p reads row p)."""
     return _grouped_gemm("moe_down", act, w2, sorted_pairs, block_expert, total, 1, block_m, 0.0,
-                         False, pdl, out, config or DOWN_CONFIG)
+                         False, pdl, out, config or DOWN_CONFIG, prefetch=DOWN_PREFETCH)
 
 
 def silu_and_mul(h: torch.Tensor, limit: float, *, pdl: bool = False,

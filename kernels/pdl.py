@@ -19,6 +19,11 @@ later kernel of a chain launch and hold SM slots while it waits. Not measured ag
 the A/B in bench/results/pdl-trigger-h200-20261130.json ran the step without PDL launches (a bench bug, see its
 note), so it says nothing either way. Every PDL-on step number of 2026-11-30's second session (decode 1.44 ms)
 ran with `early`.
+
+`prefetch_l2(ptrs)` asks L2 for the lines at ptrs (inline PTX; PDL path only, the interpreter cannot run it): the
+pre-wait prologues use it for bytes no earlier kernel writes (weights), or, with the early trigger, for a tile
+chosen from outputs of the kernel two back (complete by the time this one runs, see kernels/moe.py). A prefetch is
+a hint: nothing reads its result, so a stale address costs bandwidth, never correctness.
 """
 
 from __future__ import annotations
@@ -57,6 +62,13 @@ def pdl_trigger():
     """gdc_launch_dependents under the late trigger; nothing under the early one (pdl_wait did it)."""
     if not TRIGGER_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """prefetch.global.L2 of every address in ptrs (call only on the PDL path, on the GPU)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 def pdl_supported(device: torch.device) -> bool:

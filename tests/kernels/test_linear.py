@@ -22,7 +22,7 @@ import torch
 import lingc.kernels.linear as linear_module
 from kernel_support import poisoned_empty  # tests/kernels is on sys.path
 from lingc.kernels.linear import (LOWERINGS, MAX_ROWS, LinearConfig, LinearWorkspace, add_rmsnorm_linear,
-                                  add_rmsnorm_linear_ref, device_workspace, linear, linear_ref, pick_config,
+                                  add_rmsnorm_linear_ref, device_workspace, gated_rmsnorm_linear, linear, linear_ref, pick_config,
                                   rmsnorm_linear, rmsnorm_linear_ref, workspace_need)
 from lingc.kernels.rmsnorm import add_rmsnorm
 
@@ -104,7 +104,8 @@ def test_table_configs_match_reference() -> None:
     assert pick_config(24, 600, torch.float32).split_k > 1
     _check(linear(x, weight, torch.float32), x, weight, torch.float32)
     assert not device_workspace("cpu").counters.any()
-    assert LOWERINGS == {"linear": linear, "rmsnorm_linear": rmsnorm_linear, "add_rmsnorm_linear": add_rmsnorm_linear}
+    assert LOWERINGS == {"linear": linear, "rmsnorm_linear": rmsnorm_linear, "add_rmsnorm_linear": add_rmsnorm_linear,
+                         "gated_rmsnorm_linear": gated_rmsnorm_linear}
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", [

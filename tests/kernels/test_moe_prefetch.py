@@ -1,0 +1,53 @@
+"""The down-GEMM's pre-wait L2 prefetch (kernels/moe.py PREFETCH), compiled for sm_90 without a GPU: the prefetches
+come before `griddepcontrol.wait` and every load of the activations after it; without PREFETCH (the up-GEMM) no
+prefetch exists and nothing is loaded before the wait. In the interpreter (PDL off) the GEMMs are unchanged, which
+the other moe tests check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_PROBE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lingc.kernels.moe as K
+prefetch = sys.argv[1] == "1"
+sig = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+           total_ptr="*i32", num_pairs="i32", num_experts="i32", N="i32", K="i32", stride_am="i32", stride_we="i32",
+           stride_wn="i32", stride_om="i32", limit="fp32")
+const = dict(TOP_K=1, BLOCK_M=16, TILE_M=16, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, SWIGLU=False, HAS_LIMIT=False,
+             IEEE_DOT=False, LIBDEVICE_EXP=True, PDL=True, PREFETCH=prefetch, K_LINES=8, LINE=64)
+sig.update({k: "constexpr" for k in const})
+ptx = triton.compile(ASTSource(fn=K._moe_gemm_kernel, signature=sig, constexprs=const),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
+find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
+print(find("griddepcontrol.wait"), find("prefetch.global.L2"), find("ld.global"), sep="|")
+"""
+
+
+def _probe(prefetch: bool) -> tuple[list[int], list[int], list[int]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, "1" if prefetch else "0"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tuple(eval(part) for part in proc.stdout.strip().splitlines()[-1].split("|"))
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["down-prefetch", "up-no-prefetch"])
+def test_prefetch_precedes_the_wait(prefetch: bool) -> None:
+    waits, prefetches, loads = _probe(prefetch)
+    assert len(waits) == 1, waits
+    if prefetch:
+        assert prefetches and max(prefetches) < waits[0], (prefetches, waits)
+        # before the wait only total and the block's expert (through L2) are read
+        assert 1 <= len([i for i in loads if i < waits[0]]) <= 2
+    else:
+        assert not prefetches and not [i for i in loads if i < waits[0]]
