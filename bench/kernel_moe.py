@@ -204,6 +204,34 @@ def _combine_align_rows(p: Problem) -> list[dict]:
     return rows
 
 
+def _combine_norm_rows(p: Problem) -> list[dict]:
+    """combine_add_rmsnorm (fuse_combine_norm) vs moe_combine then add_rmsnorm (the kernels it replaces), without
+    shared_out (fuse_shared_expert's form): bit for bit, PDL on == off, time of the pair vs the one launch."""
+    from lingc.kernels.moe import combine_add_rmsnorm, moe_combine
+    from lingc.kernels.rmsnorm import add_rmsnorm
+    g = torch.Generator(device=p.down[0].device).manual_seed(5)
+    residual = [torch.randn(1, p.T, H, device=p.down[0].device, generator=g).to(torch.bfloat16) for _ in range(CALLS)]
+    norm_weight = (1 + 0.1 * torch.randn(H, device=p.down[0].device, generator=g)).to(torch.bfloat16)
+
+    def fused(c: int, pdl: bool = True) -> tuple:
+        return combine_add_rmsnorm(residual[c], p.down[c], p.weights[c], norm_weight, 1e-6, pdl=pdl)
+
+    def pair(c: int) -> tuple:
+        x = moe_combine(p.down[c], p.weights[c], pdl=True).view(residual[c].shape)
+        return add_rmsnorm(residual[c], x, norm_weight, 1e-6, pdl=True)
+
+    got, want = fused(0), pair(0)
+    exact = all(torch.equal(a, b) for a, b in zip(got, want))
+    ref = torch.ops.lingc.combine_add_rmsnorm(residual[0], p.down[0], p.weights[0], norm_weight, 1e-6)
+    err, _, close = _err(got[0], ref[0])
+    pdl_eq = all(torch.equal(a, b) for a, b in zip(got, fused(0, pdl=False)))
+    return [_row("combine_add_rmsnorm", p.shape, exact and pdl_eq, err, exact, pdl_eq,
+                 _time([lambda c=c: fused(c) for c in range(CALLS)]), None,
+                 nbytes(p.down[0], p.weights[0], residual[0]) + 2 * nbytes(residual[0]),
+                 bit_exact_vs_two_kernels=exact, close_to_reference=close,
+                 two_kernels_time_us=_time([lambda c=c: pair(c) for c in range(CALLS)]))]
+
+
 def _chain_rows(p: Problem) -> list[dict]:
     """align -> up_act -> down -> combine (PDL) vs the unfused chain vs the reference ops, cold weights."""
     from lingc.kernels.moe import (moe_combine, moe_combine_ref, moe_down, moe_down_ref, moe_up, moe_up_act,
@@ -299,7 +327,8 @@ def _tune_rows(p: Problem) -> list[dict]:
     return rows
 
 
-def run(device: torch.device) -> list[dict]:
+def run(device: torch.device, sections: tuple[str, ...] = ()) -> list[dict]:
+    """Every section at T = 1 and 6, or only the named ones (e.g. ("_combine_norm_rows",))."""
     import lingc  # noqa: F401  (registers the reference ops)
     from lingc.modules import MOE_BLOCK_M
     assert MOE_BLOCK_M == BLOCK_M, f"lingc.modules.MOE_BLOCK_M is {MOE_BLOCK_M}, the bench assumes {BLOCK_M}"
@@ -310,7 +339,9 @@ def run(device: torch.device) -> list[dict]:
     rows: list[dict] = []
     for T in (1, 6):
         p = Problem(T, device, g, stacks)
-        for section in (_gemm_rows, _combine_align_rows, _chain_rows, _fused_rows, _tune_rows):
+        for section in (_gemm_rows, _combine_align_rows, _combine_norm_rows, _chain_rows, _fused_rows, _tune_rows):
+            if sections and section.__name__ not in sections:
+                continue
             try:
                 rows += section(p)
             except Exception:  # noqa: BLE001  (one section's failure must not lose the others)

@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import align_sizes
 
@@ -219,12 +220,11 @@ def _silu_and_mul_kernel(h_ptr, out_ptr, stride_h, stride_o, inter, limit,
 
 
 @triton.jit
-def _combine_row(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, n, cols, mask, stride_e, stride_w, stride_l, stride_s,
-                 stride_o, TOP_K: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
-                 HAS_LOCAL: tl.constexpr, E_CG: tl.constexpr, PDL: tl.constexpr):
-    """moe_combine of token n over the columns cols: stored. Shared by _moe_combine_kernel, kernels/ep.py (HAS_LOCAL)
-    and kernels/moe_fused.py (E_CG: expert rows other programs of the same launch wrote, loaded through L2 only).
-    Elementwise per column, so the bits do not depend on how many columns a program takes."""
+def _routed_sum(e_ptr, w_ptr, local_ptr, n, cols, mask, stride_e, stride_w, stride_l, TOP_K: tl.constexpr,
+                ORDER: tl.constexpr, HAS_LOCAL: tl.constexpr, E_CG: tl.constexpr, MUL_RN: tl.constexpr):
+    """sum_j w[n, j] * expert_out[n*k + j, cols] in fp32, in the order ORDER (unrounded). MUL_RN: each product as
+    an explicit round-to-nearest multiply, which no fp-fusion setting contracts into an FMA (kernels compiled with
+    fusion on use it to keep the combine kernel's bits, which launches with fusion off)."""
     # HAS_LOCAL (ep_combine, kernels/ep.py): pair j counts only where local_ids[n, j] >= 0; another rank's pair
     # contributes exactly +0.0 (as the reference) and its expert row is never loaded
     acc0 = tl.zeros(cols.shape, dtype=tl.float32)
@@ -242,10 +242,12 @@ def _combine_row(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, n, cols, mask, stride_
                         cache_modifier=".cg").to(tl.float32)
         else:
             e = tl.load(e_ptr + (n * TOP_K + j) * stride_e + cols, mask=e_mask, other=0.0).to(tl.float32)
-        if HAS_LOCAL:
-            p = tl.where(mine, e * w, 0.0)
+        if MUL_RN:
+            p = tl.extra.cuda.libdevice.mul_rn(e, w)
         else:
             p = e * w
+        if HAS_LOCAL:
+            p = tl.where(mine, p, 0.0)
         if ORDER == 0:
             acc0 = acc0 + p
         else:  # accumulator j % 4 (torch's CUDA reduction with 4 accumulators per thread)
@@ -257,13 +259,25 @@ def _combine_row(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, n, cols, mask, stride_
                 acc2 = acc2 + p
             else:
                 acc3 = acc3 + p
+    routed = acc0
+    if ORDER == 1:
+        routed = ((acc0 + acc1) + acc2) + acc3
+    return routed
+
+
+@triton.jit
+def _combine_row(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, n, cols, mask, stride_e, stride_w, stride_l, stride_s,
+                 stride_o, TOP_K: tl.constexpr, ORDER: tl.constexpr, HAS_SHARED: tl.constexpr,
+                 HAS_LOCAL: tl.constexpr, E_CG: tl.constexpr, PDL: tl.constexpr):
+    """moe_combine of token n over the columns cols: stored. Shared by _moe_combine_kernel, kernels/ep.py (HAS_LOCAL)
+    and kernels/moe_fused.py (E_CG: expert rows other programs of the same launch wrote, loaded through L2 only).
+    Elementwise per column, so the bits do not depend on how many columns a program takes."""
+    routed = _routed_sum(e_ptr, w_ptr, local_ptr, n, cols, mask, stride_e, stride_w, stride_l, TOP_K, ORDER,
+                         HAS_LOCAL, E_CG, False)
     if HAS_SHARED:
         shared = tl.load(s_ptr + n * stride_s + cols, mask=mask, other=0.0)
     if PDL:
         pdl_trigger()
-    routed = acc0
-    if ORDER == 1:
-        routed = ((acc0 + acc1) + acc2) + acc3
     out_ty = out_ptr.dtype.element_ty
     if HAS_SHARED:
         out = (routed.to(out_ty).to(tl.float32) + shared.to(tl.float32)).to(out_ty)
@@ -283,6 +297,28 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
         pdl_wait()
     _combine_row(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, n, cols, mask, stride_e, stride_w, stride_l, stride_s,
                  stride_o, TOP_K, ORDER, HAS_SHARED, HAS_LOCAL, False, PDL)
+
+
+@triton.jit
+def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, H, stride_e, stride_w,
+                                stride_res, stride_out, stride_res_out, eps,
+                                TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr,
+                                MUL_RN: tl.constexpr, PDL: tl.constexpr):
+    """combine_add_rmsnorm of token n: the combine's row (as _combine_row, cast to the activation dtype), then
+    kernels/rmsnorm.py's add + norm row code on it; one program per token holds the whole row."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    nw = tl.load(nw_ptr + cols, mask=mask, other=0.0)
+    if PDL:
+        pdl_wait()
+    routed = _routed_sum(e_ptr, w_ptr, w_ptr, n, cols, mask, stride_e, stride_w, 0, TOP_K, ORDER, False, False,
+                         MUL_RN)
+    res = tl.load(res_ptr + n * stride_res + cols, mask=mask, other=0.0)
+    if PDL:
+        pdl_trigger()
+    _add_rmsnorm_row(res, routed.to(res.dtype), nw, out_ptr + n * stride_out, res_out_ptr + n * stride_res_out, cols,
+                     mask, H, eps)
 
 
 def _interpreting() -> bool:
@@ -446,6 +482,39 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out
     return out
 
 
+def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
+                        weight: torch.Tensor, eps: float, *, pdl: bool = False,
+                        order: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) = add_rmsnorm(residual, moe_combine(expert_out, topk_weights)) in one launch, bit for
+    bit the two kernels: residual [..., h] (N rows), expert_out [N*k, h], topk_weights [N, k], weight [h]."""
+    _float_dtype(expert_out, "combine_add_rmsnorm", "expert_out")
+    h = residual.shape[-1]
+    n = residual.numel() // max(h, 1)
+    if topk_weights.dim() != 2 or topk_weights.shape[0] != n or expert_out.shape != (n * topk_weights.shape[1], h) \
+            or expert_out.dtype != residual.dtype or weight.shape != (h,):
+        raise ValueError(f"combine_add_rmsnorm: residual {list(residual.shape)} {residual.dtype}, expert_out "
+                         f"{list(expert_out.shape)} {expert_out.dtype}, topk_weights {list(topk_weights.shape)}, weight "
+                         f"{list(weight.shape)}: want N rows of h, [N*k, h] of the residual's dtype, [N, k], [h]")
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    residual_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    if n == 0:
+        return out, residual_out
+    res2 = residual.reshape(n, h)
+    res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
+    e2 = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
+    order = COMBINE_ORDER.get(residual.device.type, SEQUENTIAL) if order is None else order
+    pdl = pdl and pdl_supported(residual.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    block = triton.next_power_of_2(h)
+    _combine_add_rmsnorm_kernel[(n,)](
+        e2, topk_weights, res2, weight, out.view(n, h), residual_out.view(n, h), h, e2.stride(0),
+        topk_weights.stride(0), res2.stride(0), h, h, eps,
+        TOP_K=topk_weights.shape[1], BLOCK_H=block, ORDER=order,
+        MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, num_warps=_norm_warps(block),
+        enable_reflect_ftz=False, **launch)   # fusion on, as the add_rmsnorm kernel; mul_rn without FTZ, as the combine
+    return out, residual_out
+
+
 def interleave_w13(w13: torch.Tensor) -> torch.Tensor:
     """[E, 2I, h] gate rows then up rows -> gate/up interleaved (row 2j = gate_j, row 2j+1 = up_j), a copy."""
     num_experts, two_i, h = w13.shape
@@ -478,6 +547,7 @@ def moe_combine_ref(expert_out, topk_weights, shared_out=None):
 
 
 LOWERINGS = {
+    "combine_add_rmsnorm": combine_add_rmsnorm,
     "moe_up": moe_up,
     "moe_up_act": moe_up_act,
     "silu_and_mul": silu_and_mul,

@@ -282,6 +282,25 @@ def _(expert_out, topk_weights, shared_out=None):
 register("moe_combine")
 
 
+@torch.library.custom_op("lingc::combine_add_rmsnorm", mutates_args=())
+def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
+                        weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's combine (no shared_out) and the next residual add + RMSNorm as one op (fuse_combine_norm):
+    add_rmsnorm(residual, moe_combine(expert_out, topk_weights) viewed as residual) -> (normed, new_residual).
+    residual [..., h] with N rows, expert_out [N*k, h], topk_weights [N, k] fp32, weight [h]."""
+    from lingc.ops.norm import add_rmsnorm
+    x = moe_combine(expert_out, topk_weights).view(residual.shape)
+    return add_rmsnorm(residual, x, weight, eps)
+
+
+@combine_add_rmsnorm.register_fake
+def _(residual, expert_out, topk_weights, weight, eps):
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+register("combine_add_rmsnorm")
+
+
 @torch.library.custom_op("lingc::moe_fused", mutates_args=())
 def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int,

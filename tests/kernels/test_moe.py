@@ -257,6 +257,6 @@ def test_bad_inputs_raise_value_error() -> None:
 
 
 def test_lowerings_cover_the_reference_ops() -> None:
-    assert set(LOWERINGS) == {"moe_up", "moe_up_act", "silu_and_mul", "moe_down", "moe_combine"}
+    assert set(LOWERINGS) == {"moe_up", "moe_up_act", "silu_and_mul", "moe_down", "moe_combine", "combine_add_rmsnorm"}
     for name in LOWERINGS:
         assert hasattr(torch.ops.lingc, name)
