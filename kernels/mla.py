@@ -45,20 +45,25 @@ contraction in rope) but libm-level differences in cos/sin/exp may move a bf16 r
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b (a weight, written
 by no earlier kernel) is loaded before `gdc_wait()`; every activation, the cache, page table and positions
-are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. With PDL off no GDC call
+are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One hint comes before the wait:
+the split (PREFETCH, LINGC_MLA_PREFETCH=1, the default; the chain's last query's programs only) reads its query's
+position and page-table row through L2 and asks L2 for its visible cache rows, which earlier steps wrote (the
+positions and page table are written at the step's start, many kernels back); nothing reads the prefetch, so a stale
+value costs bandwidth, never correctness. With PDL off no GDC call
 is emitted (the Triton interpreter cannot run them, kernels.md section 1.2).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. SPLIT_ROWS and BLOCK_N (cache rows per MMA step) and CB_BLOCK_S shape the arithmetic of a query;
@@ -81,6 +86,8 @@ VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 12
 GEMV_WARPS = 4
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
+SPLIT_PREFETCH = os.environ.get("LINGC_MLA_PREFETCH", "1") != "0"   # the split's pre-wait L2 prefetch (A/B knob)
+PREFETCH_LINE = tl.constexpr(64)   # cache elements per prefetch request (128 B of bf16)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -112,13 +119,33 @@ def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, 
 
 
 @triton.jit
+def _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS, CAP, stride_page, stride_row, stride_pages_b,
+                    stride_pos_b, stride_pos_t, L, SPLIT: tl.constexpr, NUM_PAGES: tl.constexpr,
+                    L_LINES: tl.constexpr):
+    """PREFETCH (before the wait): ask L2 for this split's visible cache rows. The positions and the page table are
+    written at the step's start, many kernels back (complete), and every visible row but the newest by earlier
+    steps; read through L2 (.cg) and clamped, a stale value only names other real rows (a hint, never read)."""
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t, cache_modifier=".cg").to(tl.int32)
+    rows = s * SPLIT + tl.arange(0, SPLIT)
+    valid = rows < tl.minimum(pos + 1, CAP)
+    page = tl.load(pages_ptr + b.to(tl.int64) * stride_pages_b + rows // PS, mask=valid, other=0,
+                   cache_modifier=".cg")
+    page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+    base = page * stride_page + (rows % PS) * stride_row                                # [SPLIT]
+    cols = tl.minimum(tl.arange(0, L_LINES) * PREFETCH_LINE, L - 1)                     # one address per 128 B
+    base = tl.where(valid, base, 0)                                                     # invisible rows: row 0
+    prefetch_l2(kv_ptr + base[:, None] + cols[None, :])
+
+
+@triton.jit
 def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                   T, S, PS, CAP, qk_scale,
                   stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
                   stride_pos_b, stride_pos_t,
                   H: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                  PREFETCH: tl.constexpr = False, NUM_PAGES: tl.constexpr = 1, L_LINES: tl.constexpr = 1):
     """Unnormalised softmax partial of query m over its visible rows of split s, all heads at once."""
     m = tl.program_id(0)
     s = tl.program_id(1)
@@ -128,6 +155,10 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
     offs_e = tl.arange(0, BLOCK_E)
     mask_h, mask_r, mask_e = offs_h < H, offs_r < R, offs_e < RR
     if PDL:
+        if PREFETCH:
+            if t == T - 1:     # the chain's last query sees every row the others do: one request per line
+                _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS, CAP, stride_page, stride_row,
+                                stride_pages_b, stride_pos_b, stride_pos_t, R + RR, SPLIT, NUM_PAGES, L_LINES)
         pdl_wait()
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
     start = s * SPLIT
@@ -400,7 +431,8 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
         page_rows.stride(0), positions.stride(0), positions.stride(1),
         H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
-        BLOCK_N=block_n, IEEE=fp32, PDL=pdl, num_warps=split_warps, num_stages=split_stages, **launch)
+        BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
+        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), num_warps=split_warps, num_stages=split_stages, **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
