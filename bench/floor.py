@@ -63,6 +63,10 @@ def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Cou
         slots = args[14]
         counts["kda_state"] += sum(2 * _size(pool[0]) * slots.numel() for pool in args[8:11])
         counts["kda_state"] += _size(args[13][0]) * slots.numel() + _size(args[18])
+    elif op == "kda_fused_decode":                                         # 3 in-place convs + recurrence
+        slots = args[14]
+        counts["kda_state"] += sum(2 * _size(pool[0]) * slots.numel() for pool in args[8:11])
+        counts["kda_state"] += 2 * _size(args[13][0]) * slots.numel()       # state read + written back
     elif op == "kda_conv_qkv":                                             # 3 in-place convs
         counts["kda_state"] += sum(2 * _size(pool[0]) * args[9].numel() for pool in args[6:9])
     elif op == "kda_commit_multi":

@@ -5,6 +5,8 @@ For every kernel: max_abs_err and bit_exact against the torch reference op on th
 for bit, and CUDA-graph time (bench/timing.py) of the kernel and of the reference over `cold_copies` distinct
 state pools / staging buffers / conv weights, so the recurrent state (1 MiB a layer) is cold in L2 as in a real
 step; the activations (q, k, v, f, b: just written by the previous kernel in a real step) stay warm.
+kda_fused_verify (T = 6) and kda_fused_decode (T = 1, several steps in a row, its head counters back at zero
+after every launch) are checked bit for bit against the separate kernels they replace and timed beside them.
 The recurrence is swept over BLOCK_V x num_warps at T = 1 and T = 6; each sweep row also checks row invariance
 for its config (a T = 6 chain == six T = 1 decode steps, outputs and staged states vs pool states, bit for bit).
 `kda_recurrent best T=..` rows name the fastest config per T (peer: fla-core fused_recurrent_kda, 4.5 us at T = 1
@@ -31,6 +33,7 @@ EPS = 1e-6
 DTYPE = torch.bfloat16
 DECODE_T, VERIFY_T = 1, 6
 ACCEPT = 3                                   # accept_len used for the commit rows
+DECODE_STEPS = 4                             # kda_fused_decode: consecutive steps checked bit for bit
 BLOCK_V_SWEEP = (8, 16, 32, 64, 128)
 WARPS_SWEEP = (2, 4, 8)
 FUSED_BLOCK_V_SWEEP = (16, 32)
@@ -284,7 +287,8 @@ def _norm_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
 
 
 class Fused:
-    """kda_fused_verify inputs: raw q/k/v projections, three convs, n cold copies of every pool and staging."""
+    """kda_fused_verify / kda_fused_decode inputs: raw q/k/v projections, three convs, n cold copies of every pool
+    and staging (decode uses no staging)."""
 
     def __init__(self, T: int, n: int, dev: torch.device, g: torch.Generator):
         r = lambda *s: torch.randn(*s, device=dev, generator=g)  # noqa: E731
@@ -304,10 +308,12 @@ class Fused:
         return (*self.raw, self.f, self.b, *self.ws, *self.cpools[i], self.A_log, self.dt_bias, self.state[i],
                 self.slots)
 
-    def nbytes(self) -> int:
+    def nbytes(self, staged: bool = True) -> int:
         T = self.T
-        conv = 3 * (P * W * 4 + P * (W - 1) * 2 * (1 + T) + T * P * 2)        # weight, window + staging, x
-        return conv + STATE_BYTES * (1 + T) + (T * P + T * H + T * P) * 2 + H * 4 + P * 4
+        windows = P * (W - 1) * 2 * ((1 + T) if staged else 2)                 # + staging, or read + write back
+        conv = 3 * (P * W * 4 + windows + T * P * 2)                           # weight, windows, x
+        state = STATE_BYTES * (1 + T) if staged else 2 * STATE_BYTES
+        return conv + state + (T * P + T * H + T * P) * 2 + H * 4 + P * 4
 
 
 def _fused_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
@@ -361,12 +367,86 @@ def _fused_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
     return rows
 
 
+def _fused_decode_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
+    """kda_fused_decode at T = 1 vs kda_conv_qkv + kda_recurrent over DECODE_STEPS steps from one set of pools (bits;
+    the head counters back at zero after every launch and after the timed graph replays; time) and the
+    reference ops."""
+    from lingc.kernels import kda as K
+
+    T = DECODE_T
+    n = cold_copies(2 * STATE_BYTES)
+    x = Fused(T, n, dev, g)
+    hv = (1, T, H, D)
+    shape = f"B=1 T={T} H={H} D={D} W={W}"
+    counters = K.device_counters(dev)
+
+    def pools(i, given):
+        return given if given is not None else (x.cpools[i], x.state[i])
+
+    def fused(i, given=None, pdl=False, **cfg):
+        cp, st = pools(i, given)
+        return K.kda_fused_decode(*x.raw, x.f, x.b, *x.ws, *cp, x.A_log, x.dt_bias, st, x.slots, LOWER_BOUND,
+                                  pdl=pdl, **cfg)
+
+    def separate(i, given=None, pdl=False):
+        cp, st = pools(i, given)
+        qkv = [y.view(hv) for y in K.kda_conv_qkv(*x.raw, *x.ws, *cp, x.slots, pdl=pdl)]
+        return K.kda_recurrent(*qkv, x.f, x.b, x.A_log, x.dt_bias, st, x.slots, LOWER_BOUND, pdl=pdl,
+                               block_v=K.BLOCK_V, num_warps=K.FUSED_WARPS)
+
+    def reference(i, given=None):
+        cp, st = pools(i, given)
+        return K.kda_fused_decode_ref(*x.raw, x.f, x.b, *x.ws, *cp, x.A_log, x.dt_bias, st, x.slots, LOWER_BOUND)
+
+    def copy0():
+        return [p.clone() for p in x.cpools[0]], x.state[0].clone()
+
+    def same(a, c) -> bool:
+        return _equal(zip([*a[0], a[1]], [*c[0], c[1]]))
+
+    got, with_pdl, sep, ref = copy0(), copy0(), copy0(), copy0()
+    sep_equal = pdl_eq = zero = acc = exact = True
+    err = 0.0
+    for _ in range(DECODE_STEPS):
+        o = fused(0, got)
+        zero &= not bool(counters.any())
+        o_pdl = fused(0, with_pdl, pdl=True)
+        zero &= not bool(counters.any())
+        o_sep, o_ref = separate(0, sep), reference(0, ref)
+        sep_equal &= torch.equal(o, o_sep) and same(got, sep)
+        pdl_eq &= torch.equal(o, o_pdl) and same(got, with_pdl)
+        acc &= _close(o, o_ref, BF16_TOL) and _close(got[1], ref[1], FUSED_STATE_TOL) and _equal(zip(got[0], ref[0]))
+        exact &= torch.equal(o, o_ref)
+        err = max(err, _err(o, o_ref), _err(got[1], ref[1]))
+    ref_us = graph_time_us([lambda i=i: reference(i) for i in range(n)])
+    t_us = graph_time_us([lambda i=i: fused(i) for i in range(n)])
+    zero_after_replays = not bool(counters.any())
+    ok = acc and sep_equal and pdl_eq and zero and zero_after_replays
+    rows = [_row("kda_fused_decode", shape, ok, err, bool(exact), pdl_eq, t_us, ref_us, x.nbytes(staged=False),
+                 config="default", block_v=K.BLOCK_V, num_warps=K.FUSED_WARPS, steps=DECODE_STEPS,
+                 equal_to_separate_kernels=bool(sep_equal), counters_zero=bool(zero and zero_after_replays),
+                 separate_kernels_us=graph_time_us([lambda i=i: separate(i) for i in range(n)]),
+                 time_us_pdl=graph_time_us([lambda i=i: fused(i, pdl=True) for i in range(n)]),
+                 separate_kernels_us_pdl=graph_time_us([lambda i=i: separate(i, pdl=True) for i in range(n)]))]
+    for bv in FUSED_BLOCK_V_SWEEP:
+        for warps in WARPS_SWEEP:
+            cfg = dict(block_v=bv, num_warps=warps)
+            p_c, p_r = copy0(), copy0()
+            o_c, o_r = fused(0, p_c, **cfg), reference(0, p_r)
+            rows.append(_row("kda_fused_decode", shape, _close(o_c, o_r, BF16_TOL) and _equal(zip(p_c[0], p_r[0])),
+                             _err(o_c, o_r), bool(torch.equal(o_c, o_r)), None,
+                             graph_time_us([lambda i=i: fused(i, **cfg) for i in range(n)]), ref_us,
+                             x.nbytes(staged=False), config=f"BV={bv} warps={warps}", block_v=bv, num_warps=warps))
+    return rows
+
+
 def run(device: torch.device) -> list[dict]:
     import lingc  # noqa: F401  (registers the reference ops)
 
     g = torch.Generator(device=device).manual_seed(0)
     rows: list[dict] = []
-    sections: list[Callable] = [_conv_rows, _recurrent_rows, _commit_rows, _norm_rows, _fused_rows]
+    sections: list[Callable] = [_conv_rows, _recurrent_rows, _commit_rows, _norm_rows, _fused_rows,
+                                _fused_decode_rows]
     for section in sections:
         rows += section(device, g)
     rows.append(_batch2_row(device, g))

@@ -12,7 +12,7 @@ parameters of its `torch.ops.lingc.*` reference, then keyword-only `pdl`:
     kda_commit(pool [S,...], slots [B], staging [B,TS,...], accept_len [B])      -> None: pool[slot] = staging[b, a-1]
     gated_rmsnorm(x [...,D], weight [D], gate [...,D], eps)                     -> [...,D]
 
-and three launch-saving composites (the fuse_kda pass puts them in the graphs; at batch 1 a KDA layer is
+and four launch-saving composites (the fuse_kda pass puts them in the graphs; at batch 1 a KDA layer is
 launch bound), each bit-identical to the launches it replaces:
 
     kda_conv_qkv(xq, xk, xv [B,T,P], wq, wk, wv, pool_q, pool_k, pool_v, slots) -> (q, k, v)     (pools updated)
@@ -29,10 +29,26 @@ launch bound), each bit-identical to the launches it replaces:
         == kda_recurrent_staged(kda_conv_staged(q_raw, conv_q_w, conv_q_pool, slots, staging_q).view(B,T,H,D), ...,
                                 state_pool, slots, staging_state, lower_bound)  (with k, v likewise), pools read only;
         with the same BLOCK_V / warps it has the separate kernels' bits (tests; the bench checks it on the
-        GPU). Each V tile recomputes the q/k convs of its whole head (they are tiny) and stages its own slice of
-        the q/k/v windows. There is no in-place (decode) twin: every V tile of a head reads the head's q/k conv
-        windows, so none may update them before all have read (no inter-CTA ordering inside one launch), and
-        one program per head spills at D = 128. Decode uses kda_conv_qkv + kda_recurrent (2 launches, not 4).
+        GPU). Each V tile recomputes the q/k convs of its whole head (they are tiny; one program per head
+        spills at D = 128) and stages its own slice of the q/k/v windows.
+    kda_fused_decode(q_raw, ..., state_pool, slots, lower_bound, *, workspace) -> o [B,T,H,D]  (pools updated)
+        == kda_recurrent(kda_conv(q_raw, conv_q_w, conv_q_pool, slots).view(B,T,H,D), ..., state_pool, slots,
+                         lower_bound)  (with k, v likewise): kda_conv_qkv + kda_recurrent, 1 launch, not 2.
+        kda_fused_verify's arguments without the stagings, and its kernel with STAGED off: a V tile writes its
+        state slice back to the pool and updates its own v channels' windows (loads, CTA barrier, stores, as
+        kda_conv). The head's q/k windows are read by every V tile of the head, so none may update them before
+        all have read (no ordering between the CTAs of one launch, and no waiting: that could deadlock). Each
+        tile, done reading (after the last position's convs, before its recurrence step), takes a ticket from
+        the head's int32 counter (a CTA barrier, then an acq_rel atomic); the tile that draws the last one
+        (cdiv(D, BLOCK_V) - 1) updates the head's q/k windows and stores 0 back, so the next launch (or
+        CUDA-graph replay) starts from zero (`_update_windows`). Ordering: a tile's window loads precede its
+        barrier, the barrier precedes its release; the last ticket's acquire reads the whole chain of
+        increments, so every tile's loads happen before the last tile's stores and none can see an updated
+        window. No float atomics, the same bits whoever comes last. The counters (`workspace`, >= B*H int32)
+        default to one set per device (`device_counters`: zeroed on first use, never resized). H200, B = 1,
+        Ling-3.0-tiny shapes (bench/kernel_kda.py, CUDA graph, cold state): 4.4 us with PDL vs 3.9 us for
+        kda_conv_qkv + kda_recurrent with PDL (5.2 vs 5.4 without): the ticket's round trip (~0.8 us; 3.6 us
+        without it) is on every program's path, so the saved launch does not pay for it there.
 
 Recurrence tiling: grid (B*H, cdiv(D, BLOCK_V)); a program keeps its [D, BLOCK_V] fp32 slice of the head's state
 (K rows, V columns) in registers across the T positions. Per position it loads the whole q_t, k_t, f_t of its
@@ -66,14 +82,17 @@ Bytes per call (H = 16, D = 128, P = 2048, B = 1, bf16 activations):
     kda_commit             read + write H*D*D*4 = 1 MiB each (recurrent), 2*P*(W-1)*2 (a conv window)
     kda_conv(_staged)      x T*P*2, y T*P*2, weight P*W*4, pool/staging windows P*(W-1)*2 (per position staged)
     gated_rmsnorm          x, gate, out T*P*2 each
-    kda_conv_qkv, kda_commit_multi, kda_fused_verify: the sums of what they replace (one launch each)
+    kda_conv_qkv, kda_commit_multi, kda_fused_verify, kda_fused_decode: the sums of what they replace (one
+                           launch each; kda_fused_decode adds an L2-resident int32 counter per head)
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, weights (conv weights, A_log,
 dt_bias, norm weight) are loaded before `gdc_wait()`; slots, pools, staging and activations after it;
 `gdc_launch_dependents()` follows the last load of data an earlier kernel wrote: after the position loop (each
 position's inputs are loaded inside it), and after the in-place conv window update (its loads and stores are
 split by a CTA barrier). With PDL off no GDC call is emitted. The composites wait and trigger as the kernels
-they replace do (kda_conv_qkv and kda_commit_multi run those kernels' program bodies).
+they replace do (kda_conv_qkv and kda_commit_multi run those kernels' program bodies); kda_fused_decode touches
+its counters only after the wait and triggers after the window updates (the last tile loads the q/k windows
+after its ticket), before the state write-back, as kda_recurrent.
 
 One file for the family, past the usual ~400 lines: the composites call the separate kernels' device helpers,
 and sharing them is what keeps the composites bit-identical to the kernels they replace.
@@ -81,6 +100,7 @@ and sharing them is what keeps the composites bit-identical to the kernels they 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -96,7 +116,8 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 # the K-axis reduction layout, hence the bits). B*H*cdiv(D, BLOCK_V) programs: 128 at Ling-3.0-tiny B = 1.
 BLOCK_V = 16
 REC_WARPS = 4
-FUSED_WARPS = 4         # kda_fused_verify (same BLOCK_V as the recurrence)
+FUSED_WARPS = 4         # kda_fused_verify / kda_fused_decode (same BLOCK_V as the recurrence)
+FUSED_COUNTERS = 1 << 12  # kda_fused_decode's per-device ticket counters, one per (batch row, head): 16 KiB
 CONV_BLOCK_P = 256      # channels per conv program
 MAX_CONV_WIDTH = 4      # the conv taps are spelled out (w0..w3); Ling uses W = 4
 CONV_WARPS = 4
@@ -328,12 +349,30 @@ def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_
 
 
 @triton.jit
+def _update_windows(cq_row, ck_row, cv_row, qx_row, kx_row, vx_row, s_xt, count_ptr, km, vm,
+                    T: tl.constexpr, W: tl.constexpr):
+    """kda_fused_decode's in-place conv window update, once this V tile has read every window it reads: a ticket
+    from the head's counter, and the tile that draws the last one updates the head's q/k windows (every tile
+    reads them) and zeroes the counter; each tile updates its own v channels. Taken before any store of the
+    program (at T = 1), so the release has nothing to drain, and before the recurrence, under the state load."""
+    tl.debug_barrier()  # every thread's window loads come before the ticket (release) is taken
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(1) - 1:              # every tile of the head has read the q/k windows
+        _store_window(cq_row, cq_row, qx_row, s_xt, T, km, W, True)
+        _store_window(ck_row, ck_row, kx_row, s_xt, T, km, W, True)
+        tl.store(count_ptr, 0)                                                        # ready for the next launch
+    _store_window(cv_row, cv_row, vx_row, s_xt, T, vm, W, True)      # read by no other program: as kda_conv
+
+
+@triton.jit
 def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_ptr, cq_ptr, ck_ptr, cv_ptr,
-                      a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, sq_ptr, sk_ptr, sv_ptr, staging_ptr, o_ptr,
-                      H, s_xb, s_xt, s_fb, s_ft, s_fh, s_bb, s_bt, s_bh, s_cpool, s_cstb, s_cstt, s_stb, s_stt,
+                      a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, sq_ptr, sk_ptr, sv_ptr, staging_ptr, count_ptr,
+                      o_ptr, H, s_xb, s_xt, s_fb, s_ft, s_fh, s_bb, s_bt, s_bh, s_cpool, s_cstb, s_cstt, s_stb, s_stt,
                       scale, lower_bound,
                       T: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
-                      PRECISE: tl.constexpr, PDL: tl.constexpr):
+                      STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """kda_fused_verify (STAGED: pools read only, per-position staging) or kda_fused_decode (pools updated in
+    place; count_ptr holds one int32 ticket counter per (b, h), zero between launches)."""
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = pid % H
@@ -379,15 +418,20 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
         v = _conv_at(cv_row, vx_row, s_xt, t, vm, wv0, wv1, wv2, wv3, W, PRECISE).to(vx_ptr.dtype.element_ty)
         f = tl.load(f_row + t * s_ft, mask=km, other=0.0)
         bt = tl.load(b_row + t * s_bt)
+        if not STAGED and t == T - 1:                 # every window read: update them while S is still loading
+            _update_windows(cq_row, ck_row, cv_row, qx_row, kx_row, vx_row, s_xt, count_ptr + pid, km, vm, T, W)
         S, o = _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, km, PRECISE)
         tl.store(o_ptr + ((b * T + t) * H + h) * D + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
-        tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
-        cst = b * s_cstb + t * s_cstt
-        _store_window(sq_ptr + cst + ck * (W - 1), cq_row, qx_row, s_xt, t + 1, own, W, False)
-        _store_window(sk_ptr + cst + ck * (W - 1), ck_row, kx_row, s_xt, t + 1, own, W, False)
-        _store_window(sv_ptr + cst + cv * (W - 1), cv_row, vx_row, s_xt, t + 1, vm, W, False)
+        if STAGED:
+            tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
+            cst = b * s_cstb + t * s_cstt
+            _store_window(sq_ptr + cst + ck * (W - 1), cq_row, qx_row, s_xt, t + 1, own, W, False)
+            _store_window(sk_ptr + cst + ck * (W - 1), ck_row, kx_row, s_xt, t + 1, own, W, False)
+            _store_window(sv_ptr + cst + cv * (W - 1), cv_row, vx_row, s_xt, t + 1, vm, W, False)
     if PDL:
         pdl_trigger()
+    if not STAGED:
+        tl.store(pool_ptr + slot * H * D * D + tile, S, mask=tmask)
 
 
 @triton.jit
@@ -715,6 +759,84 @@ def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _device_counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(FUSED_COUNTERS, dtype=torch.int32, device=device)
+
+
+def device_counters(device: torch.device | str) -> torch.Tensor:
+    """kda_fused_decode's default ticket counters on a device (int32 [FUSED_COUNTERS]), created zeroed on first
+    use and kept (a captured CUDA graph keeps pointing at them); every launch leaves them zero. One set serves
+    any number of stream-ordered or PDL-chained launches; launches that may run concurrently need one each."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_counters(device)
+
+
+def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, state_pool, slots,
+           stagings: tuple | None, counters: torch.Tensor | None, lower_bound: float, pdl: bool,
+           block_v: int | None, num_warps: int | None) -> torch.Tensor:
+    """Check and launch _kda_fused_kernel: staged (stagings = q, k, v windows and the state) or in place
+    (stagings None; counters: int32 ticket counters, >= B * H of them, zero)."""
+    if f.dim() != 4:
+        _fail(op, f"f is {list(f.shape)}, want [B, T, H, D]")
+    B, T, H, D = f.shape
+    q_raw, conv_q_w, conv_q_pool = raw[0], ws[0], pools[0]
+    conv_st = stagings[:3] if stagings is not None else (None, None, None)
+    for name, x, w, pool, st in zip("qkv", raw, ws, pools, conv_st):
+        if x.shape != (B, T, H * D) or x.stride() != q_raw.stride() or x.dtype != q_raw.dtype:
+            _fail(op, f"{name}_raw is {list(x.shape)} {x.dtype} {x.stride()}, want [{B}, {T}, {H * D}] "
+                      f"with q_raw's dtype and strides")
+        _check_conv(op, x, w, pool, slots, st)
+        if w.shape != conv_q_w.shape or pool.shape != conv_q_pool.shape \
+                or (st is not None and st.shape != conv_st[0].shape):
+            _fail(op, "the three convs need one weight, pool and staging shape" if st is not None
+                  else "the three convs need one weight and pool shape")
+    _check_recurrent(op, f, f, f, f, b, A_log, dt_bias, state_pool, slots,
+                     stagings[3] if stagings is not None else None)
+    if q_raw.stride(-1) != 1 or f.stride(-1) != 1:
+        _fail(op, "q_raw, k_raw, v_raw and f need a unit-stride last dim")
+    if stagings is None:
+        counters = counters if counters is not None else device_counters(q_raw.device)
+        if counters.dtype != torch.int32 or not counters.is_contiguous() or counters.numel() < B * H \
+                or counters.device != q_raw.device:
+            _fail(op, f"workspace holds {counters.numel()} {counters.dtype} counters on {counters.device}, want a "
+                      f"contiguous int32 one with >= {B * H} (batch rows x heads) on {q_raw.device}")
+    o = torch.empty((B, T, H, D), dtype=q_raw.dtype, device=q_raw.device)
+    if B * T == 0:
+        return o
+    pdl = pdl and pdl_supported(q_raw.device)
+    db = triton.next_power_of_2(D)
+    bv = min(block_v or BLOCK_V, db)
+    if stagings is not None:                   # slots stands in for the counters: STAGED never touches them
+        st, count = stagings, slots
+        st_strides = (st[0].stride(0), st[0].stride(1), st[3].stride(0), st[3].stride(1))
+    else:                                      # the pools stand in for the stagings: never written as such
+        st, count, st_strides = (*pools, state_pool), counters, (0, 0, 0, 0)
+    _kda_fused_kernel[(B * H, triton.cdiv(D, bv))](
+        *raw, f, b, *ws, *pools, A_log, dt_bias, state_pool, slots, *st, count, o,
+        H, q_raw.stride(0), q_raw.stride(1), *f.stride()[:3], *b.stride(), conv_q_pool.stride(0), *st_strides,
+        D ** -0.5, lower_bound, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], STAGED=stagings is not None,
+        PRECISE=_precise(q_raw.device), PDL=pdl, **_launch_opts(pdl, num_warps or FUSED_WARPS))
+    return o
+
+
+def kda_fused_decode(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                     conv_q_w: torch.Tensor, conv_k_w: torch.Tensor, conv_v_w: torch.Tensor,
+                     conv_q_pool: torch.Tensor, conv_k_pool: torch.Tensor, conv_v_pool: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                     lower_bound: float, *, pdl: bool = False, workspace: torch.Tensor | None = None,
+                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Three in-place convs + the recurrence in one launch (see the module docstring); every pool updated.
+
+    workspace: int32 ticket counters, >= B * H, zero (default: the device's, device_counters); each launch leaves
+    them zero. block_v / num_warps override BLOCK_V / FUSED_WARPS (benchmark sweeps only)."""
+    return _fused("kda_fused_decode", (q_raw, k_raw, v_raw), f, b, (conv_q_w, conv_k_w, conv_v_w),
+                  (conv_q_pool, conv_k_pool, conv_v_pool), A_log, dt_bias, state_pool, slots, None, workspace,
+                  lower_bound, pdl, block_v, num_warps)
+
+
 def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                      conv_q_w: torch.Tensor, conv_k_w: torch.Tensor, conv_v_w: torch.Tensor,
                      conv_q_pool: torch.Tensor, conv_k_pool: torch.Tensor, conv_v_pool: torch.Tensor,
@@ -725,36 +847,9 @@ def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tens
     """Three staged convs + staged recurrence in one launch (see the module docstring); all pools read only.
 
     block_v / num_warps override BLOCK_V / FUSED_WARPS (benchmark sweeps only)."""
-    op = "kda_fused_verify"
-    if f.dim() != 4:
-        _fail(op, f"f is {list(f.shape)}, want [B, T, H, D]")
-    B, T, H, D = f.shape
-    for name, x, w, pool, st in (("q", q_raw, conv_q_w, conv_q_pool, staging_q),
-                                 ("k", k_raw, conv_k_w, conv_k_pool, staging_k),
-                                 ("v", v_raw, conv_v_w, conv_v_pool, staging_v)):
-        if x.shape != (B, T, H * D) or x.stride() != q_raw.stride() or x.dtype != q_raw.dtype:
-            _fail(op, f"{name}_raw is {list(x.shape)} {x.dtype} {x.stride()}, want [{B}, {T}, {H * D}] "
-                      f"with q_raw's dtype and strides")
-        _check_conv(op, x, w, pool, slots, st)
-        if w.shape != conv_q_w.shape or pool.shape != conv_q_pool.shape or st.shape != staging_q.shape:
-            _fail(op, "the three convs need one weight, pool and staging shape")
-    _check_recurrent(op, f, f, f, f, b, A_log, dt_bias, state_pool, slots, staging_state)
-    if q_raw.stride(-1) != 1 or f.stride(-1) != 1:
-        _fail(op, "q_raw, k_raw, v_raw and f need a unit-stride last dim")
-    o = torch.empty((B, T, H, D), dtype=q_raw.dtype, device=q_raw.device)
-    if B * T == 0:
-        return o
-    pdl = pdl and pdl_supported(q_raw.device)
-    db = triton.next_power_of_2(D)
-    bv = min(block_v or BLOCK_V, db)
-    _kda_fused_kernel[(B * H, triton.cdiv(D, bv))](
-        q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool, conv_v_pool,
-        A_log, dt_bias, state_pool, slots, staging_q, staging_k, staging_v, staging_state, o,
-        H, q_raw.stride(0), q_raw.stride(1), *f.stride()[:3], *b.stride(), conv_q_pool.stride(0),
-        staging_q.stride(0), staging_q.stride(1), staging_state.stride(0), staging_state.stride(1),
-        D ** -0.5, lower_bound, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], PRECISE=_precise(q_raw.device), PDL=pdl,
-        **_launch_opts(pdl, num_warps or FUSED_WARPS))
-    return o
+    return _fused("kda_fused_verify", (q_raw, k_raw, v_raw), f, b, (conv_q_w, conv_k_w, conv_v_w),
+                  (conv_q_pool, conv_k_pool, conv_v_pool), A_log, dt_bias, state_pool, slots,
+                  (staging_q, staging_k, staging_v, staging_state), None, lower_bound, pdl, block_v, num_warps)
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -793,6 +888,13 @@ def gated_rmsnorm_ref(x, weight, gate, eps):
     return torch.ops.lingc.gated_rmsnorm(x, weight, gate, eps)
 
 
+def kda_fused_decode_ref(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool,
+                         conv_v_pool, A_log, dt_bias, state_pool, slots, lower_bound):
+    """The lingc op, whose reference is what it replaces: three in-place convs, then the recurrence."""
+    return torch.ops.lingc.kda_fused_decode(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool,
+                                            conv_k_pool, conv_v_pool, A_log, dt_bias, state_pool, slots, lower_bound)
+
+
 def kda_fused_verify_ref(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool,
                          conv_v_pool, A_log, dt_bias, state_pool, slots, staging_q, staging_k, staging_v,
                          staging_state, lower_bound):
@@ -811,5 +913,6 @@ LOWERINGS: dict[str, Callable] = {
     "gated_rmsnorm": gated_rmsnorm,
     "kda_conv_qkv": kda_conv_qkv,
     "kda_fused_verify": kda_fused_verify,
+    "kda_fused_decode": kda_fused_decode,
     "kda_commit_multi": kda_commit_multi,
 }

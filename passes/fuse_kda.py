@@ -1,9 +1,10 @@
-"""fuse_kda: one launch for a KDA layer's three convs, one for its verify mixer, one for its commits.
+"""fuse_kda: one launch for a KDA layer's decode or verify mixer, one for its prefill convs, one for its commits.
 
-At batch 1 a KDA layer's small kernels cost mostly launches (Ling-3.0-tiny: 18 KDA layers). Three rewrites,
+At batch 1 a KDA layer's small kernels cost mostly launches (Ling-3.0-tiny: 18 KDA layers). Four rewrites,
 in every graph (B batch, T tokens, H heads, D head dim, P = H * D):
 
-1. decode / step / prefill: the three in-place convs feeding one recurrence -> kda_conv_qkv.
+1. decode / step / prefill: the three in-place convs feeding one recurrence -> kda_conv_qkv (in decode and step,
+the first half of rewrite 4).
 Before:
     L0_attention_q_conv1d_kda_conv = lingc.kda_conv(L0_attention_q_proj_linear, w_L0_attention_q_conv1d_weight,
                                                     state_layers_0_conv_q, slots)                # [B, T, P]
@@ -44,18 +45,36 @@ After:
     verify_L0_kda_commit_multi = lingc.kda_commit_multi(slots, accept_len, state_layers_0_conv_q,
         staging_layers_0_conv_q, ..., state_layers_0_recurrent, staging_layers_0_recurrent)
 
+4. decode / step: a kda_conv_qkv whose outputs (through getitem and view) only one kda_recurrent reads -> one
+kda_fused_decode where the recurrence was (rewrite 1 made the kda_conv_qkv).
+Before:
+    L0_attention_kda_conv_qkv = lingc.kda_conv_qkv(L0_attention_q_proj_linear, ..., slots)    # as rewrite 1 left it
+    L0_attention_q_conv1d_kda_conv = getitem(L0_attention_kda_conv_qkv, 0)                      # k 1, v 2
+    L0_attention_view = aten.view(L0_attention_q_conv1d_kda_conv, [B, T, H, D])
+    ...
+    L0_attention_kda_recurrent = lingc.kda_recurrent(L0_attention_view, L0_attention_view_1, L0_attention_view_2,
+        L0_attention_view_3, L0_attention_b_proj_linear, w_L0_attention_A_log, w_L0_attention_dt_bias,
+        state_layers_0_recurrent, slots, -5.0)                                                    # [B, T, H, D]
+After:
+    L0_attention_kda_fused_decode = lingc.kda_fused_decode(L0_attention_q_proj_linear, L0_attention_k_proj_linear,
+        L0_attention_v_proj_linear, L0_attention_view_3, L0_attention_b_proj_linear, w_..._q_conv1d_weight,
+        w_..._k_conv1d_weight, w_..._v_conv1d_weight, state_layers_0_conv_q, state_layers_0_conv_k,
+        state_layers_0_conv_v, w_L0_attention_A_log, w_L0_attention_dt_bias, state_layers_0_recurrent, slots, -5.0)
+The getitems, the views and the kda_conv_qkv go; the recurrence's readers (the gated norm) read the fused op.
+
 A fused op runs its members at one place, so a group fuses only if nothing between a member and that place
 writes what the member reads or writes, or reads what it writes (pools and stagings compared through views).
 Each fused op's reference is the composite it replaces (lingc/ops/kda.py) and its kernel runs the replaced
 kernels' arithmetic (kernels/kda.py): numerics unchanged, bit for bit. Runs after partition (so each of
 draft / verify / extend is matched on its own) and after fuse_projections (q, k, v are then column views of
-one projection; the kernels take strides); pdl runs after it and chains kda_conv_qkv -> kda_recurrent ->
-gated_rmsnorm and kda_fused_verify -> gated_rmsnorm.
+one projection; the kernels take strides); pdl runs after it and chains kda_fused_decode -> gated_rmsnorm,
+kda_fused_verify -> gated_rmsnorm and, in prefill, kda_conv_qkv -> kda_chunk -> gated_rmsnorm.
 """
 
 from __future__ import annotations
 
 import operator
+import os
 import re
 from typing import Any
 
@@ -66,6 +85,10 @@ from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
 from lingc.passes.matchers import VIEW_OPS, calls, is_free
+
+# rewrite 4 (decode's kda_conv_qkv + kda_recurrent -> kda_fused_decode); LINGC_KDA_FUSED_DECODE=0 keeps the two
+# launches (an A/B knob for bench/device_step.py: the one launch measured slower alone on the H200, kernels/kda.py)
+FUSED_DECODE = os.environ.get("LINGC_KDA_FUSED_DECODE", "1") != "0"
 
 aten = torch.ops.aten
 KEEP_META = ("lingc.scope", "lingc.stage")
@@ -114,7 +137,8 @@ def _independent(members: list[fx.Node]) -> bool:
 
 
 def _conv_of(head_view: Any, op: object) -> fx.Node | None:
-    """The `op` conv whose [B, T, P] output `head_view` views as [B, T, H, D], or None."""
+    """The `op` node (a conv, or a getitem of kda_conv_qkv) whose [B, T, P] output `head_view` views as
+    [B, T, H, D], or None."""
     if not isinstance(head_view, fx.Node) or head_view.target not in HEAD_VIEWS:
         return None
     conv = head_view.args[0]
@@ -235,15 +259,50 @@ def _fuse_commits(graph: fx.Graph, group: list[fx.Node]) -> fx.Node | None:
     return fused
 
 
+# ---- 4. decode: kda_conv_qkv + recurrence -> kda_fused_decode --------------------------------------------
+
+def _fuse_decode(graph: fx.Graph, rec: fx.Node) -> fx.Node | None:
+    """kda_fused_decode in place of rec (kda_recurrent) and the kda_conv_qkv whose outputs only it reads, or None."""
+    if rec.kwargs or len(rec.args) != 10:
+        return None
+    q, k, v, f, b, A_log, dt_bias, state_pool, slots, lower_bound = rec.args
+    views = [q, k, v]
+    items = [_conv_of(a, operator.getitem) for a in views]               # the getitems the head views read
+    if any(i is None for i in items) or len(set(views)) != 3:
+        return None
+    qkv = items[0].args[0]
+    if not isinstance(qkv, fx.Node) or qkv.target is not OPS.kda_conv_qkv or qkv.kwargs \
+            or [i.args for i in items] != [(qkv, 0), (qkv, 1), (qkv, 2)]:
+        return None                                   # not outputs 0, 1, 2 of one kda_conv_qkv, in order
+    heads = f.meta["lingc.tensor"].shape
+    if qkv.args[9] is not slots or set(qkv.users) != set(items) or any(len(n.users) != 1 for n in items + views) \
+            or any(view.meta["lingc.tensor"].shape != heads for view in views) \
+            or len({x.meta["lingc.tensor"].dtype for x in qkv.args[:3]}) != 1:
+        return None                                   # a conv output read elsewhere, or not f's head layout
+    if not _independent([qkv, rec]) or not _can_delay(graph, [qkv], rec):
+        return None
+    args = (*qkv.args[:3], f, b, *qkv.args[3:9], A_log, dt_bias, state_pool, slots, lower_bound)
+    with graph.inserting_before(rec):
+        fused = graph.call_function(OPS.kda_fused_decode, args)
+    fused.meta = {k: rec.meta[k] for k in KEEP_META if k in rec.meta}
+    rec.replace_all_uses_with(fused)
+    graph.erase_node(rec)
+    for n in views + items + [qkv]:
+        graph.erase_node(n)
+    fused._rename(_renamed(rec, "kda_recurrent", "kda_fused_decode"))
+    return fused
+
+
 class FuseKda(Pass):
     name = "fuse_kda"
-    summary = ("a KDA layer's 3 convs -> kda_conv_qkv; verify's convs + recurrence -> kda_fused_verify; "
-               "commits -> kda_commit_multi")
+    summary = ("a KDA layer's 3 convs -> kda_conv_qkv; decode's kda_conv_qkv + recurrence -> kda_fused_decode; "
+               "verify's convs + recurrence -> kda_fused_verify; commits -> kda_commit_multi")
     after = ("partition", "fuse_projections")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
-        fused: dict[str, list[str]] = {"kda_conv_qkv": [], "kda_fused_verify": [], "kda_commit_multi": []}
+        fused: dict[str, list[str]] = {"kda_conv_qkv": [], "kda_fused_decode": [], "kda_fused_verify": [],
+                                       "kda_commit_multi": []}
 
         def record(gname: str, node: fx.Node | None) -> None:
             if node is not None:
@@ -252,7 +311,10 @@ class FuseKda(Pass):
         for gname, graph in program.graphs.items():
             for rec in calls(graph, "kda_recurrent_staged"):
                 record(gname, _fuse_verify(graph, rec))
-            for rec in calls(graph, "kda_recurrent") + calls(graph, "kda_chunk"):
+            for rec in calls(graph, "kda_recurrent"):                       # 1 then 4: recorded as what is left
+                qkv = _fuse_convs(graph, rec)
+                record(gname, (_fuse_decode(graph, rec) if FUSED_DECODE else None) or qkv)
+            for rec in calls(graph, "kda_chunk"):
                 record(gname, _fuse_convs(graph, rec))
             for group in _commit_groups(graph):
                 record(gname, _fuse_commits(graph, group))

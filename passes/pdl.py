@@ -4,11 +4,12 @@ Chains (techniques.md section 5), per layer:
     router  [add_]rmsnorm -> linear (gate) -> router_topk | router_align
             (after fuse_norm_linear: [add_]rmsnorm_linear (norm + gate) -> router_topk | router_align)
     moe     [moe_align ->] moe_up[_act] [-> silu_and_mul] -> moe_down -> moe_combine [-> all_reduce]
+            (after fuse_combine_norm: ... -> moe_down -> combine_add_rmsnorm)
             (after fuse_moe: [moe_align ->] moe_fused [-> all_reduce])
             (after fuse_moe_align the align is inside router_align, which ends the router chain)
     kda     kda_conv[_staged] (q, k, v) -> kda_recurrent[_staged] | kda_chunk -> gated_rmsnorm
-            (after fuse_kda: kda_conv_qkv -> kda_recurrent | kda_chunk -> gated_rmsnorm, and in verify
-            kda_fused_verify -> gated_rmsnorm)
+            (after fuse_kda: kda_fused_decode -> gated_rmsnorm in decode, kda_fused_verify -> gated_rmsnorm
+            in verify, kda_conv_qkv -> kda_chunk -> gated_rmsnorm in prefill)
 A chain only overlaps if its kernels are adjacent on the stream, so kernels that sit between two chain
 members but need nothing from the chain (KDA's k/v/f/b/g projections, the shared expert) move to just
 before the chain's first kernel. A kernel that needs a chain member ends the chain there.
@@ -66,7 +67,7 @@ def _moe_chain(align: fx.Node) -> list[fx.Node]:
     chain = [align] if align.target is OPS.moe_align else []     # a router_align heads the router chain
     node = align
     for wanted in ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,), (OPS.moe_down,),
-                   (OPS.moe_combine,)):
+                   (OPS.moe_combine, OPS.combine_add_rmsnorm)):
         nxt = next((c for c in consumers(node) if c.target in wanted), None)
         if nxt is None:
             if wanted == (OPS.silu_and_mul,):
@@ -140,7 +141,8 @@ class Pdl(Pass):
     name = "pdl"
     summary = "annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
-             "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe")
+             "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
+             "fuse_combine_norm")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
@@ -152,7 +154,8 @@ class Pdl(Pass):
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
             found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align") for n in calls(graph, op)]
             found += [("kda", _kda_chain(n))
-                      for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged", "kda_fused_verify")
+                      for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged", "kda_fused_verify",
+                                 "kda_fused_decode")
                       for n in calls(graph, op)]
             seen: Counter[str] = Counter()    # the draft graph runs the MTP layer several times
             for kind, chain in found:

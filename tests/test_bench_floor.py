@@ -52,7 +52,8 @@ def test_step_bytes_on_test_tiny(tiny_program_bf16) -> None:
 
 
 def test_fused_kda_ops_count_the_same_state_bytes(tiny_program_bf16) -> None:
-    """fuse_kda's kda_conv_qkv / kda_fused_verify / kda_commit_multi move the bytes the ops they replace move."""
+    """fuse_kda's kda_conv_qkv / kda_fused_decode / kda_fused_verify / kda_commit_multi move the bytes the ops they
+    replace move."""
     from lingc.ops import OPS
     from lingc.passes.manager import PassManager
 
@@ -64,7 +65,7 @@ def test_fused_kda_ops_count_the_same_state_bytes(tiny_program_bf16) -> None:
     parted = PassManager(["partition"]).run(tiny_program_bf16).program
     fused = PassManager(["partition", "fuse_kda"]).run(tiny_program_bf16).program
     targets = {n.target for g in fused.graphs.values() for n in g.nodes}
-    assert {OPS.kda_conv_qkv, OPS.kda_fused_verify, OPS.kda_commit_multi} <= targets
+    assert {OPS.kda_conv_qkv, OPS.kda_fused_decode, OPS.kda_fused_verify, OPS.kda_commit_multi} <= targets
     want, got = kda_bytes(parted), kda_bytes(fused)
     assert want["step"] > 0 and want["verify"] > 0
     assert got == want

@@ -7,8 +7,9 @@ in fp32, and update the request's fp32 state in a pool [S, H, D, D] ([heads, K, 
 `slots` [B]. Under speculation (techniques.md section 10) `kda_conv_staged` / `kda_recurrent_staged`
 leave the pools alone and write each chain position's post-state to a staging buffer, and
 `kda_commit` copies the last accepted one into the pool. Launch-saving composites (the fuse_kda pass):
-`kda_conv_qkv` (a layer's three in-place convs), `kda_fused_verify` (three staged convs + the staged
-recurrence) and `kda_commit_multi` (a layer's commits); each reference is the composite it replaces.
+`kda_conv_qkv` (a layer's three in-place convs), `kda_fused_decode` (three in-place convs + the recurrence),
+`kda_fused_verify` (three staged convs + the staged recurrence) and `kda_commit_multi` (a layer's commits);
+each reference is the composite it replaces.
 (shared/docs/architecture.md section 4; fla `naive_recurrent_kda` / `naive_chunk_kda`.)
 """
 
@@ -219,6 +220,31 @@ def _(q, k, v, f, b, A_log, dt_bias, state_pool, slots, staging, lower_bound):
 
 
 register("kda_recurrent_staged")
+
+
+@torch.library.custom_op("lingc::kda_fused_decode",
+                         mutates_args=("conv_q_pool", "conv_k_pool", "conv_v_pool", "state_pool"))
+def kda_fused_decode(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                     conv_q_w: torch.Tensor, conv_k_w: torch.Tensor, conv_v_w: torch.Tensor,
+                     conv_q_pool: torch.Tensor, conv_k_pool: torch.Tensor, conv_v_pool: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                     lower_bound: float) -> torch.Tensor:
+    """A decode step's KDA token mixer after the projections: kda_conv of the raw q, k, v projections [B, T, P]
+    (conv windows updated), viewed as f's [B, T, H, D], then kda_recurrent (state updated)."""
+    heads = f.shape
+    q = kda_conv(q_raw, conv_q_w, conv_q_pool, slots).view(heads)
+    k = kda_conv(k_raw, conv_k_w, conv_k_pool, slots).view(heads)
+    v = kda_conv(v_raw, conv_v_w, conv_v_pool, slots).view(heads)
+    return kda_recurrent(q, k, v, f, b, A_log, dt_bias, state_pool, slots, lower_bound)
+
+
+@kda_fused_decode.register_fake
+def _(q_raw, k_raw, v_raw, f, b, conv_q_w, conv_k_w, conv_v_w, conv_q_pool, conv_k_pool, conv_v_pool, A_log,
+      dt_bias, state_pool, slots, lower_bound):
+    return q_raw.new_empty(f.shape)
+
+
+register("kda_fused_decode")
 
 
 @torch.library.custom_op("lingc::kda_fused_verify",

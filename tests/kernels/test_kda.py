@@ -251,6 +251,108 @@ def test_fused_verify_reads_fused_projection_views() -> None:
     assert torch.equal(o1, o2) and all(torch.equal(a, c) for a, c in zip(st1, st2))
 
 
+# ---------------------------------------------------------------------------------------------- fused decode
+
+def _two_launches(raw, f, b, ws, pools, A_log, dt_bias, state, slots, block_v=None):
+    """What kda_fused_decode replaces: kda_conv_qkv, then kda_recurrent on its outputs viewed as f's heads."""
+    qkv = [y.view(f.shape) for y in K.kda_conv_qkv(*raw, *ws, *pools, slots)]
+    return K.kda_recurrent(*qkv, f, b, A_log, dt_bias, state, slots, LOWER_BOUND, block_v=block_v)
+
+
+def _clones(pools, state):
+    return [p.clone() for p in pools], state.clone()
+
+
+@dtypes
+@pytest.mark.parametrize("B,T,H,D,block_v", [(2, 1, 2, 16, 8), (1, 1, 3, 24, 8), (2, 3, 2, 16, 16)])
+def test_fused_decode_equals_two_launches(B, T, H, D, block_v, dtype, nan_empty,
+                                          assert_kernel_close: Callable) -> None:
+    """kda_fused_decode == kda_conv_qkv + kda_recurrent: the output, the three conv pools and the state pool, bit
+    for bit (D = 24: masked K and V tails, 3 V tiles a head; block_v = D: one tile, its own last ticket; T = 3:
+    in place works for any T); against the reference op within tolerance (the conv windows exactly)."""
+    W = 4
+    raw, f, b, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(B, T, H, D, W, dtype, seed=B * 100 + T * 10 + D)
+    got_pools, got_state = _clones(pools, state)
+    o = K.kda_fused_decode(*raw, f, b, *ws, *got_pools, A_log, dt_bias, got_state, slots, LOWER_BOUND,
+                           block_v=block_v)
+    sep_pools, sep_state = _clones(pools, state)
+    o_sep = _two_launches(raw, f, b, ws, sep_pools, A_log, dt_bias, sep_state, slots, block_v)
+    assert not o.isnan().any(), "unwritten output elements"
+    assert torch.equal(o, o_sep), "output differs from kda_conv_qkv + kda_recurrent"
+    for name, got, want, before in zip("qkv", got_pools, sep_pools, pools):
+        assert torch.equal(got, want), f"{name} window update differs from kda_conv_qkv"
+        assert not torch.equal(got, before), f"{name} windows not updated"
+    assert torch.equal(got_state, sep_state), "state update differs from kda_recurrent"
+    ref_pools, ref_state = _clones(pools, state)
+    want = K.kda_fused_decode_ref(*raw, f, b, *ws, *ref_pools, A_log, dt_bias, ref_state, slots, LOWER_BOUND)
+    if dtype == torch.float32:
+        torch.testing.assert_close(o, want, **STATE_TOL)
+    else:
+        assert_kernel_close(o, want)
+    assert all(torch.equal(a, c) for a, c in zip(got_pools, ref_pools)), "windows differ from the reference op"
+    torch.testing.assert_close(got_state, ref_state, **STATE_TOL)
+
+
+def test_fused_decode_repeated_launches_leave_counters_zero(nan_empty) -> None:
+    """Four decode steps from one set of pools, fresh projections each: the two-launch path's bits after every step,
+    and after every launch its B*H head counters are back at zero (the next launch or CUDA-graph replay starts
+    from zero) and the counters past them untouched; the default per-device counters likewise."""
+    B, H, D, W = 2, 2, 16, 4
+    _, _, _, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(B, 1, H, D, W, torch.bfloat16, seed=63)
+    counters = torch.full((B * H + 3,), 7, dtype=torch.int32)
+    counters[:B * H] = 0
+    got_pools, got_state = _clones(pools, state)
+    sep_pools, sep_state = _clones(pools, state)
+    for step in range(4):
+        raw, f, b, *_ = _fused_inputs(B, 1, H, D, W, torch.bfloat16, seed=64 + step)
+        o = K.kda_fused_decode(*raw, f, b, *ws, *got_pools, A_log, dt_bias, got_state, slots, LOWER_BOUND,
+                               workspace=counters, block_v=8)
+        o_sep = _two_launches(raw, f, b, ws, sep_pools, A_log, dt_bias, sep_state, slots, block_v=8)
+        assert torch.equal(o, o_sep), f"step {step}: output differs from the two launches"
+        assert all(torch.equal(a, c) for a, c in zip(got_pools, sep_pools)), f"step {step}: windows differ"
+        assert torch.equal(got_state, sep_state), f"step {step}: state differs"
+        assert counters[:B * H].eq(0).all(), f"step {step}: counters left at {counters[:B * H].tolist()}"
+        assert counters[B * H:].eq(7).all(), f"step {step}: a counter past B*H was touched"
+    default = K.device_counters("cpu")
+    assert default is K.device_counters(torch.device("cpu")) and default.dtype == torch.int32
+    for _ in range(2):
+        o = K.kda_fused_decode(*raw, f, b, *ws, *got_pools, A_log, dt_bias, got_state, slots, LOWER_BOUND)
+        o_sep = _two_launches(raw, f, b, ws, sep_pools, A_log, dt_bias, sep_state, slots)
+        assert torch.equal(o, o_sep) and torch.equal(got_state, sep_state)
+        assert default.eq(0).all(), "the default counters were left non-zero"
+
+
+def test_fused_decode_reads_fused_projection_views() -> None:
+    """q/k/v/f/b as column views of one projection [B, T, 4P + H] (fuse_projections) give the bits of copies."""
+    B, T, H, D, W = 1, 1, 2, 16, 4
+    P = H * D
+    raw, f, b, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(B, T, H, D, W, torch.bfloat16, seed=66)
+    fused = torch.cat([*raw, f.view(B, T, P), b], dim=-1)                             # [B, T, 4P + H]
+    q_raw, k_raw, v_raw, f_cols, b_cols = fused.split([P, P, P, P, H], dim=-1)
+    outs = []
+    for args in ((q_raw, k_raw, v_raw, f_cols.view(B, T, H, D), b_cols), (*raw, f, b)):
+        p, s = _clones(pools, state)
+        outs.append((K.kda_fused_decode(*args, *ws, *p, A_log, dt_bias, s, slots, LOWER_BOUND), p, s))
+    (o1, p1, s1), (o2, p2, s2) = outs
+    assert torch.equal(o1, o2) and torch.equal(s1, s2) and all(torch.equal(a, c) for a, c in zip(p1, p2))
+
+
+def test_fused_decode_bad_inputs_raise() -> None:
+    """A workspace too small (or not int32) and mismatched projections are refused before anything is written."""
+    B, H = 2, 2
+    raw, f, b, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(B, 1, H, 16, 4, torch.float32, seed=67)
+    before = [p.clone() for p in (*pools, state)]
+    args = (f, b, *ws, *pools, A_log, dt_bias, state, slots, LOWER_BOUND)
+    with pytest.raises(ValueError, match=r"kda_fused_decode: workspace holds 3 torch.int32 counters .* want a "
+                                         r"contiguous int32 one with >= 4 \(batch rows x heads\)"):
+        K.kda_fused_decode(*raw, *args, workspace=torch.zeros(B * H - 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kda_fused_decode: workspace holds 8 torch.int64 counters"):
+        K.kda_fused_decode(*raw, *args, workspace=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"kda_fused_decode: v_raw is \[2, 1, 16\]"):
+        K.kda_fused_decode(raw[0], raw[1], raw[2][..., :16], *args)
+    assert all(torch.equal(a, c) for a, c in zip((*pools, state), before)), "a refused call wrote a pool"
+
+
 # ---------------------------------------------------------------------------------------------- one launch for many
 
 @pytest.fixture
@@ -320,6 +422,11 @@ def test_one_launch_ops_pdl_on_cpu_falls_back() -> None:
     K.kda_commit_multi(slots, accept, p1[0], staging, pdl=True)
     K.kda_commit_multi(slots, accept, p2[0], staging)
     assert torch.equal(p1[0], p2[0])
+    raw, f, b, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(1, 1, 2, 16, 4, torch.float32, seed=83)
+    (p1, s1), (p2, s2) = _clones(pools, state), _clones(pools, state)
+    o1 = K.kda_fused_decode(*raw, f, b, *ws, *p1, A_log, dt_bias, s1, slots, LOWER_BOUND, pdl=True)
+    o2 = K.kda_fused_decode(*raw, f, b, *ws, *p2, A_log, dt_bias, s2, slots, LOWER_BOUND)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2) and all(torch.equal(a, c) for a, c in zip(p1, p2))
 
 
 # ---------------------------------------------------------------------------------------------- strided views
@@ -360,7 +467,8 @@ def test_pdl_on_cpu_falls_back() -> None:
 
 def test_lowerings_name_reference_ops() -> None:
     assert set(K.LOWERINGS) == {"kda_conv", "kda_conv_staged", "kda_recurrent", "kda_recurrent_staged",
-                                "kda_commit", "gated_rmsnorm", "kda_conv_qkv", "kda_fused_verify", "kda_commit_multi"}
+                                "kda_commit", "gated_rmsnorm", "kda_conv_qkv", "kda_fused_verify", "kda_fused_decode",
+                                "kda_commit_multi"}
     for name in K.LOWERINGS:
         assert hasattr(torch.ops.lingc, name)
 

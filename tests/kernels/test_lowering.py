@@ -30,7 +30,8 @@ HOT_OPS = {"rmsnorm", "add_rmsnorm", "linear", "router_topk", "router_align", "m
            "silu_and_mul", "moe_down", "moe_combine", "kda_conv", "kda_conv_staged", "kda_recurrent",
            "kda_recurrent_staged", "kda_commit", "gated_rmsnorm", "mla_attention", "mla_cache_write", "rope",
            "sigmoid_gate", "greedy_sample", "chain_accept", "filtered_probs", "kda_conv_qkv", "kda_fused_verify",
-           "kda_commit_multi", "rmsnorm_linear", "add_rmsnorm_linear", "ep_align", "ep_combine", "all_reduce"}
+           "kda_fused_decode", "kda_commit_multi", "rmsnorm_linear", "add_rmsnorm_linear", "ep_align", "ep_combine",
+           "all_reduce"}
 
 
 def test_every_hot_op_has_a_kernel() -> None:

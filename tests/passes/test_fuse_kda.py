@@ -1,5 +1,5 @@
-"""fuse_kda: a KDA layer's 3 convs -> kda_conv_qkv, verify's convs + recurrence -> kda_fused_verify, a layer's
-commits -> kda_commit_multi, bit for bit.
+"""fuse_kda: a KDA layer's 3 convs -> kda_conv_qkv, decode's convs + recurrence -> kda_fused_decode, verify's convs +
+recurrence -> kda_fused_verify, a layer's commits -> kda_commit_multi, bit for bit.
 
 Op counts per graph on the partitioned test-tiny program (step, draft, verify, extend and the host-fed graphs) and
 on the unsplit NEXTN program, the fused nodes' arguments, bit-exact programs in fp32 and bf16 (reference backend),
@@ -30,8 +30,11 @@ from lingc.program import Program
 KDA_LAYERS = (0, 1, 2)                                    # test-tiny: 3 KDA target layers; the MTP mixer is MLA
 SPLIT_GRAPHS = ("prefill", "decode", "mtp_prefill", "mtp_decode", "step", "draft", "verify", "extend")
 CONV_GRAPHS = ("prefill", "decode", "step")                # in-place convs: 9 -> 3 kda_conv_qkv
+DECODE_GRAPHS = ("decode", "step")                         # ... then each with its kda_recurrent -> kda_fused_decode
 # (op, count before, count after) per graph; graphs not listed have no KDA layer (MTP forwards only)
-COUNTS = {g: [("kda_conv", 9, 0), ("kda_conv_qkv", 0, 3)] for g in CONV_GRAPHS}
+COUNTS = {"prefill": [("kda_conv", 9, 0), ("kda_conv_qkv", 0, 3), ("kda_chunk", 3, 3)]}
+COUNTS |= {g: [("kda_conv", 9, 0), ("kda_recurrent", 3, 0), ("kda_conv_qkv", 0, 0), ("kda_fused_decode", 0, 3)]
+           for g in DECODE_GRAPHS}
 COUNTS["verify"] = [("kda_conv_staged", 9, 0), ("kda_recurrent_staged", 3, 0), ("kda_fused_verify", 0, 3),
                     ("kda_commit", 12, 0), ("kda_commit_multi", 0, 3)]
 COUNTS["nextn"] = COUNTS["verify"]                         # unsplit: the verify stage's nodes
@@ -55,8 +58,10 @@ def test_op_counts(tiny_partitioned, fused, graph):
         assert (op_count(tiny_partitioned, graph, op), op_count(after, graph, op)) == (before_n, after_n), op
     if graph not in COUNTS:
         assert op_counts(after.graphs[graph]) == op_counts(tiny_partitioned.graphs[graph])
-    for op in ("kda_recurrent", "kda_chunk", "gated_rmsnorm"):                     # untouched
+    for op in ("kda_chunk", "gated_rmsnorm"):                                      # untouched
         assert op_count(after, graph, op) == op_count(tiny_partitioned, graph, op)
+    if graph not in DECODE_GRAPHS:                                                  # only decode's recurrences fuse
+        assert op_count(after, graph, "kda_recurrent") == op_count(tiny_partitioned, graph, "kda_recurrent")
 
 
 def test_op_counts_on_the_unsplit_nextn_program(tiny_program_bf16):
@@ -71,11 +76,14 @@ def test_record(fused):
     _, record = fused
     assert record.name == "fuse_kda" and not record.changes_numerics and record.tolerance is None
     assert record.matches == 3 * 3 + 3 + 3
-    assert record.details["kda_conv_qkv"] == [f"{g}:L{i}_attention_kda_conv_qkv" for g in CONV_GRAPHS
-                                              for i in KDA_LAYERS]
+    assert record.details["kda_conv_qkv"] == [f"prefill:L{i}_attention_kda_conv_qkv" for i in KDA_LAYERS]
+    assert record.details["kda_fused_decode"] == [f"{g}:L{i}_attention_kda_fused_decode" for g in DECODE_GRAPHS
+                                                  for i in KDA_LAYERS]
     assert record.details["kda_fused_verify"] == [f"verify:L{i}_attention_kda_fused_verify" for i in KDA_LAYERS]
     assert record.details["kda_commit_multi"] == [f"verify:verify_L{i}_kda_commit_multi" for i in KDA_LAYERS]
-    assert "decode:L0_attention_q_conv1d_kda_conv" in record.nodes_rewritten          # now a getitem
+    assert "prefill:L0_attention_q_conv1d_kda_conv" in record.nodes_rewritten         # now a getitem
+    assert {"decode:L0_attention_q_conv1d_kda_conv", "decode:L0_attention_view", "decode:L0_attention_kda_recurrent",
+            "step:L2_attention_v_conv1d_kda_conv"} <= set(record.nodes_removed)
     assert {"verify:L0_attention_q_conv1d_kda_conv_staged", "verify:L0_attention_kda_recurrent_staged",
             "verify:verify_kda_commit"} <= set(record.nodes_removed)
     assert record.weights_added == record.weights_removed == []
@@ -83,9 +91,9 @@ def test_record(fused):
 
 def test_conv_qkv_node(tiny_partitioned, fused):
     after, _ = fused
-    before = {n.name: n for n in tiny_partitioned.graphs["decode"].nodes}
-    nodes = {n.name: n for n in after.graphs["decode"].nodes}
-    order = {n: i for i, n in enumerate(after.graphs["decode"].nodes)}
+    before = {n.name: n for n in tiny_partitioned.graphs["prefill"].nodes}
+    nodes = {n.name: n for n in after.graphs["prefill"].nodes}
+    order = {n: i for i, n in enumerate(after.graphs["prefill"].nodes)}
     for i in KDA_LAYERS:
         convs = [before[f"L{i}_attention_{s}_conv1d_kda_conv"] for s in "qkv"]
         node = nodes[f"L{i}_attention_kda_conv_qkv"]
@@ -96,6 +104,25 @@ def test_conv_qkv_node(tiny_partitioned, fused):
             getitem = nodes[conv.name]
             assert getitem.target is operator.getitem and getitem.args == (node, k) and order[getitem] > order[node]
             assert all(order[u] > order[getitem] for u in getitem.users)
+
+
+@pytest.mark.parametrize("graph", DECODE_GRAPHS)
+def test_fused_decode_node(tiny_partitioned, fused, graph):
+    """The three convs' inputs, the recurrence's; the recurrence's readers; the convs, views and kda_conv_qkv gone."""
+    after, _ = fused
+    before = {n.name: n for n in tiny_partitioned.graphs[graph].nodes}
+    nodes = {n.name: n for n in after.graphs[graph].nodes}
+    for i in KDA_LAYERS:
+        rec = before[f"L{i}_attention_kda_recurrent"]
+        convs = [before[f"L{i}_attention_{s}_conv1d_kda_conv"] for s in "qkv"]
+        node = nodes[f"L{i}_attention_kda_fused_decode"]
+        want = ([c.args[0] for c in convs] + list(rec.args[3:5]) + [c.args[1] for c in convs]
+                + [c.args[2] for c in convs] + list(rec.args[5:]))
+        assert [str(a) for a in node.args] == [str(a) for a in want]
+        assert node.meta["lingc.scope"] == f"model.layers.{i}.attention"
+        assert [u.name for u in node.users] == [u.name for u in rec.users]            # the gated norm reads it
+        gone = [rec.name, f"L{i}_attention_kda_conv_qkv", *(c.name for c in convs), *(a.name for a in rec.args[:3])]
+        assert not set(gone) & set(nodes), graph
 
 
 def test_fused_verify_and_commit_nodes(tiny_partitioned, fused):
@@ -156,6 +183,13 @@ def test_ops_equal_the_composites_they_replace(dtype):
     ys_ref = [OPS.kda_conv(x, w, p, slots) for x, w, p in zip(xs, ws, want_pools)]
     assert all(torch.equal(_bits(a), _bits(c)) for a, c in zip(ys, ys_ref))
     assert all(torch.equal(a, c) for a, c in zip(got_pools, want_pools))
+    heads = (B, T, H, D)
+    got_state, want_state = state.clone(), state.clone()
+    o = OPS.kda_fused_decode(*xs, f, b, *ws, *got_pools, A_log, dt_bias, got_state, slots, -5.0)
+    qkv = [OPS.kda_conv(x, w, p, slots).view(heads) for x, w, p in zip(xs, ws, want_pools)]
+    o_ref = OPS.kda_recurrent(*qkv, f, b, A_log, dt_bias, want_state, slots, -5.0)
+    assert torch.equal(_bits(o), _bits(o_ref)) and torch.equal(_bits(got_state), _bits(want_state))
+    assert all(torch.equal(a, c) for a, c in zip(got_pools, want_pools))
     accept = torch.tensor([3, 1], dtype=torch.int32)
     OPS.kda_commit_multi(slots, accept, got_pools[0], got_st[0], state, got_st[3])
     OPS.kda_commit(want_pools[0], slots, want_st[0], accept)
@@ -173,7 +207,9 @@ def test_fake_shapes():
                                  torch.empty(3, 4, 8, 8), slots, torch.empty(1, 6, 32, 3), torch.empty(1, 6, 32, 3),
                                  torch.empty(1, 6, 32, 3), torch.empty(1, 6, 4, 8, 8), -5.0)
         ys = OPS.kda_conv_qkv(x, x, x, w, w, w, pool, pool, pool, slots)
-    assert o.shape == (1, 6, 4, 8) and o.dtype == torch.bfloat16
+        od = OPS.kda_fused_decode(x, x, x, f, b, w, w, w, pool, pool, pool, torch.empty(4), torch.empty(32),
+                                  torch.empty(3, 4, 8, 8), slots, -5.0)
+    assert o.shape == od.shape == (1, 6, 4, 8) and o.dtype == od.dtype == torch.bfloat16
     assert [tuple(y.shape) for y in ys] == [(1, 6, 32)] * 3
 
 
@@ -181,15 +217,32 @@ def test_fake_shapes():
 
 def test_a_write_between_the_convs_blocks_that_layer(tiny_partitioned):
     """A kernel between layer 0's q and k convs updates the q window: delaying the q conv past it would change
-    what it reads, so layer 0 keeps its three convs; layers 1 and 2 fuse."""
+    what it reads, so layer 0 keeps its three convs and its recurrence; layers 1 and 2 fuse."""
     program = tiny_partitioned.copy()
     graph = program.graphs["decode"]
     q_conv = next(n for n in graph.nodes if n.name == "L0_attention_q_conv1d_kda_conv")
     with graph.inserting_after(q_conv):
         graph.call_function(OPS.kda_conv, q_conv.args)                # another update of state_layers_0_conv_q
     after, record = FuseKda().run(program)
-    assert op_count(after, "decode", "kda_conv") == 4 and op_count(after, "decode", "kda_conv_qkv") == 2
-    assert "decode:L0_attention_kda_conv_qkv" not in record.details["kda_conv_qkv"]
+    assert op_count(after, "decode", "kda_conv") == 4 and op_count(after, "decode", "kda_conv_qkv") == 0
+    assert op_count(after, "decode", "kda_fused_decode") == 2 and op_count(after, "decode", "kda_recurrent") == 1
+    assert "decode:L0_attention_kda_fused_decode" not in record.details["kda_fused_decode"]
+    report = compare_stages(program, after, exact=True, tolerance=None)
+    assert report["graphs"]["decode"]["problems"] == []
+
+
+def test_a_second_reader_of_a_conv_output_stops_at_conv_qkv(tiny_partitioned):
+    """A kernel after layer 0's recurrence also reads its q conv output, which kda_fused_decode would not produce:
+    layer 0 stops at kda_conv_qkv + kda_recurrent (recorded as the kda_conv_qkv); layers 1 and 2 fuse fully."""
+    program = tiny_partitioned.copy()
+    graph = program.graphs["decode"]
+    nodes = {n.name: n for n in graph.nodes}
+    with graph.inserting_after(nodes["L0_attention_kda_recurrent"]):
+        graph.call_function(torch.ops.aten.neg.default, (nodes["L0_attention_q_conv1d_kda_conv"],))
+    after, record = FuseKda().run(program)
+    assert [op_count(after, "decode", op) for op in ("kda_conv_qkv", "kda_recurrent", "kda_fused_decode")] == [1, 1, 2]
+    assert "decode:L0_attention_kda_conv_qkv" in record.details["kda_conv_qkv"]
+    assert "decode:L0_attention_kda_fused_decode" not in record.details["kda_fused_decode"]
     report = compare_stages(program, after, exact=True, tolerance=None)
     assert report["graphs"]["decode"]["problems"] == []
 
@@ -229,7 +282,8 @@ def with_projections(tiny_partitioned: Program) -> tuple[Program, Program]:
 def test_composes_with_fuse_projections(with_projections):
     """q, k, v reach the fused ops as getitems of one projection's split (column views; the kernels take strides)."""
     projected, after = with_projections
-    for graph, op in (("decode", OPS.kda_conv_qkv), ("verify", OPS.kda_fused_verify)):
+    for graph, op in (("prefill", OPS.kda_conv_qkv), ("decode", OPS.kda_fused_decode),
+                      ("verify", OPS.kda_fused_verify)):
         nodes = [n for n in after.graphs[graph].nodes if n.target is op]
         assert len(nodes) == 3
         for node in nodes:
@@ -243,7 +297,7 @@ def test_composes_with_fuse_projections(with_projections):
 def test_pdl_chains_after_the_fusion(with_projections):
     _, after = with_projections
     nodes = {g: list(after.graphs[g].nodes) for g in ("decode", "verify", "prefill")}
-    for graph, ops in (("decode", ["kda_conv_qkv", "kda_recurrent", "gated_rmsnorm"]),
+    for graph, ops in (("decode", ["kda_fused_decode", "gated_rmsnorm"]),
                        ("prefill", ["kda_conv_qkv", "kda_chunk", "gated_rmsnorm"]),
                        ("verify", ["kda_fused_verify", "gated_rmsnorm"])):
         chains: dict[str, list[torch.fx.Node]] = {}
