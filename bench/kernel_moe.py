@@ -333,6 +333,7 @@ def run(device: torch.device, sections: tuple[str, ...] = ()) -> list[dict]:
     from lingc.modules import MOE_BLOCK_M
     assert MOE_BLOCK_M == BLOCK_M, f"lingc.modules.MOE_BLOCK_M is {MOE_BLOCK_M}, the bench assumes {BLOCK_M}"
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     g = torch.Generator(device=device).manual_seed(0)
     stacks = _stacks(device, g)

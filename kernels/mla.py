@@ -46,7 +46,8 @@ contraction in rope) but libm-level differences in cos/sin/exp may move a bf16 r
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b (a weight, written
 by no earlier kernel) is loaded before `gdc_wait()`; every activation, the cache, page table and positions
 are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One hint comes before the wait:
-the split (PREFETCH, LINGC_MLA_PREFETCH=1, the default; the chain's last query's programs only) reads its query's
+the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in the H200 step; the chain's last
+query's programs only) reads its query's
 position and page-table row through L2 and asks L2 for its visible cache rows, which earlier steps wrote (the
 positions and page table are written at the step's start, many kernels back); nothing reads the prefetch, so a stale
 value costs bandwidth, never correctness. With PDL off no GDC call
@@ -86,7 +87,9 @@ VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 12
 GEMV_WARPS = 4
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
-SPLIT_PREFETCH = os.environ.get("LINGC_MLA_PREFETCH", "1") != "0"   # the split's pre-wait L2 prefetch (A/B knob)
+# the split's pre-wait L2 prefetch: off by default (the H200 step measured slower with it and the MoE down-GEMM's on,
+# kernels/moe.py DOWN_PREFETCH); LINGC_MLA_PREFETCH=1 turns it on
+SPLIT_PREFETCH = os.environ.get("LINGC_MLA_PREFETCH", "0") == "1"
 PREFETCH_LINE = tl.constexpr(64)   # cache elements per prefetch request (128 B of bf16)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

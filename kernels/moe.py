@@ -45,8 +45,8 @@ and moe_combine move KB. In general: distinct experts x expert bytes (+ activati
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, `gdc_wait()` comes first in
 every kernel, since even the GEMMs' weight tiles depend on block_expert, written by moe_align / router_align, and
-all stores follow it. One exception before the wait, a hint: the down-GEMM (PREFETCH, LINGC_MOE_DOWN_PREFETCH=1,
-the default) reads total and its block's expert through L2 and asks L2 for its whole [BLOCK_N, K] weight tile.
+all stores follow it. One optional exception before the wait, a hint: the down-GEMM (PREFETCH, LINGC_MOE_DOWN_PREFETCH=1;
+off by default: the H200 step measured slower with it, see DOWN_PREFETCH) reads total and its block's expert through L2 and asks L2 for its whole [BLOCK_N, K] weight tile.
 The align that wrote them is two kernels back (align -> up-GEMM -> down-GEMM): the down-GEMM launches only when
 every up-GEMM program has passed its own wait (the trigger follows the wait), so the align has completed and the
 tile is right, and its 12.6 MB stream while the up-GEMM runs. Correctness never depends on it: the tile is loaded
@@ -83,7 +83,9 @@ class GemmConfig(NamedTuple):
 # tile over K in 256-byte rows with 3 tiles in flight (num_stages 4).
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
 DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)   # moe_down
-DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "1") != "0"   # the down-GEMM's pre-wait L2 prefetch (A/B)
+# the down-GEMM's pre-wait L2 prefetch: off by default. With it and the MLA split's on, the H200 decode step measured
+# 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); LINGC_MOE_DOWN_PREFETCH=1 turns it on
+DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
 ACT_BLOCK = 1024             # silu_and_mul: output columns per program (I = 512: one program per row)

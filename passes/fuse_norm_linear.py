@@ -31,7 +31,8 @@ After:
     L0_attention_o_proj_linear = aten.view(L0_attention_gated_rmsnorm_linear, [1, 1, -1])
 Only where the norm's one reader is that reshape and the reshape's one reader the linear (always, in Ling-3).
 Any weight size: a K block of the GEMV holds whole heads, so the norm needs no prologue over K (kernels/linear.py
-GATED); -18 launches in Ling-3.0-tiny's decode step and as many in verify.
+GATED); -18 launches in Ling-3.0-tiny's decode step and as many in verify. Opt-in (LINGC_NORM_LINEAR_GATED=1): the
+H200 measured the fused GEMV slower than the pair it replaces (GATED below).
 
 Which norms: every rmsnorm / add_rmsnorm whose normed output a `linear` over a plain 2-D weight [N, K] reads, in
 the same NEXTN stage, directly or through reshapes that keep the last dim K. With several such linears the first
@@ -73,6 +74,11 @@ aten = torch.ops.aten
 KEEP_META = ("lingc.scope", "lingc.stage")
 MAX_WEIGHT_ELEMENTS = int(os.environ.get("LINGC_NORM_LINEAR_MAX_WEIGHT", 1 << 20))  # larger weights lose on the H200
 # (module docstring): they keep norm + linear. The environment variable is an A/B knob for bench/device_step.py.
+# KDA's gated o_norm -> o_proj (gated_rmsnorm_linear): off by default. On the H200 the GATED GEMV took 10.5 us against
+# 6.8 for the gated_rmsnorm + linear pair (8.9 vs 5.7 with PDL; bench/kernel_linear.py --gated, results/
+# kernel-linear-gated-h200-20261130.json), 10.2 us a layer in the decode step against 4.7 + 1.8 (results/
+# launches-h200-20261130-c.json); LINGC_NORM_LINEAR_GATED=1 turns it on
+GATED = os.environ.get("LINGC_NORM_LINEAR_GATED", "0") == "1"
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)   # keep the values and their order
 
 
@@ -210,7 +216,7 @@ class FuseNormLinear(Pass):
         counts = {"rmsnorm": 0, "add_rmsnorm": 0, "gated_rmsnorm": 0, "want_normed": 0}
         for gname, graph in program.graphs.items():
             order = {n: float(i) for i, n in enumerate(graph.nodes)}
-            for norm in calls(graph, "gated_rmsnorm"):
+            for norm in calls(graph, "gated_rmsnorm") if GATED else []:
                 reader = _gated_reader(program, norm)
                 if reader is None:
                     continue

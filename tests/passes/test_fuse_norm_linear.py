@@ -24,6 +24,7 @@ from lingc.ir.text import program_text
 from lingc.ops import OPS
 from lingc.passes import PASSES
 from lingc.passes.base import PassRecord
+import lingc.passes.fuse_norm_linear as fnl
 from lingc.passes.fuse_norm_linear import FuseNormLinear
 from lingc.passes.manager import CompileResult, PassManager, resolve
 from lingc.passes.pdl import Pdl
@@ -45,6 +46,14 @@ GATED = {"prefill": 3, "decode": 3, "step": 3, "verify": 3, "mtp_prefill": 0, "m
          "draft": 0}
 NUMERICS_GRAPHS = ("decode", "verify", "draft", "mtp_decode")
 EVERY_OTHER_PASS = [name for name in PASSES if name not in ("fuse_norm_linear", "pdl")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gated_on():
+    """The gated o_norm fusion is opt-in (LINGC_NORM_LINEAR_GATED, slower on the H200); these tests cover it."""
+    old, fnl.GATED = fnl.GATED, True
+    yield
+    fnl.GATED = old
 
 
 @pytest.fixture(scope="module")
