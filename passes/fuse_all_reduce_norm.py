@@ -33,32 +33,11 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
+from lingc.passes.matchers import add_rmsnorm_reader
 from lingc.program import Program
 
 KEEP_META = ("lingc.scope", "lingc.stage")
 VIEW = torch.ops.aten.view.default
-
-
-def _only_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
-def _match(ar: fx.Node) -> tuple[fx.Node | None, fx.Node, fx.Node] | None:
-    """(view or None, add_rmsnorm, residual) when `ar` feeds exactly one add_rmsnorm (maybe through one view)."""
-    user = _only_user(ar)
-    view = None
-    if user is not None and user.target is VIEW and user.args[0] is ar:
-        view, user = user, _only_user(user)
-    if user is None or user.target is not OPS.add_rmsnorm:
-        return None
-    src = view if view is not None else ar
-    a, b = user.args[0], user.args[1]
-    if a is src and b is not src:
-        return view, user, b
-    if b is src and a is not src:
-        return view, user, a
-    return None
 
 
 def _fuse(graph: fx.Graph, ar: fx.Node, view: fx.Node | None, norm: fx.Node, residual: fx.Node) -> fx.Node:
@@ -93,7 +72,7 @@ class FuseAllReduceNorm(Pass):
         fused: list[str] = []
         for gname, graph in program.graphs.items():
             for ar in [n for n in graph.nodes if n.op == "call_function" and n.target is OPS.all_reduce]:
-                m = _match(ar)
+                m = add_rmsnorm_reader(ar)
                 if m is not None:
                     fused.append(f"{gname}:{_fuse(graph, ar, *m).name}")
             graph.lint()

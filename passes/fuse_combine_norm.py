@@ -33,34 +33,18 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
+from lingc.passes.matchers import add_rmsnorm_reader
 from lingc.program import Program
 
 KEEP_META = ("lingc.scope", "lingc.stage")
 VIEW = torch.ops.aten.view.default
 
 
-def _only_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _match(combine: fx.Node) -> tuple[fx.Node | None, fx.Node, fx.Node] | None:
     """(view or None, add_rmsnorm, residual) when `combine` (no shared_out) feeds exactly one add_rmsnorm."""
     if len(combine.args) > 2 and combine.args[2] is not None or combine.kwargs.get("shared_out") is not None:
         return None
-    user = _only_user(combine)
-    view = None
-    if user is not None and user.target is VIEW and user.args[0] is combine:
-        view, user = user, _only_user(user)
-    if user is None or user.target is not OPS.add_rmsnorm:
-        return None
-    src = view if view is not None else combine
-    a, b = user.args[0], user.args[1]
-    if a is src and b is not src:
-        return view, user, b
-    if b is src and a is not src:
-        return view, user, a
-    return None
+    return add_rmsnorm_reader(combine)
 
 
 def _fuse(graph: fx.Graph, combine: fx.Node, view: fx.Node | None, norm: fx.Node, residual: fx.Node) -> fx.Node:

@@ -71,3 +71,25 @@ def drop_unused_weights(program: Program) -> list[str]:
         del program.weights[k]
         program.weight_info.pop(k, None)
     return dropped
+
+
+def add_rmsnorm_reader(node: fx.Node) -> tuple[fx.Node | None, fx.Node, fx.Node] | None:
+    """(view or None, add_rmsnorm, the add's other argument) when `node`'s only reader is an add_rmsnorm, directly or
+    through one view that only the add_rmsnorm reads (either argument of the add: it is commutative bit for bit)."""
+    def only_user(n: fx.Node) -> fx.Node | None:
+        users = list(n.users)
+        return users[0] if len(users) == 1 else None
+
+    user = only_user(node)
+    view = None
+    if user is not None and user.target is aten.view.default and user.args[0] is node:
+        view, user = user, only_user(user)
+    if user is None or user.target is not OPS.add_rmsnorm:
+        return None
+    src = view if view is not None else node
+    a, b = user.args[0], user.args[1]
+    if a is src and b is not src:
+        return view, user, b
+    if b is src and a is not src:
+        return view, user, a
+    return None
