@@ -100,7 +100,6 @@ and sharing them is what keeps the composites bit-identical to the kernels they 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -109,6 +108,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from lingc.kernels import workspace
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
@@ -759,19 +759,10 @@ def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _device_counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(FUSED_COUNTERS, dtype=torch.int32, device=device)
-
-
 def device_counters(device: torch.device | str) -> torch.Tensor:
-    """kda_fused_decode's default ticket counters on a device (int32 [FUSED_COUNTERS]), created zeroed on first
-    use and kept (a captured CUDA graph keeps pointing at them); every launch leaves them zero. One set serves
-    any number of stream-ordered or PDL-chained launches; launches that may run concurrently need one each."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _device_counters(device)
+    """kda_fused_decode's default ticket counters on a device (int32 [FUSED_COUNTERS], kernels/workspace.py):
+    zeroed on first use and kept; every launch leaves them zero."""
+    return workspace.counters(device, "kda_fused_decode", FUSED_COUNTERS)
 
 
 def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, state_pool, slots,

@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 
 from lingc.kernels.kda import _sigmoid
+from lingc.kernels.workspace import indexed
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the reference)
 from lingc.ops.linear import ROW_INVARIANT_ROWS
@@ -416,10 +417,7 @@ def _device_workspace(device: torch.device) -> LinearWorkspace:
 def device_workspace(device: torch.device | str) -> LinearWorkspace:
     """The default workspace of a device, created on first use and kept (a captured CUDA graph keeps pointing
     at it, so it is never freed or resized). The module's only state; it holds no values between launches."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _device_workspace(device)
+    return _device_workspace(indexed(device))
 
 
 def workspace_need(n: int, k: int, weight_dtype: torch.dtype, rows: int = MAX_ROWS,

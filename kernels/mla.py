@@ -45,12 +45,11 @@ contraction in rope) but libm-level differences in cos/sin/exp may move a bf16 r
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b (a weight, written
 by no earlier kernel) is loaded before `gdc_wait()`; every activation, the cache, page table and positions
-are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One hint comes before the wait:
-the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in the H200 step; the chain's last
-query's programs only) reads its query's
-position and page-table row through L2 and asks L2 for its visible cache rows, which earlier steps wrote (the
-positions and page table are written at the step's start, many kernels back); nothing reads the prefetch, so a stale
-value costs bandwidth, never correctness. With PDL off no GDC call
+are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One optional hint comes before
+the wait: the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in the H200 step; the chain's
+last query's programs only) reads its query's position and page-table row through L2 and asks L2 for its visible
+cache rows, which earlier steps wrote (the positions and page table are written at the step's start, many kernels
+back); nothing reads the prefetch, so a stale value costs bandwidth, never correctness. With PDL off no GDC call
 is emitted (the Triton interpreter cannot run them, kernels.md section 1.2).
 """
 
@@ -435,7 +434,8 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         page_rows.stride(0), positions.stride(0), positions.stride(1),
         H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
         BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
-        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), num_warps=split_warps, num_stages=split_stages, **launch)
+        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), num_warps=split_warps, num_stages=split_stages,
+        **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,

@@ -45,12 +45,13 @@ and moe_combine move KB. In general: distinct experts x expert bytes (+ activati
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, `gdc_wait()` comes first in
 every kernel, since even the GEMMs' weight tiles depend on block_expert, written by moe_align / router_align, and
-all stores follow it. One optional exception before the wait, a hint: the down-GEMM (PREFETCH, LINGC_MOE_DOWN_PREFETCH=1;
-off by default: the H200 step measured slower with it, see DOWN_PREFETCH) reads total and its block's expert through L2 and asks L2 for its whole [BLOCK_N, K] weight tile.
-The align that wrote them is two kernels back (align -> up-GEMM -> down-GEMM): the down-GEMM launches only when
-every up-GEMM program has passed its own wait (the trigger follows the wait), so the align has completed and the
-tile is right, and its 12.6 MB stream while the up-GEMM runs. Correctness never depends on it: the tile is loaded
-again after the wait, and a stale expert id (PDL off upstream) would only waste bandwidth. `gdc_launch_dependents()` follows the last load of data an
+all stores follow it. One optional exception before the wait, a hint: the down-GEMM (PREFETCH,
+LINGC_MOE_DOWN_PREFETCH=1; off by default: the H200 step measured slower with it, see DOWN_PREFETCH) reads total
+and its block's expert through L2 and asks L2 for its whole [BLOCK_N, K] weight tile. The align that wrote them is
+two kernels back (align -> up-GEMM -> down-GEMM): the down-GEMM launches only when every up-GEMM program has passed
+its own wait (the trigger follows the wait), so the align has completed and the tile is right, and its 12.6 MB
+stream while the up-GEMM runs. Correctness never depends on it: the tile is loaded again after the wait, and a stale
+expert id (PDL off upstream) would only waste bandwidth. `gdc_launch_dependents()` follows the last load of data an
 earlier kernel wrote (the K loop's A rows, the SwiGLU inputs, the combine inputs). With PDL off no GDC call
 is emitted (the interpreter cannot run them).
 """
@@ -84,7 +85,8 @@ class GemmConfig(NamedTuple):
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
 DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)   # moe_down
 # the down-GEMM's pre-wait L2 prefetch: off by default. With it and the MLA split's on, the H200 decode step measured
-# 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); LINGC_MOE_DOWN_PREFETCH=1 turns it on
+# 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); LINGC_MOE_DOWN_PREFETCH=1 turns
+# it on
 DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
@@ -495,8 +497,9 @@ def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_w
     if topk_weights.dim() != 2 or topk_weights.shape[0] != n or expert_out.shape != (n * topk_weights.shape[1], h) \
             or expert_out.dtype != residual.dtype or weight.shape != (h,):
         raise ValueError(f"combine_add_rmsnorm: residual {list(residual.shape)} {residual.dtype}, expert_out "
-                         f"{list(expert_out.shape)} {expert_out.dtype}, topk_weights {list(topk_weights.shape)}, weight "
-                         f"{list(weight.shape)}: want N rows of h, [N*k, h] of the residual's dtype, [N, k], [h]")
+                         f"{list(expert_out.shape)} {expert_out.dtype}, topk_weights {list(topk_weights.shape)}, "
+                         f"weight {list(weight.shape)}: want N rows of h, [N*k, h] of the residual's dtype, [N, k], "
+                         f"[h]")
     out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     residual_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     if n == 0:

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, SEQUENTIAL, UP_CONFIG,
                                _check_align, _combine_row, _float_dtype, _gemm_tile, _interpreting, _out)
+from lingc.kernels import workspace
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 
 CTAS_PER_SM = 4               # programs per SM at most (the weight stream wants several tiles in flight per SM)
@@ -102,18 +103,10 @@ def _moe_fused_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, down_ptr, out_ptr, tw_ptr
         pdl_trigger()
 
 
-@functools.lru_cache(maxsize=None)
-def _device_counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(WORKSPACE_COUNTERS, dtype=torch.int32, device=device)
-
-
 def device_counters(device: torch.device | str) -> torch.Tensor:
-    """The device's zeroed counter workspace, created on first use and kept (captured graphs point at it). Every
-    launch leaves it zero; launches that may run concurrently on one device would need one each."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _device_counters(device)
+    """The device's zeroed counter workspace (kernels/workspace.py), created on first use and kept (captured graphs
+    point at it). Every launch leaves it zero; launches that may run concurrently on one device would need one each."""
+    return workspace.counters(device, "moe_fused", WORKSPACE_COUNTERS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
-from lingc.passes.matchers import add_rmsnorm_reader
+from lingc.passes.matchers import add_rmsnorm_reader, replace_add_rmsnorm
 from lingc.program import Program
 
 KEEP_META = ("lingc.scope", "lingc.stage")
@@ -50,15 +50,7 @@ def _fuse(graph: fx.Graph, ar: fx.Node, view: fx.Node | None, norm: fx.Node, res
             x.meta = {k: view.meta[k] for k in KEEP_META if k in view.meta}
             x._rename(view.name)
         fused = graph.call_function(OPS.all_reduce_add_rmsnorm, (residual, x, weight, eps, world_size))
-    fused.meta = {k: norm.meta[k] for k in KEEP_META if k in norm.meta}
-    fused._rename(norm.name.replace("add_rmsnorm", "all_reduce_add_rmsnorm") if "add_rmsnorm" in norm.name
-                  else norm.name + "_all_reduce")
-    norm.replace_all_uses_with(fused)
-    graph.erase_node(norm)
-    if view is not None:
-        graph.erase_node(view)
-    graph.erase_node(ar)
-    return fused
+    return replace_add_rmsnorm(graph, norm, fused, "all_reduce", view, ar)
 
 
 class FuseAllReduceNorm(Pass):

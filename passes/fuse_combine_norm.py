@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
-from lingc.passes.matchers import add_rmsnorm_reader
+from lingc.passes.matchers import add_rmsnorm_reader, replace_add_rmsnorm
 from lingc.program import Program
 
 KEEP_META = ("lingc.scope", "lingc.stage")
@@ -52,15 +52,7 @@ def _fuse(graph: fx.Graph, combine: fx.Node, view: fx.Node | None, norm: fx.Node
     _, _, weight, eps = norm.args
     with graph.inserting_before(norm):
         fused = graph.call_function(OPS.combine_add_rmsnorm, (residual, expert_out, topk_weights, weight, eps))
-    fused.meta = {k: norm.meta[k] for k in KEEP_META if k in norm.meta}
-    fused._rename(norm.name.replace("add_rmsnorm", "combine_add_rmsnorm") if "add_rmsnorm" in norm.name
-                  else norm.name + "_combine")
-    norm.replace_all_uses_with(fused)
-    graph.erase_node(norm)
-    if view is not None:
-        graph.erase_node(view)
-    graph.erase_node(combine)
-    return fused
+    return replace_add_rmsnorm(graph, norm, fused, "combine", view, combine)
 
 
 def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:

@@ -164,7 +164,8 @@ def _gated_reader(program: Program, norm: fx.Node) -> tuple[fx.Node, fx.Node] | 
     k = x_meta.shape[-1] * x_meta.shape[-2]
     view = users[0]
     readers = list(view.users)
-    if _last_dim(view) != k or len(readers) != 1 or readers[0].target is not OPS.linear or readers[0].args[0] is not view:
+    if (_last_dim(view) != k or len(readers) != 1 or readers[0].target is not OPS.linear
+            or readers[0].args[0] is not view):
         return None
     lin = readers[0]
     weight = lin.args[1]

@@ -93,3 +93,18 @@ def add_rmsnorm_reader(node: fx.Node) -> tuple[fx.Node | None, fx.Node, fx.Node]
     if b is src and a is not src:
         return view, user, a
     return None
+
+
+def replace_add_rmsnorm(graph: fx.Graph, norm: fx.Node, fused: fx.Node, tag: str, *gone: fx.Node | None) -> fx.Node:
+    """`fused` (inserted before the add_rmsnorm `norm`, returning its (normed, new residual)) takes its place: the
+    norm's scope / stage meta, its name with add_rmsnorm -> <tag>_add_rmsnorm, its readers. Then `norm` and `gone`
+    (what only the norm read: the fused producer, a view of it; None entries skipped) are erased, in that order."""
+    fused.meta = {k: norm.meta[k] for k in ("lingc.scope", "lingc.stage") if k in norm.meta}
+    fused._rename(norm.name.replace("add_rmsnorm", f"{tag}_add_rmsnorm") if "add_rmsnorm" in norm.name
+                  else f"{norm.name}_{tag}")
+    norm.replace_all_uses_with(fused)
+    graph.erase_node(norm)
+    for node in gone:
+        if node is not None:
+            graph.erase_node(node)
+    return fused

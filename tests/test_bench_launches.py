@@ -20,7 +20,8 @@ def _launch(group: str, nbytes: int) -> dict:
 def test_group_name_uses_the_largest_weight_with_layers_starred():
     w_small, w_big, x = torch.zeros(4), torch.zeros(64, 8), torch.zeros(8)
     ids = {id(w_small): "model.layers.3.attention.o_norm.weight", id(w_big): "model.layers.3.attention.o_proj.weight"}
-    assert group_name("triton:lingc.linear", (x, w_small, w_big), ids) == "linear model.layers.*.attention.o_proj.weight"
+    want = "linear model.layers.*.attention.o_proj.weight"
+    assert group_name("triton:lingc.linear", (x, w_small, w_big), ids) == want
     assert group_name("lingc.kda_recurrent", (x,), ids) == "kda_recurrent"
 
 

@@ -5,13 +5,13 @@
     gated_rmsnorm_linear(x, norm_weight, gate, eps, weight, out_dtype) -> y      (KDA's o_norm -> o_proj)
 
 x / residual [..., K], norm_weight [K], weight [N, K]; y [..., N] in out_dtype (default: the activation dtype),
-normed and new_residual [..., K] in the activation dtype. `normed` is the norm's output as the unfused graph
-had it; when nothing but the linear reads it the pass sets want_normed = False and the op returns an empty
-[0] tensor in its place (the kernel then never writes it). gated_rmsnorm_linear takes x and gate [..., H, D]
-(gated_rmsnorm's shapes), norm_weight [D] and weight [N, H*D], and returns y [..., N]: the linear of the norm's
-output with its heads flattened; nothing else ever reads that output, so the op never returns it. Each reference is literally the composition of the
-ops it replaces (rmsnorm or add_rmsnorm, then linear), so the reference backend is bit-identical to the
-unfused graph; the Triton kernel (kernels/linear.py) recomputes the norm in the GEMV's prologue.
+normed and new_residual [..., K] in the activation dtype. `normed` is the norm's output as the unfused graph had it;
+when nothing but the linear reads it the pass sets want_normed = False and the op returns an empty [0] tensor in its
+place (the kernel then never writes it). gated_rmsnorm_linear takes x and gate [..., H, D] (gated_rmsnorm's shapes),
+norm_weight [D] and weight [N, H*D], and returns y [..., N]: the linear of the norm's output with its heads
+flattened; nothing else ever reads that output, so the op never returns it. Each reference is literally the
+composition of the ops it replaces (rmsnorm or add_rmsnorm, then linear), so the reference backend is bit-identical
+to the unfused graph; the Triton kernel (kernels/linear.py) recomputes the norm in the GEMV's prologue.
 """
 
 from __future__ import annotations

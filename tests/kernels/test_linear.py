@@ -22,7 +22,8 @@ import torch
 import lingc.kernels.linear as linear_module
 from kernel_support import poisoned_empty  # tests/kernels is on sys.path
 from lingc.kernels.linear import (LOWERINGS, MAX_ROWS, LinearConfig, LinearWorkspace, add_rmsnorm_linear,
-                                  add_rmsnorm_linear_ref, device_workspace, gated_rmsnorm_linear, linear, linear_ref, pick_config,
+                                  add_rmsnorm_linear_ref, device_workspace, gated_rmsnorm_linear, linear, linear_ref,
+                                  pick_config,
                                   rmsnorm_linear, rmsnorm_linear_ref, workspace_need)
 from lingc.kernels.rmsnorm import add_rmsnorm
 

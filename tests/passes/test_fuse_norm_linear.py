@@ -216,5 +216,6 @@ def test_gated_node_takes_the_norm_and_linear_arguments(fp32):
     assert fused.target is OPS.gated_rmsnorm_linear
     assert [a.name if hasattr(a, "name") else a for a in fused.args] == \
         [norm.args[0].name, norm.args[1].name, norm.args[2].name, norm.args[3], lin.args[1].name, None]
-    assert fused.meta["lingc.tensor"].shape == (*norm.meta["lingc.tensor"].shape[:-2], lin.meta["lingc.tensor"].shape[-1])
+    want = (*norm.meta["lingc.tensor"].shape[:-2], lin.meta["lingc.tensor"].shape[-1])
+    assert fused.meta["lingc.tensor"].shape == want
     assert "L0_attention_gated_rmsnorm" not in new
