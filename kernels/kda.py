@@ -101,6 +101,7 @@ and sharing them is what keeps the composites bit-identical to the kernels they 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -117,6 +118,9 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 BLOCK_V = 16
 REC_WARPS = 4
 FUSED_WARPS = 4         # kda_fused_verify / kda_fused_decode (same BLOCK_V as the recurrence)
+# fused kernels: every position's l2 norms and gates before the recurrence chain (True) or on it (False, the default;
+# LINGC_KDA_PRE_GATES=1 turns it on for an A/B): either way every load comes first
+PRE_GATES = os.environ.get("LINGC_KDA_PRE_GATES", "0") == "1"
 FUSED_COUNTERS = 1 << 12  # kda_fused_decode's per-device ticket counters, one per (batch row, head): 16 KiB
 CONV_BLOCK_P = 256      # channels per conv program
 MAX_CONV_WIDTH = 4      # the conv taps are spelled out (w0..w3); Ling uses W = 4
@@ -220,10 +224,12 @@ def _sum_sq(x, S):
 
 
 @triton.jit
-def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: tl.constexpr):
-    """One position of the gated delta rule on a [DB, BV] state slice; returns (S', o [BV] fp32).
+def _delta_gates(q, k, f, bt, a, dtb, lower_bound, scale, kmask, S, PRECISE: tl.constexpr):
+    """The state-independent half of a position: (qn, kn [DB] fp32 l2-normed, decay [DB], beta scalar).
 
-    q, k, f [DB] (the whole head), v [BV], bt the scalar b, a = exp(A_log[h]), dtb [DB] fp32 dt_bias."""
+    q, k, f [DB] (the whole head), bt the scalar b, a = exp(A_log[h]), dtb [DB] fp32 dt_bias; S (the [DB, BV]
+    state slice) only gives _sum_sq its tile shape: nothing here reads the state, so a fused program may compute
+    every position's gates before the recurrence starts."""
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
     qn = qf * tl.math.rsqrt(_sum_sq(qf, S) + L2NORM_EPS) * scale
@@ -231,11 +237,58 @@ def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: t
     g = lower_bound * _sigmoid(a * (f.to(tl.float32) + dtb), PRECISE)
     decay = tl.where(kmask, _exp(g, PRECISE), 0.0)
     beta = _sigmoid(bt.to(tl.float32), PRECISE)
+    return qn, kn, decay, beta
+
+
+@triton.jit
+def _delta_apply(S, qn, kn, v, decay, beta):
+    """The state half of a position: S = decay S; S += kn (beta (v - S^T kn))^T; returns (S', o = S'^T qn [BV])."""
     S = S * decay[:, None]
     err = beta * (v.to(tl.float32) - tl.sum(S * kn[:, None], axis=0))
     S = S + kn[:, None] * err[None, :]
     o = tl.sum(S * qn[:, None], axis=0)
     return S, o
+
+
+@triton.jit
+def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: tl.constexpr):
+    """One position of the gated delta rule on a [DB, BV] state slice; returns (S', o [BV] fp32).
+
+    q, k, f [DB] (the whole head), v [BV], bt the scalar b, a = exp(A_log[h]), dtb [DB] fp32 dt_bias."""
+    qn, kn, decay, beta = _delta_gates(q, k, f, bt, a, dtb, lower_bound, scale, kmask, S, PRECISE)
+    return _delta_apply(S, qn, kn, v, decay, beta)
+
+
+@triton.jit
+def _load_window(pool_row, x_row, s_xt, mask, T: tl.constexpr, W: tl.constexpr):
+    """A conv's whole window for T positions as a tuple of W - 1 + T vectors: element i is pool[i] (in x's dtype)
+    for i < W - 1, then x[i - (W - 1)], the values _window_value loads one at a time. All loads issue at once."""
+    xs = ()
+    for t in tl.static_range(T):
+        xs = xs + (tl.load(x_row + t * s_xt, mask=mask, other=0.0),)
+    win = ()
+    for i in tl.static_range(W - 1):
+        win = win + (tl.load(pool_row + i, mask=mask, other=0.0).to(xs[0].dtype),)
+    return win + xs
+
+
+@triton.jit
+def _conv_window(win, t: tl.constexpr, w0, w1, w2, w3, W: tl.constexpr, PRECISE: tl.constexpr):
+    """_conv_at on a window held in registers (_load_window): the same taps in the same order, the same bits."""
+    y = win[t].to(tl.float32) * w0
+    y = y + win[t + 1].to(tl.float32) * w1
+    if W > 2:
+        y = y + win[t + 2].to(tl.float32) * w2
+    if W > 3:
+        y = y + win[t + 3].to(tl.float32) * w3
+    return tl.math.div_rn(y, 1.0 + _exp(-y, PRECISE))
+
+
+@triton.jit
+def _put_window(dst_row, win, start: tl.constexpr, mask, W: tl.constexpr):
+    """_store_window (not in place) from a window held in registers: dst_row[c] = window[start + c], c < W - 1."""
+    for c in tl.static_range(W - 1):
+        tl.store(dst_row + c, win[start + c].to(dst_row.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -370,7 +423,7 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
                       o_ptr, H, s_xb, s_xt, s_fb, s_ft, s_fh, s_bb, s_bt, s_bh, s_cpool, s_cstb, s_cstt, s_stb, s_stt,
                       scale, lower_bound,
                       T: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
-                      STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+                      STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, PRE_GATES: tl.constexpr = False):
     """kda_fused_verify (STAGED: pools read only, per-position staging) or kda_fused_decode (pools updated in
     place; count_ptr holds one int32 ticket counter per (b, h), zero between launches)."""
     pid = tl.program_id(0)
@@ -412,24 +465,52 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
     b_row = b_ptr + b * s_bb + h * s_bh
     # the q/k channels whose staged windows this V tile writes (its own slice; all tiles compute all of them)
     own = km & (rk >= tl.program_id(1) * BV) & (rk < tl.program_id(1) * BV + BV)
-    for t in tl.static_range(T):                      # unrolled: every position's loads can be issued up front
-        q = _conv_at(cq_row, qx_row, s_xt, t, km, wq0, wq1, wq2, wq3, W, PRECISE).to(qx_ptr.dtype.element_ty)
-        k = _conv_at(ck_row, kx_row, s_xt, t, km, wk0, wk1, wk2, wk3, W, PRECISE).to(kx_ptr.dtype.element_ty)
-        v = _conv_at(cv_row, vx_row, s_xt, t, vm, wv0, wv1, wv2, wv3, W, PRECISE).to(vx_ptr.dtype.element_ty)
-        f = tl.load(f_row + t * s_ft, mask=km, other=0.0)
-        bt = tl.load(b_row + t * s_bt)
-        if not STAGED and t == T - 1:                 # every window read: update them while S is still loading
-            _update_windows(cq_row, ck_row, cv_row, qx_row, kx_row, vx_row, s_xt, count_ptr + pid, km, vm, T, W)
-        S, o = _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, km, PRECISE)
+    # 1. every load of data an earlier kernel wrote, all T positions at once (T is a constexpr: unrolled), so the
+    #    chain below pays one load latency, not one per position behind the previous position's reductions
+    win_q = _load_window(cq_row, qx_row, s_xt, km, T, W)
+    win_k = _load_window(ck_row, kx_row, s_xt, km, T, W)
+    win_v = _load_window(cv_row, vx_row, s_xt, vm, T, W)
+    fs = ()
+    bs = ()
+    for t in tl.static_range(T):
+        fs = fs + (tl.load(f_row + t * s_ft, mask=km, other=0.0),)
+        bs = bs + (tl.load(b_row + t * s_bt),)
+    if not STAGED:                                    # every window read: update them while S is still loading
+        _update_windows(cq_row, ck_row, cv_row, qx_row, kx_row, vx_row, s_xt, count_ptr + pid, km, vm, T, W)
+    if PDL:
+        pdl_trigger()
+    # 2. the state-independent half of every position: convs (and the staged windows); with PRE_GATES also the l2
+    #    norms and gates (more registers held across the chain, fewer instructions on it)
+    qs = ()
+    ks = ()
+    vs = ()
+    decays = ()
+    betas = ()
+    for t in tl.static_range(T):
+        q = _conv_window(win_q, t, wq0, wq1, wq2, wq3, W, PRECISE).to(qx_ptr.dtype.element_ty)
+        k = _conv_window(win_k, t, wk0, wk1, wk2, wk3, W, PRECISE).to(kx_ptr.dtype.element_ty)
+        v = _conv_window(win_v, t, wv0, wv1, wv2, wv3, W, PRECISE).to(vx_ptr.dtype.element_ty)
+        if PRE_GATES:
+            q, k, decay, beta = _delta_gates(q, k, fs[t], bs[t], a, dtb, lower_bound, scale, km, S, PRECISE)
+            decays = decays + (decay,)
+            betas = betas + (beta,)
+        qs = qs + (q,)
+        ks = ks + (k,)
+        vs = vs + (v,)
+        if STAGED:
+            cst = b * s_cstb + t * s_cstt
+            _put_window(sq_ptr + cst + ck * (W - 1), win_q, t + 1, own, W)
+            _put_window(sk_ptr + cst + ck * (W - 1), win_k, t + 1, own, W)
+            _put_window(sv_ptr + cst + cv * (W - 1), win_v, t + 1, vm, W)
+    # 3. the recurrence chain
+    for t in tl.static_range(T):
+        if PRE_GATES:
+            S, o = _delta_apply(S, qs[t], ks[t], vs[t], decays[t], betas[t])
+        else:
+            S, o = _delta_step(S, qs[t], ks[t], vs[t], fs[t], bs[t], a, dtb, lower_bound, scale, km, PRECISE)
         tl.store(o_ptr + ((b * T + t) * H + h) * D + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
         if STAGED:
             tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
-            cst = b * s_cstb + t * s_cstt
-            _store_window(sq_ptr + cst + ck * (W - 1), cq_row, qx_row, s_xt, t + 1, own, W, False)
-            _store_window(sk_ptr + cst + ck * (W - 1), ck_row, kx_row, s_xt, t + 1, own, W, False)
-            _store_window(sv_ptr + cst + cv * (W - 1), cv_row, vx_row, s_xt, t + 1, vm, W, False)
-    if PDL:
-        pdl_trigger()
     if not STAGED:
         tl.store(pool_ptr + slot * H * D * D + tile, S, mask=tmask)
 
@@ -767,7 +848,7 @@ def device_counters(device: torch.device | str) -> torch.Tensor:
 
 def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, state_pool, slots,
            stagings: tuple | None, counters: torch.Tensor | None, lower_bound: float, pdl: bool,
-           block_v: int | None, num_warps: int | None) -> torch.Tensor:
+           block_v: int | None, num_warps: int | None, pre_gates: bool | None = None) -> torch.Tensor:
     """Check and launch _kda_fused_kernel: staged (stagings = q, k, v windows and the state) or in place
     (stagings None; counters: int32 ticket counters, >= B * H of them, zero)."""
     if f.dim() != 4:
@@ -809,7 +890,8 @@ def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, s
         *raw, f, b, *ws, *pools, A_log, dt_bias, state_pool, slots, *st, count, o,
         H, q_raw.stride(0), q_raw.stride(1), *f.stride()[:3], *b.stride(), conv_q_pool.stride(0), *st_strides,
         D ** -0.5, lower_bound, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], STAGED=stagings is not None,
-        PRECISE=_precise(q_raw.device), PDL=pdl, **_launch_opts(pdl, num_warps or FUSED_WARPS))
+        PRECISE=_precise(q_raw.device), PDL=pdl, PRE_GATES=PRE_GATES if pre_gates is None else bool(pre_gates),
+        **_launch_opts(pdl, num_warps or FUSED_WARPS))
     return o
 
 
@@ -818,14 +900,15 @@ def kda_fused_decode(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tens
                      conv_q_pool: torch.Tensor, conv_k_pool: torch.Tensor, conv_v_pool: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
                      lower_bound: float, *, pdl: bool = False, workspace: torch.Tensor | None = None,
-                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                     block_v: int | None = None, num_warps: int | None = None,
+                     pre_gates: bool | None = None) -> torch.Tensor:
     """Three in-place convs + the recurrence in one launch (see the module docstring); every pool updated.
 
     workspace: int32 ticket counters, >= B * H, zero (default: the device's, device_counters); each launch leaves
     them zero. block_v / num_warps override BLOCK_V / FUSED_WARPS (benchmark sweeps only)."""
     return _fused("kda_fused_decode", (q_raw, k_raw, v_raw), f, b, (conv_q_w, conv_k_w, conv_v_w),
                   (conv_q_pool, conv_k_pool, conv_v_pool), A_log, dt_bias, state_pool, slots, None, workspace,
-                  lower_bound, pdl, block_v, num_warps)
+                  lower_bound, pdl, block_v, num_warps, pre_gates)
 
 
 def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -834,13 +917,15 @@ def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tens
                      A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
                      staging_q: torch.Tensor, staging_k: torch.Tensor, staging_v: torch.Tensor,
                      staging_state: torch.Tensor, lower_bound: float, *, pdl: bool = False,
-                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                     block_v: int | None = None, num_warps: int | None = None,
+                     pre_gates: bool | None = None) -> torch.Tensor:
     """Three staged convs + staged recurrence in one launch (see the module docstring); all pools read only.
 
-    block_v / num_warps override BLOCK_V / FUSED_WARPS (benchmark sweeps only)."""
+    block_v / num_warps / pre_gates override BLOCK_V / FUSED_WARPS / PRE_GATES (benchmark sweeps only)."""
     return _fused("kda_fused_verify", (q_raw, k_raw, v_raw), f, b, (conv_q_w, conv_k_w, conv_v_w),
                   (conv_q_pool, conv_k_pool, conv_v_pool), A_log, dt_bias, state_pool, slots,
-                  (staging_q, staging_k, staging_v, staging_state), None, lower_bound, pdl, block_v, num_warps)
+                  (staging_q, staging_k, staging_v, staging_state), None, lower_bound, pdl, block_v, num_warps,
+                  pre_gates)
 
 
 # ---------------------------------------------------------------------------------------------- references
