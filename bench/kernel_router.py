@@ -1,15 +1,19 @@
 """GPU check and timing of lingc.kernels.router (router_topk, router_align) and lingc.kernels.sample (greedy_sample,
 chain_accept, sample_tokens) at the Ling-3.0-tiny decode shapes, against the torch reference ops.
 
-Shapes: router E=128, k=8, n_group=8, topk_group=4, scale 2.5, BM=16, N in {1, 6} (decode, verify chain);
+Shapes: router E=128, k=8, n_group=8, topk_group=4, scale 2.5, BM=16, N in {1, 2, 6} (decode, verify chains);
 greedy_sample V=157184, T in {1, 7}; chain_accept B=1, K=6, V=157184 (greedy: the decode hot path; sampled:
 temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}. (`uniform` moved to kernel_meta.py.)
 
-router_align is timed per kernel variant (kernels/router.py): `router_align[rows]` and `router_align[pairs]` (the
-default "auto" takes rows from 2 tokens up, pairs at 1), side by side, at N in {1, 6}, without (S=0) and with the fused shared
-expert (S=1, num_experts 129: what the step runs after fuse_shared_expert). Each of those rows also carries
-`variants_equal` (rows == pairs, all five outputs bit for bit), `unfused_kernels_time_us` (router_topk kernel +
-moe_align kernel, the pair the fusion replaces) and `ref_time_us` (the torch reference op).
+router_align is timed per kernel variant (kernels/router.py): `router_align[rows]`, `router_align[pairs]` and
+`router_align[split]` (the default "auto" takes split from SPLIT_FROM tokens up while N * (k + S) <= 64, pairs at 1),
+side by side, at N in {1, 2, 6}, without (S=0) and with the fused shared expert (S=1, num_experts 129: what the step
+runs after fuse_shared_expert), and `router_align[split-wW]`: split at num_warps W in SPLIT_WARPS (its
+`_split_warps` rule is a guess; these rows decide it). Each of those rows also carries `variants_equal` (every
+variant == pairs where the outputs are defined), `equals_pairs` (this row's outputs == pairs', all five, every cell
+bit for bit), `unfused_kernels_time_us` (router_topk kernel + moe_align kernel, the pair the fusion replaces) and
+`ref_time_us` (the torch reference op); the split rows carry `counter_zero` (the ticket counter is zero after the
+checks, timing included).
 
 Each row: correctness vs the reference op on the GPU (router: per-row id sets and the weight of each id, the
 reference's order being unspecified; alignment and token ids exact), pdl=True output == pdl=False output bit for
@@ -34,6 +38,8 @@ from timing import cold_copies, graph_time_or_none, kernel_row, nbytes  # noqa: 
 
 E, TOP_K, N_GROUP, TOPK_GROUP, SCALE, BLOCK_M = 128, 8, 8, 4, 2.5, 16
 V, K = 157184, 6
+ALIGN_VARIANTS = ("rows", "pairs", "split")
+SPLIT_WARPS = (1, 2, 4)   # router_align "split" num_warps swept (router_align's split_warps)
 
 
 def _time(fn: Callable, copies: list) -> float | None:
@@ -72,7 +78,7 @@ def _router_rows(dev: torch.device) -> list[dict]:
 
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
-    for N in (1, 6):
+    for N in (1, 2, 6):
         per_copy = N * E * 4 + E * 4
         copies = [(torch.randn(N, E, device=dev, generator=g) * 2, 0.05 * torch.randn(E, device=dev, generator=g))
                   for _ in range(cold_copies(per_copy))]
@@ -94,33 +100,43 @@ def _router_rows(dev: torch.device) -> list[dict]:
 
 def _router_align_rows(x: torch.Tensor, bias: torch.Tensor, copies: list, N: int, shared: int,
                        per_copy: int) -> list[dict]:
-    """router_align[rows] and router_align[pairs] at one (N, fused_shared): checks, PDL, times, side by side."""
+    """router_align[rows], [pairs], [split] and the split num_warps sweep at one (N, fused_shared): checks, PDL,
+    times, side by side."""
     from lingc.kernels.moe_align import moe_align as moe_align_kernel
-    from lingc.kernels.router import router_align, router_align_ref, router_topk
+    from lingc.kernels.router import align_counters, router_align, router_align_ref, router_topk
 
     experts = E + shared
     args = (N_GROUP, TOPK_GROUP, TOP_K, SCALE, experts, BLOCK_M, shared)
     want = router_align_ref(x, bias, *args)
-    outs = {v: router_align(x, bias, *args, variant=v) for v in ("rows", "pairs")}
-    variants_equal = _equal(outs["rows"][:2], outs["pairs"][:2]) and _align_equal(outs["rows"][2:], outs["pairs"][2:],
-                                                                                   BLOCK_M)
+    configs = {v: dict(variant=v) for v in ALIGN_VARIANTS}
+    configs.update({f"split-w{w}": dict(variant="split", split_warps=w) for w in SPLIT_WARPS})
+    outs = {name: router_align(x, bias, *args, **kw) for name, kw in configs.items()}
+    pairs = outs["pairs"]
+    variants_equal = all(_equal(got[:2], pairs[:2]) and _align_equal(got[2:], pairs[2:], BLOCK_M)
+                         for got in outs.values())
     t_ref = _time(lambda a, b: router_align_ref(a, b, *args), copies)
     t_two = _time(lambda a, b: moe_align_kernel(router_topk(a, b, *args[:4], shared)[1], experts, BLOCK_M), copies)
     rows = []
-    for variant, got in outs.items():
+    for name, got in outs.items():
+        kw = configs[name]
         same, err, exact = _routing_diff(got[:2], want[:2])
         align_exact = (_align_equal(got[2:], torch.ops.lingc.moe_align(got[1], experts, BLOCK_M), BLOCK_M)
                        and torch.equal(got[4], want[4]))
-        again = router_align(x, bias, *args, pdl=True, variant=variant)
+        equals_pairs = _equal(got, pairs)                     # every cell: all three kernels write every cell
+        again = router_align(x, bias, *args, pdl=True, **kw)
         pdl_eq = _equal(got[:2], again[:2]) and _align_equal(got[2:], again[2:], BLOCK_M)
-        t = _time(lambda a, b, v=variant: router_align(a, b, *args, variant=v), copies)
-        t_pdl = _time(lambda a, b, v=variant: router_align(a, b, *args, pdl=True, variant=v), copies)
-        rows.append(_row(f"router_align[{variant}]",
+        t = _time(lambda a, b, kw=kw: router_align(a, b, *args, **kw), copies)
+        t_pdl = _time(lambda a, b, kw=kw: router_align(a, b, *args, pdl=True, **kw), copies)
+        extra = {}
+        if kw["variant"] == "split":
+            torch.cuda.synchronize()
+            extra["counter_zero"] = not bool(align_counters(x.device).any())
+        ok = same and err < 1e-5 and align_exact and variants_equal and equals_pairs and extra.get("counter_zero", True)
+        rows.append(_row(f"router_align[{name}]",
                          f"N={N} E={E}+{shared} k={TOP_K} g={N_GROUP}/{TOPK_GROUP} BM={BLOCK_M}",
-                         same and err < 1e-5 and align_exact and variants_equal, err,
-                         same and exact and align_exact, pdl_eq, t, t_ref, per_copy + nbytes(*got),
+                         ok, err, same and exact and align_exact, pdl_eq, t, t_ref, per_copy + nbytes(*got),
                          pdl_time_us=t_pdl, unfused_kernels_time_us=t_two, align_exact=align_exact,
-                         variants_equal=variants_equal))
+                         variants_equal=variants_equal, equals_pairs=equals_pairs, **extra))
     return rows
 
 

@@ -30,7 +30,14 @@ launch bound), each bit-identical to the launches it replaces:
                                 state_pool, slots, staging_state, lower_bound)  (with k, v likewise), pools read only;
         with the same BLOCK_V / warps it has the separate kernels' bits (tests; the bench checks it on the
         GPU). Each V tile recomputes the q/k convs of its whole head (they are tiny; one program per head
-        spills at D = 128) and stages its own slice of the q/k/v windows.
+        spills at D = 128) and stages its own slice of the q/k/v windows. The kernel runs in three phases: (1)
+        every load an earlier kernel's output feeds, all T positions at once (each conv window is a tuple of
+        W - 1 pool entries and T x rows held in registers, so an x row is loaded once, not W times), (2) the
+        convs (and, with PRE_GATES, the l2 norms and gates) of every position, (3) the recurrence chain. The old
+        per-position order put each position's loads behind the previous position's reductions (CTA barriers).
+        H200 (bench/results/kernels-kda-ab-h200-20261130.json, same bits as before): T = 6 11.0 us with PDL
+        against 14.3 (11.9 vs 15.1 without PDL); the verify step 2.805 ms against 2.890 ms. PRE_GATES measured
+        no faster (11.2 us; at T = 6 it holds ~120 more registers and spills 220 bytes), so it is off.
     kda_fused_decode(q_raw, ..., state_pool, slots, lower_bound, *, workspace) -> o [B,T,H,D]  (pools updated)
         == kda_recurrent(kda_conv(q_raw, conv_q_w, conv_q_pool, slots).view(B,T,H,D), ..., state_pool, slots,
                          lower_bound)  (with k, v likewise): kda_conv_qkv + kda_recurrent, 1 launch, not 2.
@@ -48,7 +55,8 @@ launch bound), each bit-identical to the launches it replaces:
         default to one set per device (`device_counters`: zeroed on first use, never resized). H200, B = 1,
         Ling-3.0-tiny shapes (bench/kernel_kda.py, CUDA graph, cold state): 4.4 us with PDL vs 3.9 us for
         kda_conv_qkv + kda_recurrent with PDL (5.2 vs 5.4 without): the ticket's round trip (~0.8 us; 3.6 us
-        without it) is on every program's path, so the saved launch does not pay for it there.
+        without it) is on every program's path, so the saved launch does not pay for it there. With the
+        three-phase kernel (the ticket right after phase 1's loads): 4.1 us with PDL, 5.1 without.
 
 Recurrence tiling: grid (B*H, cdiv(D, BLOCK_V)); a program keeps its [D, BLOCK_V] fp32 slice of the head's state
 (K rows, V columns) in registers across the T positions. Per position it loads the whole q_t, k_t, f_t of its
@@ -57,8 +65,8 @@ head (the L2 norms, the K-axis gate and the K-axis dot products need all D) and 
     q = q * rsqrt(sum q^2 + 1e-6) * D^-0.5, k = k * rsqrt(sum k^2 + 1e-6),
     S = exp(g)[:, None] * S;  S = S + k[:, None] * (beta * (v - sum_k(S * k[:, None])))[None, :];
     o = sum_k(S * q[:, None]).
-The next position's inputs are loaded before the current position is computed (software prefetch), so the
-chain pays one input latency, not T. Decode writes S back to the pool at the end; verify writes each
+kda_recurrent loads the next position's inputs before the current position is computed (software prefetch), and
+the fused kernels load every position's inputs before the chain starts, so the chain pays one input latency, not T. Decode writes S back to the pool at the end; verify writes each
 position's S to staging[b, t] and leaves the pool alone. The conv kernel (grid (B, cdiv(P, CONV_BLOCK_P)))
 and the fused kernel take T as a constexpr and unroll the positions (at most 16 variants), so every
 position's loads can be issued up front.

@@ -13,11 +13,12 @@ go to the lower group id. The k selected scores are summed one by one in that or
 elementwise or an exact max/min, so a row's bits do not depend on the tile layout, on num_warps or on the
 other rows: `router_topk` and `router_align` give the same bits for a row.
 
-`router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`) in ONE launch of one program. Two
-kernels, chosen by the launcher's `variant`:
+`router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`) in ONE launch. Three kernels, chosen by
+the launcher's `variant` ("auto", the default: "split" from SPLIT_FROM rows up where N * (k + S) <= MAX_PAIRS,
+else "rows" from ROWS_FROM rows up where it applies, else "pairs"):
 
-  "rows" (N <= MAX_ROWS and a sane tile; the default from 2 rows up, variant "auto"): the tokens are a tensor
-  axis the warps split, one or two rows per warp, so every per-row reduction (the k picks, the group scores) is a warp shuffle and never a CTA barrier.
+  "rows" (one program; N <= MAX_ROWS and a sane tile): the tokens are a tensor axis the warps split, one or two
+  rows per warp, so every per-row reduction (the k picks, the group scores) is a warp shuffle, never a CTA barrier.
   The align is read off the routing tile itself, without the pair axis: the tile [L, R, G, C] (experts e =
   g*GS + c*L + l, tokens r) keeps each row's pick index i per expert, so, with bits_e = sum_r (row r picked e)
   << r (the only cross-warp step: one int32 sum over the rows),
@@ -32,9 +33,27 @@ kernels, chosen by the launcher's `variant`:
   blocks); at N = 1 the tile's G axis spans 2 lanes x 4 repeats (TTGIR) and the tl.cumsum over G was the
   suspect. With the G and C prefix sums as comparison sums (253218f) the H200 run of 2f1b249 has rows == pairs,
   all outputs bit for bit, at N = 1 and 6, with and without the shared expert (bench/kernel_router.py).
-  "pairs" (the default at N = 1, the previous kernel; N * (k + S) <= MAX_PAIRS): routes the N rows side by side
-  in a [R, G, GS] tile, stores ids, then after a barrier reloads them and aligns the NP pairs with pairwise
-  [NP_BLOCK, NP_BLOCK] compares (kernels/moe_align.py's pair axis), writing every cell with disjoint stores.
+  "pairs" (one program; the default at N = 1; N * (k + S) <= MAX_PAIRS): routes the N rows side by side in a
+  [R, G, GS] tile, stores ids, then after a barrier reloads them and aligns the NP pairs with pairwise
+  [NP_BLOCK, NP_BLOCK] compares (`_align_pairs`, kernels/moe_align.py's pair axis), writing every cell with
+  disjoint stores.
+  "split" (grid (N,); N * (k + S) <= MAX_PAIRS): one program routes one row, so the N rows are routed at once on
+  N SMs exactly as the router_topk kernel routes them, and only the align runs in one program. Why: one program
+  holding all N rows pays for them on one SM ("rows" at N = 6: 10.3 us per launch in the CUDA-graph verify step,
+  against ~4 us for one row). Program r stores its row's weights and ids, then (a CTA barrier, then an acq_rel
+  gpu-scope atomic add) takes a ticket from an int32 counter; the program drawing the last ticket (N - 1) reloads
+  all N rows' ids through L2 (`.cg`: other CTAs wrote them, and L1 is not coherent across SMs), runs the same
+  `_align_pairs` as "pairs" (one helper, so the two cannot drift) and stores 0 back to the counter, so the next
+  launch or graph replay starts from zero (kernels/kda.py `_update_windows` and kernels/linear.py `_finish` use
+  the pattern). Ordering: a program's id stores precede its barrier, the barrier precedes the atomic (the release,
+  taken by one thread: cumulative over the stores the barrier ordered); ticket N - 1's acquire reads the whole
+  chain of N increments, so every row's stores happen before the last program's reload (its other threads get the
+  ticket through shared memory, after a second barrier). No program waits for another (no deadlock whatever the
+  scheduling), nothing depends on which program comes last: the same bits as "pairs". The counter
+  (`align_counters`: kernels/workspace.py, owner "router_align"; or the `workspace` argument for launches that
+  may run concurrently) is touched only after the PDL wait, which returns once the previous launch (its reset
+  included) has completed. The last program's critical path: one row's routing, the ticket's round trip (~0.8 us
+  in kda), the [NP_BLOCK, NP_BLOCK] align (`_split_warps` on its num_warps). Not yet timed on the H200.
 Anything else runs the router_topk kernel, then lingc.kernels.moe_align.
 
 Why "pairs" scaled badly with N (H200, Ling-3.0-tiny, k + S = 9, in the CUDA-graph step: 4.0 us at N = 1,
@@ -63,21 +82,27 @@ same sigmoid of the same logit ("pairs", router_topk: reloaded as a scalar; "row
 
 Bytes per row: reads E logits (4 B) + E bias (4 B, shared, L2-resident), writes 8k B (weights, ids);
 router_align also writes (NP + E*(BM-1)) * 4 B of sorted_pairs and 4 B per block of block_expert.
-The file holds router_topk and both router_align kernels (~500 lines): they share the routing helpers and the
-ordering contract, and the "pairs" kernel stays next to its replacement for side-by-side timing.
+The file holds router_topk and the three router_align kernels (~700 lines): they share the routing helpers, the
+align helper and the ordering contract, and they stay side by side for timing (bench/kernel_router.py).
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, the expert bias (a weight no
 earlier kernel writes) is loaded before `gdc_wait()`, the logits after it, and `gdc_launch_dependents()` follows
-the last logits load (in "rows", the tile load; it reads no logits after it). With PDL off no GDC call is
-emitted (the interpreter cannot run them).
+the last logits load (in "rows", the tile load; it reads no logits after it). In "split" the trigger follows the
+row's logits loads as in router_topk, before the ids reload: those ids are this launch's own stores, not an
+earlier kernel's output, and a dependent's own `gdc_wait` still waits for this whole grid (the last program's
+align included) to complete before it reads anything. The ticket is taken after the wait (see "split" above).
+With PDL off no GDC call is emitted (the interpreter cannot run them).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lingc.kernels import workspace as _workspace
 from lingc.kernels.moe_align import moe_align
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
@@ -90,9 +115,13 @@ MAX_ROWS = 16                  # router_align "rows" runs for N <= MAX_ROWS (bit
 ROW_LANES = 32                 # "rows": experts of a group per lane chunk (L = min(32, GS padded)); rows fill the rest
 ROW_MAX_WARPS = 8
 ROW_ELEMENTS_PER_THREAD = 32   # "rows": tile cells per thread (E = 512, N = 16: 32 -> 245 registers); more spill
-ALIGN_VARIANTS = ("auto", "rows", "pairs")
+ALIGN_VARIANTS = ("auto", "rows", "pairs", "split")
 ROWS_FROM = 2   # "auto": "rows" from this many rows up, "pairs" below (H200, 2026-11-30: N = 1 pairs 3.10 us vs
                 # rows 3.32; N = 6 with the shared expert rows 6.82 vs pairs 8.30 vs the two kernels 8.19; PDL on)
+SPLIT_FROM = int(os.environ.get("LINGC_ROUTER_SPLIT_FROM", "2"))   # "auto": "split" from this many rows up where
+                # N * (top_k + S) <= MAX_PAIRS (LINGC_ROUTER_SPLIT_FROM=99 turns it off for an A/B)
+ALIGN_COUNTERS = 1             # "split": one int32 ticket counter per launch (kernels/workspace.py)
+SPLIT_PAIR_CELLS = 32          # "split": most cells of a [NP_BLOCK, NP_BLOCK] align tile per thread (_split_warps)
 MIN_NP_BLOCK = 16              # smallest pair block of the fused kernel (as kernels/moe_align.py)
 FILL_BLOCK = 1024              # cells per store of the sentinel tails (sorted_pairs, block_expert)
 # (largest routing tile, num_warps), first match: rows x padded E (one row per router_topk program, all N rows
@@ -221,12 +250,21 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
         weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
     _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
     tl.debug_barrier()                        # the ids stored by every thread are visible to the pair-axis loads
-    # moe_align over the NP = N * (k + S) pairs (kernels/moe_align.py), E experts counting the shared ones:
+    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, N * (TOP_K + SHARED), E, BM, max_padded,
+                 n_blocks, NP_BLOCK, BM_BLOCK, FILL, "")
+
+
+@triton.jit
+def _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM, max_padded, n_blocks,
+                 NP_BLOCK: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr, CACHE: tl.constexpr):
+    """moe_align over the NP = N * (k + S) stored ids (kernels/moe_align.py's pair axis), E experts counting the
+    shared ones: every cell of sorted_pairs, block_expert and total, with disjoint stores (no sentinel pass).
+    CACHE is the ids load's cache modifier: "" where this CTA stored them ("pairs"), ".cg" (L2) where other CTAs
+    of the launch did ("split": L1 is not coherent across SMs)."""
     # rank, bucket count and offset of each pair
-    NP = N * (TOP_K + SHARED)
     offs = tl.arange(0, NP_BLOCK)
     pvalid = offs < NP
-    e = tl.load(ids_ptr + offs, mask=pvalid, other=E)                             # [NP_BLOCK], padding = E
+    e = tl.load(ids_ptr + offs, mask=pvalid, other=E, cache_modifier=CACHE)       # [NP_BLOCK], padding = E
     e_i = e[:, None]
     e_j = e[None, :]
     same = (e_i == e_j) & pvalid[None, :]                                         # [NP_BLOCK, NP_BLOCK]
@@ -254,6 +292,37 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
         blocks = start + tl.arange(0, FILL)
         tl.store(block_expert_ptr + blocks, -1 + 0 * blocks, mask=blocks < n_blocks)
     tl.store(total_ptr, total)
+
+
+# ---- router_align "split": one row per program, the last program to finish aligns ---------------------------------
+
+
+@triton.jit
+def _router_align_split_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                               count_ptr, N, stride_row, GS, n_group, topk_group, scale, E, BM, max_padded, n_blocks,
+                               G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                               SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
+                               NP_BLOCK: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
+    """Program r routes row r as _router_topk_kernel does and stores it; the program drawing ticket N - 1 from
+    count_ptr (int32, zero between launches) aligns all N rows' ids and zeroes the counter (module docstring)."""
+    rows = tl.program_id(0) + tl.arange(0, 1)                                     # one row per program
+    bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)                   # a weight: before the wait
+    if PDL:
+        pdl_wait()          # also orders the ticket after the previous launch's counter reset (it has completed)
+    weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
+                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
+    if PDL:
+        pdl_trigger()       # after the last read of an earlier kernel's output (the logits): the ids reload below
+                            # reads this launch's stores, and dependents gdc_wait for the whole grid anyway
+    if SHARED > 0:
+        weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
+    _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
+    tl.debug_barrier()      # every thread's id stores come before the ticket (release) is taken
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == N - 1:     # every row is stored (its release is in the chain of N increments this acquire reads)
+        _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, N * (TOP_K + SHARED), E, BM, max_padded,
+                     n_blocks, NP_BLOCK, BM_BLOCK, FILL, ".cg")
+        tl.store(count_ptr, 0)                                                    # ready for the next launch
 
 
 # ---- router_align "rows": tokens on warps, the align read off the routing tile ------------------------------------
@@ -411,6 +480,19 @@ def _num_warps(tile_elements: int) -> int:
     return NUM_WARPS_MAX
 
 
+def _split_warps(route_elements: int, np_block: int) -> int:
+    """num_warps of the "split" kernel: router_topk's for the one-row routing tile (1 at E = 128), raised where the
+    last program's [NP_BLOCK, NP_BLOCK] align tiles would hold more than SPLIT_PAIR_CELLS cells per thread.
+
+    A guess, not a measurement: one warp keeps the pick chain free of CTA barriers (1 bar.sync before the ticket
+    against 40 at 4 warps, sm_90 PTX, E = 128), but its align at NP_BLOCK = 64 is ~5100 PTX instructions against
+    ~1550 (+36 bar.sync) at 4 warps, and the align dominates (the moe_align kernel, the same pair-axis work at 4
+    warps, costs ~5.5 us at 54 pairs against ~1.5 us at 8 on the H200, bench/results/kernels-ep-meta-router-*).
+    255 registers at 1 warp, 239 at 4, no spills either way (ptxas, sm_90a). bench/kernel_router.py times the
+    alternatives (router_align's split_warps)."""
+    return max(_num_warps(route_elements), min(NUM_WARPS_MAX, np_block * np_block // (32 * SPLIT_PAIR_CELLS)))
+
+
 def _check(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int,
            top_k: int) -> tuple[torch.Tensor, int]:
     """Validate the router arguments; returns (logits with a unit last stride, group size)."""
@@ -478,17 +560,37 @@ def _rows_launch(N: int, n_group: int, group_size: int, top_k: int, fused_shared
                 K_BLOCK=max(lanes, triton.next_power_of_2(top_k + fused_shared)))   # >= L: [K, R] tiles fill lanes
 
 
+def align_counters(device: torch.device | str) -> torch.Tensor:
+    """router_align "split"'s default ticket counter on a device (int32 [ALIGN_COUNTERS], kernels/workspace.py):
+    zeroed on first use and kept (a captured CUDA graph points at it); every launch leaves it zero."""
+    return _workspace.counters(device, "router_align", ALIGN_COUNTERS)
+
+
+def _check_workspace(counters: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or not counters.is_contiguous() \
+            or counters.numel() < ALIGN_COUNTERS or counters.device != device:
+        got = (f"{counters.numel()} {counters.dtype} counters on {counters.device}"
+               if isinstance(counters, torch.Tensor) else f"a {type(counters).__name__}")
+        raise ValueError(f"router_align: workspace holds {got}, want a contiguous int32 tensor of >= {ALIGN_COUNTERS} "
+                         f"zeroed ticket counter(s) on {device}")
+
+
 def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                  routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int = 0, *,
-                 pdl: bool = False, variant: str = "auto",
+                 pdl: bool = False, variant: str = "auto", workspace: torch.Tensor | None = None,
+                 split_warps: int | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights, ids, sorted_pairs, block_expert, total) = router_topk then moe_align on its ids.
 
-    num_experts = E + fused_shared. One launch of one program: variant "rows" where `_rows_launch` allows it
-    (N <= MAX_ROWS, tile small enough), else "pairs" where N * (top_k + fused_shared) <= MAX_PAIRS; otherwise
-    the router_topk kernel, then moe_align. variant="pairs" skips "rows"; "auto" (the default) takes "rows" from
-    ROWS_FROM rows up and "pairs" below, the faster of the two on the H200 at each size. Every path gives the
-    same bits, so the choice by N keeps row invariance.
+    num_experts = E + fused_shared. One launch: variant "split" (N programs, one per row) or "pairs" (one program)
+    where N * (top_k + fused_shared) <= MAX_PAIRS, "rows" (one program) where `_rows_launch` allows it (N <=
+    MAX_ROWS, tile small enough), else "pairs" where that applies; otherwise the router_topk kernel, then
+    moe_align. "auto" (the default) takes "split" from SPLIT_FROM rows up where it applies, else "rows" from
+    ROWS_FROM rows up where that applies, else "pairs" (or the two kernels). Every path gives the same bits, so
+    the choice by N keeps row invariance.
+    workspace: "split"'s int32 ticket counter (>= ALIGN_COUNTERS, zero; default: the device's, `align_counters`);
+    each launch leaves it zero. Launches that may run concurrently on one device (other streams) need one each.
+    split_warps overrides "split"'s num_warps (`_split_warps`; benchmark sweeps only).
     """
     logits, group_size = _check(logits, expert_bias, n_group, topk_group, top_k)
     _check_shared(fused_shared)
@@ -498,11 +600,17 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
                          f"block_m >= 1, got {num_experts}, {block_m}")
     if variant not in ALIGN_VARIANTS:
         raise ValueError(f"router_align: variant must be one of {ALIGN_VARIANTS}, got {variant!r}")
+    if workspace is not None:
+        _check_workspace(workspace, logits.device)
+    if split_warps is not None and split_warps not in (1, 2, 4, 8):
+        raise ValueError(f"router_align: split_warps must be 1, 2, 4 or 8, got {split_warps!r}")
     width = top_k + fused_shared
     num_pairs = N * width
-    use_rows = variant == "rows" or (variant == "auto" and N >= ROWS_FROM)
+    fits_pairs = 0 < num_pairs <= MAX_PAIRS
+    use_split = fits_pairs and (variant == "split" or (variant == "auto" and N >= SPLIT_FROM))
+    use_rows = not use_split and (variant == "rows" or (variant == "auto" and N >= ROWS_FROM))
     rows = _rows_launch(N, n_group, group_size, top_k, fused_shared) if use_rows else None
-    if rows is None and (num_pairs == 0 or num_pairs > MAX_PAIRS):
+    if rows is None and not fits_pairs:
         weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor,
                                    fused_shared, pdl=pdl)
         return (weights, ids, *moe_align(ids, num_experts, block_m, pdl=pdl))
@@ -522,13 +630,20 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
             block_m, max_padded, n_blocks, **rows, PDL=pdl, **launch)
         return outputs
     tile = _tile(n_group, group_size, top_k, fused_shared)
+    align = dict(NP_BLOCK=max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs)),
+                 BM_BLOCK=max(2, triton.next_power_of_2(block_m)), FILL=FILL_BLOCK)
+    scalars = (logits.stride(0), group_size, n_group, topk_group, float(routed_scaling_factor), num_experts, block_m,
+               max_padded, n_blocks)
+    if use_split:
+        counters = workspace if workspace is not None else align_counters(dev)
+        _router_align_split_kernel[(N,)](
+            logits, expert_bias, *outputs, counters, N, *scalars, **tile, **align, PDL=pdl,
+            num_warps=split_warps or _split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"], align["NP_BLOCK"]), **launch)
+        return outputs
     r_block = triton.next_power_of_2(N)
     _router_align_kernel[(1,)](
-        logits, expert_bias, *outputs,
-        N, logits.stride(0), group_size, n_group, topk_group, float(routed_scaling_factor), num_experts, block_m,
-        max_padded, n_blocks, R_BLOCK=r_block, **tile,
-        NP_BLOCK=max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs)), BM_BLOCK=max(2, triton.next_power_of_2(block_m)),
-        FILL=FILL_BLOCK, PDL=pdl, num_warps=_num_warps(r_block * tile["G_BLOCK"] * tile["GS_BLOCK"]), **launch)
+        logits, expert_bias, *outputs, N, *scalars, R_BLOCK=r_block, **tile, **align, PDL=pdl,
+        num_warps=_num_warps(r_block * tile["G_BLOCK"] * tile["GS_BLOCK"]), **launch)
     return outputs
 
 

@@ -8,7 +8,7 @@ n_group / topk_group limits, odd group sizes, chunked groups (GS > 32), 0 / 1 / 
 invariance, the dispatch gates, and (compiled for sm_90 without a GPU) the layout that keeps rows inside warps.
 An earlier "rows" wrote wrong block experts at N = 1 on the H200 (kernels/router.py's history; a GPU-only fault
 the interpreter did not reproduce); since 253218f the H200 agrees. "auto" (the default) runs "rows" from
-ROWS_FROM rows up and "pairs" below, where each is faster.
+ROWS_FROM rows up and "pairs" below, where each is faster, unless "split" applies (test_router_split.py).
 """
 
 from __future__ import annotations
@@ -165,9 +165,11 @@ def test_rows_layout_keeps_rows_inside_warps() -> None:
 
 @pytest.mark.parametrize("N", [1, ROWS_FROM, 6])
 def test_auto_variant_picks_by_rows(N: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default ("auto") launches "pairs" below ROWS_FROM rows and "rows" from there, with the same bits."""
+    """The default ("auto") launches "pairs" below ROWS_FROM rows and "rows" from there, with the same bits, where
+    "split" does not apply (here: SPLIT_FROM out of reach; test_router_split.py checks the split choice)."""
     x, bias = _inputs(N, 128, 8, 4, 8, torch.float32, seed=N)
     args = (x, bias, 8, 4, 8, SCALE, 129, 16, 1)
+    monkeypatch.setattr(router_mod, "SPLIT_FROM", MAX_ROWS + 1)
     launched = []
     for name in ("_router_align_rows_kernel", "_router_align_kernel"):
         kernel = getattr(router_mod, name)
