@@ -202,5 +202,5 @@ def run(device: torch.device) -> list[dict]:
 
 
 if __name__ == "__main__":
-    for row in run(torch.device("cuda")):
+    for row in run(torch.device("cuda", torch.cuda.current_device())):
         print(json.dumps(row))
