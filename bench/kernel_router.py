@@ -8,8 +8,8 @@ temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}. (`unif
 router_align is timed per kernel variant (kernels/router.py): `router_align[rows]`, `router_align[pairs]` and
 `router_align[split]` (the default "auto" takes split from SPLIT_FROM tokens up while N * (k + S) <= 64, pairs at 1),
 side by side, at N in {1, 2, 6}, without (S=0) and with the fused shared expert (S=1, num_experts 129: what the step
-runs after fuse_shared_expert), and `router_align[split-wW]`: split at num_warps W in SPLIT_WARPS (its
-`_split_warps` rule is a guess; these rows decide it). Each of those rows also carries `variants_equal` (every
+runs after fuse_shared_expert), and `router_align[split-wW]`: split at num_warps W in SPLIT_WARPS_SWEEP (its
+H200 sweep: 4 warps, `_split_warps`). Each of those rows also carries `variants_equal` (every
 variant == pairs where the outputs are defined), `equals_pairs` (this row's outputs == pairs', all five, every cell
 bit for bit), `unfused_kernels_time_us` (router_topk kernel + moe_align kernel, the pair the fusion replaces) and
 `ref_time_us` (the torch reference op); the split rows carry `counter_zero` (the ticket counter is zero after the
@@ -39,7 +39,7 @@ from timing import cold_copies, graph_time_or_none, kernel_row, nbytes  # noqa: 
 E, TOP_K, N_GROUP, TOPK_GROUP, SCALE, BLOCK_M = 128, 8, 8, 4, 2.5, 16
 V, K = 157184, 6
 ALIGN_VARIANTS = ("rows", "pairs", "split")
-SPLIT_WARPS = (1, 2, 4)   # router_align "split" num_warps swept (router_align's split_warps)
+SPLIT_WARPS_SWEEP = (1, 2, 4)   # router_align "split" num_warps swept (router_align's split_warps)
 
 
 def _time(fn: Callable, copies: list) -> float | None:
@@ -109,7 +109,7 @@ def _router_align_rows(x: torch.Tensor, bias: torch.Tensor, copies: list, N: int
     args = (N_GROUP, TOPK_GROUP, TOP_K, SCALE, experts, BLOCK_M, shared)
     want = router_align_ref(x, bias, *args)
     configs = {v: dict(variant=v) for v in ALIGN_VARIANTS}
-    configs.update({f"split-w{w}": dict(variant="split", split_warps=w) for w in SPLIT_WARPS})
+    configs.update({f"split-w{w}": dict(variant="split", split_warps=w) for w in SPLIT_WARPS_SWEEP})
     outs = {name: router_align(x, bias, *args, **kw) for name, kw in configs.items()}
     pairs = outs["pairs"]
     variants_equal = all(_equal(got[:2], pairs[:2]) and _align_equal(got[2:], pairs[2:], BLOCK_M)

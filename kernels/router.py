@@ -53,7 +53,9 @@ else "rows" from ROWS_FROM rows up where it applies, else "pairs"):
   (`align_counters`: kernels/workspace.py, owner "router_align"; or the `workspace` argument for launches that
   may run concurrently) is touched only after the PDL wait, which returns once the previous launch (its reset
   included) has completed. The last program's critical path: one row's routing, the ticket's round trip (~0.8 us
-  in kda), the [NP_BLOCK, NP_BLOCK] align (`_split_warps` on its num_warps). Not yet timed on the H200.
+  in kda), the [NP_BLOCK, NP_BLOCK] align (4 warps: `_split_warps`). H200, CUDA graph, PDL on, N = 6 with the
+  shared expert: 7.5 us against 7.8 for "rows"; the verify step 2.795 ms against 2.804 with "rows"
+  (bench/results/kernels-router-split-h200-20261130.json).
 Anything else runs the router_topk kernel, then lingc.kernels.moe_align.
 
 Why "pairs" scaled badly with N (H200, Ling-3.0-tiny, k + S = 9, in the CUDA-graph step: 4.0 us at N = 1,
@@ -121,7 +123,7 @@ ROWS_FROM = 2   # "auto": "rows" from this many rows up, "pairs" below (H200, 20
 SPLIT_FROM = int(os.environ.get("LINGC_ROUTER_SPLIT_FROM", "2"))   # "auto": "split" from this many rows up where
                 # N * (top_k + S) <= MAX_PAIRS (LINGC_ROUTER_SPLIT_FROM=99 turns it off for an A/B)
 ALIGN_COUNTERS = 1             # "split": one int32 ticket counter per launch (kernels/workspace.py)
-SPLIT_PAIR_CELLS = 32          # "split": most cells of a [NP_BLOCK, NP_BLOCK] align tile per thread (_split_warps)
+SPLIT_WARPS = 4                # "split": num_warps (at least; _split_warps), from the H200 sweep
 MIN_NP_BLOCK = 16              # smallest pair block of the fused kernel (as kernels/moe_align.py)
 FILL_BLOCK = 1024              # cells per store of the sentinel tails (sorted_pairs, block_expert)
 # (largest routing tile, num_warps), first match: rows x padded E (one row per router_topk program, all N rows
@@ -481,16 +483,13 @@ def _num_warps(tile_elements: int) -> int:
 
 
 def _split_warps(route_elements: int, np_block: int) -> int:
-    """num_warps of the "split" kernel: router_topk's for the one-row routing tile (1 at E = 128), raised where the
-    last program's [NP_BLOCK, NP_BLOCK] align tiles would hold more than SPLIT_PAIR_CELLS cells per thread.
+    """num_warps of the "split" kernel: SPLIT_WARPS, or more where router_topk's one-row tile wants more.
 
-    A guess, not a measurement: one warp keeps the pick chain free of CTA barriers (1 bar.sync before the ticket
-    against 40 at 4 warps, sm_90 PTX, E = 128), but its align at NP_BLOCK = 64 is ~5100 PTX instructions against
-    ~1550 (+36 bar.sync) at 4 warps, and the align dominates (the moe_align kernel, the same pair-axis work at 4
-    warps, costs ~5.5 us at 54 pairs against ~1.5 us at 8 on the H200, bench/results/kernels-ep-meta-router-*).
-    255 registers at 1 warp, 239 at 4, no spills either way (ptxas, sm_90a). bench/kernel_router.py times the
-    alternatives (router_align's split_warps)."""
-    return max(_num_warps(route_elements), min(NUM_WARPS_MAX, np_block * np_block // (32 * SPLIT_PAIR_CELLS)))
+    H200 (bench/results/kernels-router-split-h200-20261130.json, CUDA graph, PDL on, E = 128 + 1 shared): at N = 2
+    (32-pair tile) 1 warp 7.8 us, 2 warps 4.7, 4 warps 4.6; at N = 6 (64 pairs) 1 warp 10.2, 2 warps 12.0, 4 warps
+    7.5 ("rows" 7.8, router_topk + moe_align 8.2). The last program's align is the critical path, and at 1 warp its
+    [NP_BLOCK, NP_BLOCK] tiles are ~5100 PTX instructions (sm_90) against ~1550 + 36 bar.sync at 4."""
+    return max(_num_warps(route_elements), SPLIT_WARPS)
 
 
 def _check(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int,
