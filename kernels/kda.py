@@ -66,8 +66,9 @@ head (the L2 norms, the K-axis gate and the K-axis dot products need all D) and 
     S = exp(g)[:, None] * S;  S = S + k[:, None] * (beta * (v - sum_k(S * k[:, None])))[None, :];
     o = sum_k(S * q[:, None]).
 kda_recurrent loads the next position's inputs before the current position is computed (software prefetch), and
-the fused kernels load every position's inputs before the chain starts, so the chain pays one input latency, not T. Decode writes S back to the pool at the end; verify writes each
-position's S to staging[b, t] and leaves the pool alone. The conv kernel (grid (B, cdiv(P, CONV_BLOCK_P)))
+the fused kernels load every position's inputs before the chain starts, so the chain pays one input latency, not
+T. Decode writes S back to the pool at the end; verify writes each position's S to staging[b, t] and leaves the
+pool alone. The conv kernel (grid (B, cdiv(P, CONV_BLOCK_P)))
 and the fused kernel take T as a constexpr and unroll the positions (at most 16 variants), so every
 position's loads can be issued up front.
 

@@ -2,8 +2,9 @@
 because a captured CUDA graph keeps pointing at it.
 
 `counters(device, owner, n)` is a zeroed int32 tensor of n ticket / arrival counters for one kernel family (kda's
-in-place decode mixer, router_align's "split", moe_fused); every launch that uses it leaves it zero again, so one set serves any number of
-stream-ordered or PDL-chained launches (launches that may run concurrently on one device need one each).
+in-place decode mixer, router_align's "split", moe_fused); every launch that uses it leaves it zero again, so one set
+serves any number of stream-ordered or PDL-chained launches (launches that may run concurrently on one device need
+one each).
 `indexed(device)` names the device's index ("cuda" -> "cuda:<current>"), so one device gets one cache entry.
 """
 
