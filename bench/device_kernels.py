@@ -4,7 +4,7 @@ The RMSNorm family and moe_align are checked here (per-launch times: launch-boun
 family has a bench/kernel_<family>.py whose run(device) checks it at Ling-3.0-tiny's decode shapes and times it
 in CUDA graphs with cold weights (bench/timing.py). The families are found by that file name: ep, filtered_probs,
 kda, linear, meta (meta.py's index kernels, uniform, kda_conv_qkv / kda_commit_multi), mla, moe, router (router
-and sampling kernels; router_align's "rows" and "pairs" variants side by side). One table and one JSON for all:
+and sampling kernels; router_align's "rows", "pairs" and "split" variants side by side). One table and one JSON for all:
     python3 bench/device_kernels.py --json $OUT/kernels.json [--families linear,moe]
     python3 bench/device_kernels.py --json $OUT/kernels.json --families meta,router
 """

@@ -112,7 +112,8 @@ ALIGNS = [(1, 128, 8, 4, 8, 16), (6, 128, 8, 4, 8, 16), (8, 128, 8, 4, 8, 4), (3
 @pytest.mark.parametrize("repeat_rows", [False, True], ids=["distinct", "same-experts"])
 def test_router_align_matches_reference(N: int, E: int, n_group: int, topk_group: int, top_k: int, block_m: int,
                                         repeat_rows: bool, assert_kernel_close: Callable) -> None:
-    """Fused (the "rows" kernel): routing as router_topk's bits, alignment exactly moe_align of those ids.
+    """Fused ("auto": "split" from 2 rows up where the pairs fit, else "rows" or "pairs"): routing as router_topk's
+    bits, alignment exactly moe_align of those ids.
 
     same-experts repeats one row N times, so every expert's bucket holds N pairs (segments over several blocks).
     """
@@ -178,7 +179,7 @@ SHARED_ROUTERS = [(1, 128, 8, 4, 8), (3, 16, 4, 2, 4), (6, 16, 4, 2, 4), (7, 128
                          ids=[f"{n}x{e}-k{k}+1" for n, e, _, _, k in SHARED_ROUTERS])
 def test_fused_shared_appends_expert_e_with_weight_one(N: int, E: int, n_group: int, topk_group: int, top_k: int,
                                                        assert_kernel_close: Callable) -> None:
-    """router_topk and router_align (fused, "rows") with fused_shared=1: the k routed columns are the bits
+    """router_topk and router_align (fused, "auto") with fused_shared=1: the k routed columns are the bits
     of fused_shared=0, column k is expert E with weight exactly 1.0; the alignment is moe_align over E+1 experts."""
     x, bias = _inputs(N, E, n_group, topk_group, top_k, torch.float32, seed=N * 13 + E)
     plain_w, plain_ids = router_topk(x, bias, n_group, topk_group, top_k, SCALE)
