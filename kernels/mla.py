@@ -72,7 +72,8 @@ SPLIT_ROWS = 64          # cache rows per split: 8192 rows -> 128 splits, about 
 SPLIT_STAGES = 2
 # the split kernel's register cap (ptxas .maxnreg; None: uncapped). Uncapped, bf16 H=16 R=512 at 4 warps takes 255
 # registers (ptxas, sm_90a, Triton 3.6: q_lat as a dot operand is replicated in every warp), so 2 CTAs fit an SM and a
-# 6-query verify's 768 split programs run ~3 waves; 168 fits 3 (with spills). LINGC_MLA_SPLIT_MAXNREG=168 for an A/B
+# 6-query verify's 768 split programs run ~3 waves; 168 fits 3 (with spills). Measured no faster on the H200 (6 queries
+# 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5; bench/results/kernels-mla-cap-h200-20261130.json), so off; kept for A/Bs
 SPLIT_MAXNREG = int(os.environ["LINGC_MLA_SPLIT_MAXNREG"]) if os.environ.get("LINGC_MLA_SPLIT_MAXNREG") else None
 # Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
 # rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked offline with ptxas for sm_90:
