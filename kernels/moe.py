@@ -85,8 +85,8 @@ class GemmConfig(NamedTuple):
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
 DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)   # moe_down
 # the down-GEMM's pre-wait L2 prefetch: off by default. With it and the MLA split's on, the H200 decode step measured
-# 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); LINGC_MOE_DOWN_PREFETCH=1 turns
-# it on
+# 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); with it alone 1.474 against 1.413
+# (NEXTN 4.079 vs 3.987 ms; step-ab-h200-20261130-e.json). LINGC_MOE_DOWN_PREFETCH=1 turns it on
 DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
