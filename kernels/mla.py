@@ -70,15 +70,16 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 # none of them may depend on T, B or the positions. SPLIT_ROWS must be a multiple of BLOCK_N.
 SPLIT_ROWS = 64          # cache rows per split: 8192 rows -> 128 splits, about one per SM at T = 1
 SPLIT_STAGES = 2
-# the split kernel's register cap (ptxas .maxnreg; None: uncapped). Uncapped, bf16 H=16 R=512 at 4 warps takes 255
-# registers (ptxas, sm_90a, Triton 3.6), so 2 CTAs fit an SM and a 6-query verify's 768 split programs run ~3 waves;
-# 168 fits 3 (with spills). Measured no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5;
+# the split kernel's register cap (ptxas .maxnreg; None: uncapped). Uncapped, bf16 H=16 R=512 at 4 warps takes 211
+# registers (below), so 2 CTAs fit an SM and a 6-query verify's 768 split programs run ~3 waves; 168 fits 3 (112 bytes
+# of spill stores). Measured no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5;
 # bench/results/kernels-mla-cap-h200-20261130.json), so off; kept for A/Bs
 SPLIT_MAXNREG = int(os.environ["LINGC_MLA_SPLIT_MAXNREG"]) if os.environ.get("LINGC_MLA_SPLIT_MAXNREG") else None
 # Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
 # rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked offline with ptxas for sm_90:
-# bf16 H=16 R=512 at 4 warps: 211 registers, no spills (an earlier check; ptxas -v of Triton 3.6 on 2026-11-30 reads
-# 255 registers and 48 bytes of spill stores, PDL on or off); H=32 (Flash) needs 8 warps (150 registers); fp32
+# bf16 H=16 R=512 at 4 warps: 211 registers, no spills (rechecked 2026-11-30 with the launch's divisibility-by-16
+# specialisation of the pointers and strides; compiled without it, the cache loads are not vectorised and it reads
+# 255); H=32 (Flash) needs 8 warps (150 registers); fp32
 # (IEEE dots, test models) spills at 32 rows, so 16 rows and 8 warps (91 registers).
 BLOCK_N = 32
 BLOCK_N_FP32 = 16
