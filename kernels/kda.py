@@ -36,8 +36,9 @@ launch bound), each bit-identical to the launches it replaces:
         convs (and, with PRE_GATES, the l2 norms and gates) of every position, (3) the recurrence chain. The old
         per-position order put each position's loads behind the previous position's reductions (CTA barriers).
         H200 (bench/results/kernels-kda-ab-h200-20261130.json, same bits as before): T = 6 11.0 us with PDL
-        against 14.3 (11.9 vs 15.1 without PDL); the verify step 2.805 ms against 2.890 ms. PRE_GATES measured
-        no faster (11.2 us; 174 registers against 160 at T = 6, ptxas sm_90a), so it is off.
+        against 14.3 (11.9 vs 15.1 without PDL); the verify step 2.805 ms against 2.890 ms (with PRE_GATES on
+        in that run). PRE_GATES measured no faster (11.2 us; 174 registers against 160 at T = 6, ptxas sm_90a),
+        so it is off.
     kda_fused_decode(q_raw, ..., state_pool, slots, lower_bound, *, workspace) -> o [B,T,H,D]  (pools updated)
         == kda_recurrent(kda_conv(q_raw, conv_q_w, conv_q_pool, slots).view(B,T,H,D), ..., state_pool, slots,
                          lower_bound)  (with k, v likewise): kda_conv_qkv + kda_recurrent, 1 launch, not 2.
