@@ -33,12 +33,12 @@ launch bound), each bit-identical to the launches it replaces:
         spills at D = 128) and stages its own slice of the q/k/v windows. The kernel runs in three phases: (1)
         every load an earlier kernel's output feeds, all T positions at once (each conv window is a tuple of
         W - 1 pool entries and T x rows held in registers, so an x row is loaded once, not W times), (2) the
-        convs (and, with PRE_GATES, the l2 norms and gates) of every position, (3) the recurrence chain. The old
+        convs of every position, (3) the recurrence chain. The old
         per-position order put each position's loads behind the previous position's reductions (CTA barriers).
         H200 (bench/results/kernels-kda-ab-h200-20261130.json, same bits as before): T = 6 11.0 us with PDL
-        against 14.3 (11.9 vs 15.1 without PDL); the verify step 2.805 ms against 2.890 ms (with PRE_GATES on
-        in that run). PRE_GATES measured no faster (11.2 us; 174 registers against 160 at T = 6, ptxas sm_90a),
-        so it is off.
+        against 14.3 (11.9 vs 15.1 without PDL); the verify step 2.805 ms against 2.890 ms (that run also had
+        every position's l2 norms and gates computed before the chain, a variant measured no faster, 11.2 us with
+        174 registers against 160, and removed).
     kda_fused_decode(q_raw, ..., state_pool, slots, lower_bound, *, workspace) -> o [B,T,H,D]  (pools updated)
         == kda_recurrent(kda_conv(q_raw, conv_q_w, conv_q_pool, slots).view(B,T,H,D), ..., state_pool, slots,
                          lower_bound)  (with k, v likewise): kda_conv_qkv + kda_recurrent, 1 launch, not 2.
@@ -111,7 +111,6 @@ and sharing them is what keeps the composites bit-identical to the kernels they 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -128,9 +127,6 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 BLOCK_V = 16
 REC_WARPS = 4
 FUSED_WARPS = 4         # kda_fused_verify / kda_fused_decode (same BLOCK_V as the recurrence)
-# fused kernels: every position's l2 norms and gates before the recurrence chain (True) or on it (False, the default;
-# LINGC_KDA_PRE_GATES=1 turns it on for an A/B): either way every load comes first
-PRE_GATES = os.environ.get("LINGC_KDA_PRE_GATES", "0") == "1"
 FUSED_COUNTERS = 1 << 12  # kda_fused_decode's per-device ticket counters, one per (batch row, head): 16 KiB
 CONV_BLOCK_P = 256      # channels per conv program
 MAX_CONV_WIDTH = 4      # the conv taps are spelled out (w0..w3); Ling uses W = 4
@@ -190,34 +186,24 @@ def _window_value(pool_row, x_row, s_xt, i, mask, W: tl.constexpr):
 
 
 @triton.jit
-def _conv_at(pool_row, x_row, s_xt, t, mask, w0, w1, w2, w3, W: tl.constexpr, PRECISE: tl.constexpr):
-    """silu(sum_j w_j * window[t + j]) in fp32: taps summed j = 0 .. W-1 one by one, as the reference does."""
-    y = _window_value(pool_row, x_row, s_xt, t, mask, W).to(tl.float32) * w0
-    y = y + _window_value(pool_row, x_row, s_xt, t + 1, mask, W).to(tl.float32) * w1
-    if W > 2:
-        y = y + _window_value(pool_row, x_row, s_xt, t + 2, mask, W).to(tl.float32) * w2
-    if W > 3:
-        y = y + _window_value(pool_row, x_row, s_xt, t + 3, mask, W).to(tl.float32) * w3
-    return tl.math.div_rn(y, 1.0 + _exp(-y, PRECISE))
+def _conv_at(pool_row, x_row, s_xt, t: tl.constexpr, mask, w0, w1, w2, w3, W: tl.constexpr, PRECISE: tl.constexpr):
+    """silu(sum_j w_j * window[t + j]) in fp32: _conv_window on the W window values _window_value loads."""
+    win = ()
+    for j in tl.static_range(W):
+        win = win + (_window_value(pool_row, x_row, s_xt, t + j, mask, W),)
+    return _conv_window(win, 0, w0, w1, w2, w3, W, PRECISE)
 
 
 @triton.jit
-def _store_window(dst_row, pool_row, x_row, s_xt, start, mask, W: tl.constexpr, IN_PLACE: tl.constexpr):
+def _store_window(dst_row, pool_row, x_row, s_xt, start: tl.constexpr, mask, W: tl.constexpr, IN_PLACE: tl.constexpr):
     """dst_row[c] = window[start + c] for c < W-1. All loads come first; IN_PLACE (dst is the pool being read)
     adds a CTA barrier between them and the stores, since a channel may be held by more than one thread."""
-    e0 = _window_value(pool_row, x_row, s_xt, start, mask, W)
-    if W > 2:
-        e1 = _window_value(pool_row, x_row, s_xt, start + 1, mask, W)
-    if W > 3:
-        e2 = _window_value(pool_row, x_row, s_xt, start + 2, mask, W)
+    win = ()
+    for c in tl.static_range(W - 1):
+        win = win + (_window_value(pool_row, x_row, s_xt, start + c, mask, W),)
     if IN_PLACE:
         tl.debug_barrier()
-    ty = dst_row.dtype.element_ty
-    tl.store(dst_row, e0.to(ty), mask=mask)
-    if W > 2:
-        tl.store(dst_row + 1, e1.to(ty), mask=mask)
-    if W > 3:
-        tl.store(dst_row + 2, e2.to(ty), mask=mask)
+    _put_window(dst_row, win, 0, mask, W)
 
 
 @triton.jit
@@ -234,12 +220,10 @@ def _sum_sq(x, S):
 
 
 @triton.jit
-def _delta_gates(q, k, f, bt, a, dtb, lower_bound, scale, kmask, S, PRECISE: tl.constexpr):
-    """The state-independent half of a position: (qn, kn [DB] fp32 l2-normed, decay [DB], beta scalar).
+def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: tl.constexpr):
+    """One position of the gated delta rule on a [DB, BV] state slice; returns (S', o [BV] fp32).
 
-    q, k, f [DB] (the whole head), bt the scalar b, a = exp(A_log[h]), dtb [DB] fp32 dt_bias; S (the [DB, BV]
-    state slice) only gives _sum_sq its tile shape: nothing here reads the state, so a fused program may compute
-    every position's gates before the recurrence starts."""
+    q, k, f [DB] (the whole head), v [BV], bt the scalar b, a = exp(A_log[h]), dtb [DB] fp32 dt_bias."""
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
     qn = qf * tl.math.rsqrt(_sum_sq(qf, S) + L2NORM_EPS) * scale
@@ -247,26 +231,11 @@ def _delta_gates(q, k, f, bt, a, dtb, lower_bound, scale, kmask, S, PRECISE: tl.
     g = lower_bound * _sigmoid(a * (f.to(tl.float32) + dtb), PRECISE)
     decay = tl.where(kmask, _exp(g, PRECISE), 0.0)
     beta = _sigmoid(bt.to(tl.float32), PRECISE)
-    return qn, kn, decay, beta
-
-
-@triton.jit
-def _delta_apply(S, qn, kn, v, decay, beta):
-    """The state half of a position: S = decay S; S += kn (beta (v - S^T kn))^T; returns (S', o = S'^T qn [BV])."""
     S = S * decay[:, None]
     err = beta * (v.to(tl.float32) - tl.sum(S * kn[:, None], axis=0))
     S = S + kn[:, None] * err[None, :]
     o = tl.sum(S * qn[:, None], axis=0)
     return S, o
-
-
-@triton.jit
-def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: tl.constexpr):
-    """One position of the gated delta rule on a [DB, BV] state slice; returns (S', o [BV] fp32).
-
-    q, k, f [DB] (the whole head), v [BV], bt the scalar b, a = exp(A_log[h]), dtb [DB] fp32 dt_bias."""
-    qn, kn, decay, beta = _delta_gates(q, k, f, bt, a, dtb, lower_bound, scale, kmask, S, PRECISE)
-    return _delta_apply(S, qn, kn, v, decay, beta)
 
 
 @triton.jit
@@ -284,7 +253,8 @@ def _load_window(pool_row, x_row, s_xt, mask, T: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _conv_window(win, t: tl.constexpr, w0, w1, w2, w3, W: tl.constexpr, PRECISE: tl.constexpr):
-    """_conv_at on a window held in registers (_load_window): the same taps in the same order, the same bits."""
+    """silu(sum_j w_j * win[t + j]) in fp32, taps summed j = 0 .. W-1 one by one, as the reference does; win holds
+    the window in registers (_load_window, or _conv_at's W loaded values)."""
     y = win[t].to(tl.float32) * w0
     y = y + win[t + 1].to(tl.float32) * w1
     if W > 2:
@@ -296,7 +266,7 @@ def _conv_window(win, t: tl.constexpr, w0, w1, w2, w3, W: tl.constexpr, PRECISE:
 
 @triton.jit
 def _put_window(dst_row, win, start: tl.constexpr, mask, W: tl.constexpr):
-    """_store_window (not in place) from a window held in registers: dst_row[c] = window[start + c], c < W - 1."""
+    """dst_row[c] = win[start + c] for c < W - 1, cast to dst's dtype (win: a window held in registers)."""
     for c in tl.static_range(W - 1):
         tl.store(dst_row + c, win[start + c].to(dst_row.dtype.element_ty), mask=mask)
 
@@ -433,7 +403,7 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
                       o_ptr, H, s_xb, s_xt, s_fb, s_ft, s_fh, s_bb, s_bt, s_bh, s_cpool, s_cstb, s_cstt, s_stb, s_stt,
                       scale, lower_bound,
                       T: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
-                      STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, PRE_GATES: tl.constexpr = False):
+                      STAGED: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """kda_fused_verify (STAGED: pools read only, per-position staging) or kda_fused_decode (pools updated in
     place; count_ptr holds one int32 ticket counter per (b, h), zero between launches)."""
     pid = tl.program_id(0)
@@ -489,24 +459,14 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
         _update_windows(cq_row, ck_row, cv_row, qx_row, kx_row, vx_row, s_xt, count_ptr + pid, km, vm, T, W)
     if PDL:
         pdl_trigger()
-    # 2. the state-independent half of every position: convs (and the staged windows); with PRE_GATES also the l2
-    #    norms and gates (more registers held across the chain, fewer instructions on it)
+    # 2. the convs of every position (and the staged windows): nothing here waits on the state
     qs = ()
     ks = ()
     vs = ()
-    decays = ()
-    betas = ()
     for t in tl.static_range(T):
-        q = _conv_window(win_q, t, wq0, wq1, wq2, wq3, W, PRECISE).to(qx_ptr.dtype.element_ty)
-        k = _conv_window(win_k, t, wk0, wk1, wk2, wk3, W, PRECISE).to(kx_ptr.dtype.element_ty)
-        v = _conv_window(win_v, t, wv0, wv1, wv2, wv3, W, PRECISE).to(vx_ptr.dtype.element_ty)
-        if PRE_GATES:
-            q, k, decay, beta = _delta_gates(q, k, fs[t], bs[t], a, dtb, lower_bound, scale, km, S, PRECISE)
-            decays = decays + (decay,)
-            betas = betas + (beta,)
-        qs = qs + (q,)
-        ks = ks + (k,)
-        vs = vs + (v,)
+        qs = qs + (_conv_window(win_q, t, wq0, wq1, wq2, wq3, W, PRECISE).to(qx_ptr.dtype.element_ty),)
+        ks = ks + (_conv_window(win_k, t, wk0, wk1, wk2, wk3, W, PRECISE).to(kx_ptr.dtype.element_ty),)
+        vs = vs + (_conv_window(win_v, t, wv0, wv1, wv2, wv3, W, PRECISE).to(vx_ptr.dtype.element_ty),)
         if STAGED:
             cst = b * s_cstb + t * s_cstt
             _put_window(sq_ptr + cst + ck * (W - 1), win_q, t + 1, own, W)
@@ -514,10 +474,7 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
             _put_window(sv_ptr + cst + cv * (W - 1), win_v, t + 1, vm, W)
     # 3. the recurrence chain
     for t in tl.static_range(T):
-        if PRE_GATES:
-            S, o = _delta_apply(S, qs[t], ks[t], vs[t], decays[t], betas[t])
-        else:
-            S, o = _delta_step(S, qs[t], ks[t], vs[t], fs[t], bs[t], a, dtb, lower_bound, scale, km, PRECISE)
+        S, o = _delta_step(S, qs[t], ks[t], vs[t], fs[t], bs[t], a, dtb, lower_bound, scale, km, PRECISE)
         tl.store(o_ptr + ((b * T + t) * H + h) * D + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
         if STAGED:
             tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
@@ -858,7 +815,7 @@ def device_counters(device: torch.device | str) -> torch.Tensor:
 
 def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, state_pool, slots,
            stagings: tuple | None, counters: torch.Tensor | None, lower_bound: float, pdl: bool,
-           block_v: int | None, num_warps: int | None, pre_gates: bool | None = None) -> torch.Tensor:
+           block_v: int | None, num_warps: int | None) -> torch.Tensor:
     """Check and launch _kda_fused_kernel: staged (stagings = q, k, v windows and the state) or in place
     (stagings None; counters: int32 ticket counters, >= B * H of them, zero)."""
     if f.dim() != 4:
@@ -900,8 +857,7 @@ def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, s
         *raw, f, b, *ws, *pools, A_log, dt_bias, state_pool, slots, *st, count, o,
         H, q_raw.stride(0), q_raw.stride(1), *f.stride()[:3], *b.stride(), conv_q_pool.stride(0), *st_strides,
         D ** -0.5, lower_bound, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], STAGED=stagings is not None,
-        PRECISE=_precise(q_raw.device), PDL=pdl, PRE_GATES=PRE_GATES if pre_gates is None else bool(pre_gates),
-        **_launch_opts(pdl, num_warps or FUSED_WARPS))
+        PRECISE=_precise(q_raw.device), PDL=pdl, **_launch_opts(pdl, num_warps or FUSED_WARPS))
     return o
 
 
@@ -910,15 +866,14 @@ def kda_fused_decode(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tens
                      conv_q_pool: torch.Tensor, conv_k_pool: torch.Tensor, conv_v_pool: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
                      lower_bound: float, *, pdl: bool = False, workspace: torch.Tensor | None = None,
-                     block_v: int | None = None, num_warps: int | None = None,
-                     pre_gates: bool | None = None) -> torch.Tensor:
+                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Three in-place convs + the recurrence in one launch (see the module docstring); every pool updated.
 
     workspace: int32 ticket counters, >= B * H, zero (default: the device's, device_counters); each launch leaves
     them zero. block_v / num_warps override BLOCK_V / FUSED_WARPS (benchmark sweeps only)."""
     return _fused("kda_fused_decode", (q_raw, k_raw, v_raw), f, b, (conv_q_w, conv_k_w, conv_v_w),
                   (conv_q_pool, conv_k_pool, conv_v_pool), A_log, dt_bias, state_pool, slots, None, workspace,
-                  lower_bound, pdl, block_v, num_warps, pre_gates)
+                  lower_bound, pdl, block_v, num_warps)
 
 
 def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -927,15 +882,13 @@ def kda_fused_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tens
                      A_log: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
                      staging_q: torch.Tensor, staging_k: torch.Tensor, staging_v: torch.Tensor,
                      staging_state: torch.Tensor, lower_bound: float, *, pdl: bool = False,
-                     block_v: int | None = None, num_warps: int | None = None,
-                     pre_gates: bool | None = None) -> torch.Tensor:
+                     block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Three staged convs + staged recurrence in one launch (see the module docstring); all pools read only.
 
-    block_v / num_warps / pre_gates override BLOCK_V / FUSED_WARPS / PRE_GATES (benchmark sweeps only)."""
+    block_v / num_warps override BLOCK_V / FUSED_WARPS (benchmark sweeps only)."""
     return _fused("kda_fused_verify", (q_raw, k_raw, v_raw), f, b, (conv_q_w, conv_k_w, conv_v_w),
                   (conv_q_pool, conv_k_pool, conv_v_pool), A_log, dt_bias, state_pool, slots,
-                  (staging_q, staging_k, staging_v, staging_state), None, lower_bound, pdl, block_v, num_warps,
-                  pre_gates)
+                  (staging_q, staging_k, staging_v, staging_state), None, lower_bound, pdl, block_v, num_warps)
 
 
 # ---------------------------------------------------------------------------------------------- references

@@ -70,11 +70,9 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 # none of them may depend on T, B or the positions. SPLIT_ROWS must be a multiple of BLOCK_N.
 SPLIT_ROWS = 64          # cache rows per split: 8192 rows -> 128 splits, about one per SM at T = 1
 SPLIT_STAGES = 2
-# the split kernel's register cap (ptxas .maxnreg; None: uncapped). Uncapped, bf16 H=16 R=512 at 4 warps takes 211
-# registers (below), so 2 CTAs fit an SM and a 6-query verify's 768 split programs run ~3 waves; 168 fits 3 (112 bytes
-# of spill stores). Measured no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5;
-# bench/results/kernels-mla-cap-h200-20261130.json), so off; kept for A/Bs
-SPLIT_MAXNREG = int(os.environ["LINGC_MLA_SPLIT_MAXNREG"]) if os.environ.get("LINGC_MLA_SPLIT_MAXNREG") else None
+# Occupancy: the split program's 211 registers (below) fit 2 CTAs an SM, so a 6-query verify's 768 split programs run
+# ~3 waves. A ptxas register cap of 168 (3 CTAs, 112 bytes of spills) measured no faster on the H200 (6 queries 46.5 vs
+# 46.5-46.9 us, 1 query 22.0 vs 18.5; bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
 # Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
 # rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked offline with ptxas for sm_90:
 # bf16 H=16 R=512 at 4 warps: 211 registers, no spills (rechecked 2026-11-30 with the launch's divisibility-by-16
@@ -368,11 +366,6 @@ def _launch_opts(pdl: bool, device: torch.device) -> tuple[bool, dict]:
     return pdl, ({"launch_pdl": True} if pdl else {})
 
 
-def _maxnreg(limit: int | None) -> dict:
-    """The launch option capping a kernel's registers (no arithmetic change), or none."""
-    return {} if not limit else {"maxnreg": int(limit)}
-
-
 def _want(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
@@ -412,7 +405,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
                    page_rows: torch.Tensor, positions: torch.Tensor, scale: float, *, pdl: bool = False,
                    split_rows: int = SPLIT_ROWS, block_n: int | None = None, split_warps: int | None = None,
                    split_stages: int = SPLIT_STAGES, combine_block_s: int = CB_BLOCK_S,
-                   combine_block_r: int = CB_BLOCK_R, split_maxnreg: int | None = None) -> torch.Tensor:
+                   combine_block_r: int = CB_BLOCK_R) -> torch.Tensor:
     """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them)."""
     B, T, H, N, Rr, R, Vd = _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions)
     block_h, block_r, fp32 = _pow2(H, MIN_DOT), _pow2(R, MIN_DOT), kv_pages.dtype == torch.float32
@@ -447,7 +440,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
         BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
         L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), num_warps=split_warps, num_stages=split_stages,
-        **_maxnreg(split_maxnreg if split_maxnreg is not None else SPLIT_MAXNREG), **launch)
+        **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,

@@ -482,7 +482,7 @@ def _num_warps(tile_elements: int) -> int:
     return NUM_WARPS_MAX
 
 
-def _split_warps(route_elements: int, np_block: int) -> int:
+def _split_warps(route_elements: int) -> int:
     """num_warps of the "split" kernel: SPLIT_WARPS, or more where router_topk's one-row tile wants more.
 
     H200 (bench/results/kernels-router-split-h200-20261130.json, CUDA graph, PDL on, E = 128 + 1 shared): at N = 2
@@ -637,7 +637,7 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
         counters = workspace if workspace is not None else align_counters(dev)
         _router_align_split_kernel[(N,)](
             logits, expert_bias, *outputs, counters, N, *scalars, **tile, **align, PDL=pdl,
-            num_warps=split_warps or _split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"], align["NP_BLOCK"]), **launch)
+            num_warps=split_warps or _split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"]), **launch)
         return outputs
     r_block = triton.next_power_of_2(N)
     _router_align_kernel[(1,)](

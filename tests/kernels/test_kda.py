@@ -353,28 +353,6 @@ def test_fused_decode_bad_inputs_raise() -> None:
     assert all(torch.equal(a, c) for a, c in zip((*pools, state), before)), "a refused call wrote a pool"
 
 
-@pytest.mark.parametrize("T,staged", [(3, True), (2, False)])
-def test_fused_pre_gates_keeps_bits(T, staged) -> None:
-    """The fused kernels' PRE_GATES layout (every position's norms and gates before the chain) and the default
-    (on the chain) give the same output, windows, stagings and state, bit for bit: only the order changes."""
-    B, H, D, W = 2, 2, 16, 4
-    raw, f, b, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(B, T, H, D, W, torch.bfloat16, seed=68 + T)
-    P = H * D
-    outs = []
-    for pre_gates in (False, True):
-        p, s = _clones(pools, state)
-        if staged:
-            st = [_nan(B, T, P, W - 1, dtype=torch.bfloat16) for _ in range(3)] + [_nan(B, T, H, D, D)]
-            o = K.kda_fused_verify(*raw, f, b, *ws, *p, A_log, dt_bias, s, slots, *st, LOWER_BOUND, block_v=8,
-                                   pre_gates=pre_gates)
-        else:
-            st = []
-            o = K.kda_fused_decode(*raw, f, b, *ws, *p, A_log, dt_bias, s, slots, LOWER_BOUND, block_v=8,
-                                   pre_gates=pre_gates)
-        outs.append([o, *p, s, *st])
-    assert all(torch.equal(x, y) for x, y in zip(*outs))
-
-
 # ---------------------------------------------------------------------------------------------- one launch for many
 
 @pytest.fixture

@@ -149,7 +149,7 @@ sig = {n: "constexpr" if n in const else "fp32" if n == "scale" else
        for n in R._router_align_split_kernel.arg_names}
 ptx = triton.compile(ASTSource(fn=R._router_align_split_kernel, signature=sig, constexprs=const),
                      target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": R._split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"], 64)}).asm["ptx"]
+                     options={"num_warps": R._split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"])}).asm["ptx"]
 lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
 find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
 print(find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), find("atom.global.gpu.acq_rel.add"),
