@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.rmsnorm import MAX_BLOCK_N as MAX_NORM_BLOCK, _num_warps as _norm_warps, _rmsnorm_row
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. SPLIT_ROWS and BLOCK_N (cache rows per MMA step) and CB_BLOCK_S shape the arithmetic of a query;
@@ -81,6 +82,12 @@ SPLIT_STAGES = 2
 # (IEEE dots, test models) spills at 32 rows, so 16 rows and 8 warps (91 registers).
 BLOCK_N = 32
 BLOCK_N_FP32 = 16
+# The split program loads its latent columns (q_lat and the cache's c_kv) as SPLIT_CHUNKS column chunks of R / 4 and
+# runs the scores MMA chunk by chunk on one accumulator, in the unchunked order (so the bits are those of one
+# [H, R] x [R, BLOCK_N] dot), and the P @ C_kv MMA per chunk. With the page size a constexpr too (no integer division
+# by a runtime value in the row addressing), the H200 measured 16.7 vs 18.1 us at 1 query and 40.7 vs 46.1 us at 6
+# (bench/results/kernels-mla-split-h200-20261130.json), same bits; 2 or 8 chunks were slower at one of the two.
+SPLIT_CHUNKS = 4
 SMALL_ACC = 16 * 512     # BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
@@ -126,7 +133,7 @@ def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, 
 
 
 @triton.jit
-def _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS, CAP, stride_page, stride_row, stride_pages_b,
+def _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS: tl.constexpr, CAP, stride_page, stride_row, stride_pages_b,
                     stride_pos_b, stride_pos_t, L, SPLIT: tl.constexpr, NUM_PAGES: tl.constexpr,
                     L_LINES: tl.constexpr):
     """PREFETCH (before the wait): ask L2 for this split's visible cache rows. The positions and the page table are
@@ -146,21 +153,23 @@ def _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS, CAP, stride_page, s
 
 @triton.jit
 def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
-                  T, S, PS, CAP, qk_scale,
+                  T, S, CAP, qk_scale,
                   stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
                   stride_pos_b, stride_pos_t,
-                  H: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
+                  PS: tl.constexpr, H: tl.constexpr, R: tl.constexpr, RR: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                  PREFETCH: tl.constexpr = False, NUM_PAGES: tl.constexpr = 1, L_LINES: tl.constexpr = 1):
+                  PREFETCH: tl.constexpr = False, NUM_PAGES: tl.constexpr = 1, L_LINES: tl.constexpr = 1,
+                  CHUNKS: tl.constexpr = 1):
     """Unnormalised softmax partial of query m over its visible rows of split s, all heads at once."""
     m = tl.program_id(0)
     s = tl.program_id(1)
     b, t = m // T, m % T
+    RC: tl.constexpr = BLOCK_R // CHUNKS
     offs_h = tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, RC)
     offs_e = tl.arange(0, BLOCK_E)
-    mask_h, mask_r, mask_e = offs_h < H, offs_r < R, offs_e < RR
+    mask_h, mask_e = offs_h < H, offs_e < RR
     if PDL:
         if PREFETCH:
             if t == T - 1:     # the chain's last query sees every row the others do: one request per line
@@ -171,36 +180,53 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
     start = s * SPLIT
     end = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # visible rows [start, end); empty if start > pos
     dot_ty = kv_ptr.dtype.element_ty
-    q_lat = tl.load(qlat_ptr + (m * H + offs_h[:, None]).to(tl.int64) * R + offs_r[None, :],
-                    mask=mask_h[:, None] & mask_r[None, :], other=0.0)                 # [BLOCK_H, BLOCK_R]
+    q_lat = ()
+    acc = ()
+    for j in tl.static_range(CHUNKS):
+        cols = j * RC + offs_c
+        q_lat = q_lat + (tl.load(qlat_ptr + (m * H + offs_h[:, None]).to(tl.int64) * R + cols[None, :],
+                                 mask=mask_h[:, None] & (cols < R)[None, :], other=0.0),)      # [BLOCK_H, RC]
+        acc = acc + (tl.zeros([BLOCK_H, RC], tl.float32),)
     q_rope = tl.load(qrope_ptr + b.to(tl.int64) * stride_rb + t * stride_rt + offs_h[:, None] * stride_rh
                      + offs_e[None, :], mask=mask_h[:, None] & mask_e[None, :], other=0.0).to(dot_ty)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for j0 in range(start, end, BLOCK_N):
         rows = j0 + tl.arange(0, BLOCK_N)
         valid = rows < end
         page = tl.load(pages_ptr + b.to(tl.int64) * stride_pages_b + rows // PS, mask=valid, other=0)
         base = page.to(tl.int64) * stride_page + (rows % PS) * stride_row                # [BLOCK_N]
-        c = tl.load(kv_ptr + base[:, None] + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        c = ()
+        for j in tl.static_range(CHUNKS):
+            cols = j * RC + offs_c
+            c = c + (tl.load(kv_ptr + base[:, None] + cols[None, :], mask=valid[:, None] & (cols < R)[None, :],
+                             other=0.0),)                                                # [BLOCK_N, RC]
         k_rope = tl.load(kv_ptr + base[:, None] + R + offs_e[None, :], mask=valid[:, None] & mask_e[None, :],
                          other=0.0)
+        # independent accumulation chains (one per chunk and one for the rope part), summed in a fixed order
+        # one accumulation chain in the unchunked order: the latent columns 0 .. R-1, then the rope part
+        scores = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         if IEEE:
-            scores = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+            for j in tl.static_range(CHUNKS):
+                scores = tl.dot(q_lat[j], tl.trans(c[j]), scores, input_precision="ieee")
             scores = tl.dot(q_rope, tl.trans(k_rope), scores, input_precision="ieee")
         else:
-            scores = tl.dot(q_lat, tl.trans(c))
-            scores = tl.dot(q_rope, tl.trans(k_rope), scores)                         # [BLOCK_H, BLOCK_N] fp32
+            for j in tl.static_range(CHUNKS):
+                scores = tl.dot(q_lat[j], tl.trans(c[j]), scores)
+            scores = tl.dot(q_rope, tl.trans(k_rope), scores)                           # [BLOCK_H, BLOCK_N] fp32
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))     # finite: every step has a visible row
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = tl.dot(p.to(dot_ty), c, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(dot_ty), c, acc * alpha[:, None])                        # [BLOCK_H, BLOCK_R]
+        pv = p.to(dot_ty)
+        new_acc = ()
+        for j in tl.static_range(CHUNKS):
+            if IEEE:
+                new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None], input_precision="ieee"),)
+            else:
+                new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None]),)          # [BLOCK_H, RC]
+        acc = new_acc
         m_i = m_new
     if PDL:
         pdl_trigger()
@@ -208,8 +234,10 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
     row = (m * S + s).to(tl.int64) * H + offs_h                                       # [BLOCK_H] partial rows
     tl.store(part_ml_ptr + row * 2, m_i, mask=mask_h & active)
     tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_h & active)
-    tl.store(part_o_ptr + row[:, None] * R + offs_r[None, :], acc,
-             mask=mask_h[:, None] & mask_r[None, :] & active)
+    for j in tl.static_range(CHUNKS):
+        cols = j * RC + offs_c
+        tl.store(part_o_ptr + row[:, None] * R + cols[None, :], acc[j],
+                 mask=mask_h[:, None] & (cols < R)[None, :] & active)
 
 
 @triton.jit
@@ -251,10 +279,11 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
 
 
 @triton.jit
-def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, stride_w, H: tl.constexpr, N: tl.constexpr,
-                     R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m)."""
+def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, T, stride_w, stride_gb, stride_gt, stride_gh,
+                     H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
+                     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr):
+    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m).
+    GATE (fuse_mla): then out * sigmoid(g[m, h]) with the gate kernel's arithmetic on the rounded output."""
     h = tl.program_id(0)
     m = tl.program_id(2)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -266,9 +295,15 @@ def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, stride_w, H: tl.constexpr, N: tl.
     if PDL:
         pdl_wait()
     o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)   # [BLOCK_R] fp32
+    if GATE:
+        b, t = m // T, m % T
+        g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh).to(tl.float32)
     if PDL:
         pdl_trigger()
     out = tl.sum(w * o[None, :], axis=1)                                               # [BLOCK_V]
+    if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
+        ty = out_ptr.dtype.element_ty
+        out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)
     tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
@@ -293,6 +328,47 @@ def _cache_write_kernel(kv_ptr, latent_ptr, locs_ptr, T, L, stride_row, stride_l
 
 
 @triton.jit
+def _mul(a, b, MUL_RN: tl.constexpr):
+    """a * b rounded once. MUL_RN: libdevice's explicit round-to-nearest multiply, which no fp-fusion setting contracts
+    into an FMA (a kernel compiled with fusion on keeps the fusion-off rope kernel's products); else a plain multiply
+    (fusion off, or the interpreter, which has no libdevice and no FMA contraction)."""
+    if MUL_RN:
+        return tl.extra.cuda.libdevice.mul_rn(a, b)
+    else:
+        return a * b
+
+
+@triton.jit
+def _rope_inv_freq(HALF, ln_theta_hi, ln_theta_lo, BLOCK_HALF: tl.constexpr, MUL_RN: tl.constexpr):
+    """inv_freq[i] = 1 / theta^(2i / dim) as the reference: the exponent and the division in fp32 (IEEE), the power in
+    float64 (ln theta arrives as two fp32 halves: scalar arguments are fp32) rounded to fp32. [BLOCK_HALF] fp32."""
+    offs_i = tl.arange(0, BLOCK_HALF)
+    expo = tl.math.div_rn((2 * offs_i).to(tl.float32), tl.zeros([BLOCK_HALF], tl.float32) + 2 * HALF)
+    ln_theta = (tl.zeros([1], tl.float64) + ln_theta_hi) + ln_theta_lo                   # exact in float64
+    power = tl.exp(_mul(expo.to(tl.float64), ln_theta, MUL_RN)).to(tl.float32)
+    return tl.math.div_rn(tl.full([BLOCK_HALF], 1.0, tl.float32), power)
+
+
+@triton.jit
+def _rope_pairs(src, mask):
+    """(x_even, x_odd) in fp32 of the interleaved pairs at src (pointers to each pair's first element)."""
+    return tl.load(src, mask=mask, other=0.0).to(tl.float32), tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rope_cos_sin(pos, inv_freq, MUL_RN: tl.constexpr):
+    """cos and sin of the angles pos * inv_freq (fp32 position, [BLOCK_HALF] fp32)."""
+    angle = _mul(pos, inv_freq, MUL_RN)                                                # [BLOCK_HALF]
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _rope_rotate(xe, xo, cos, sin, MUL_RN: tl.constexpr):
+    """(xe cos - xo sin, xo cos + xe sin) in fp32, every product rounded (no FMA), as the reference."""
+    return (_mul(xe, cos, MUL_RN) - _mul(xo, sin, MUL_RN), _mul(xo, cos, MUL_RN) + _mul(xe, sin, MUL_RN))
+
+
+@triton.jit
 def _rope_kernel(x_ptr, pos_ptr, out_ptr, T, NH, HALF, ln_theta_hi, ln_theta_lo,
                  stride_xb, stride_xt, stride_xh, stride_pos_b, stride_pos_t,
                  BLOCK_NH: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
@@ -302,26 +378,28 @@ def _rope_kernel(x_ptr, pos_ptr, out_ptr, T, NH, HALF, ln_theta_hi, ln_theta_lo,
     offs_h = tl.arange(0, BLOCK_NH)
     offs_i = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < NH)[:, None] & (offs_i < HALF)[None, :]
-    # inv_freq[i] = 1 / theta^(2i / dim) as the reference: the exponent and the division in fp32 (IEEE),
-    # the power in float64 (ln theta arrives as two fp32 halves: scalar arguments are fp32) rounded to fp32.
-    expo = tl.math.div_rn((2 * offs_i).to(tl.float32), tl.zeros([BLOCK_HALF], tl.float32) + 2 * HALF)
-    ln_theta = (tl.zeros([1], tl.float64) + ln_theta_hi) + ln_theta_lo                   # exact in float64
-    power = tl.exp(expo.to(tl.float64) * ln_theta).to(tl.float32)
-    inv_freq = tl.math.div_rn(tl.full([BLOCK_HALF], 1.0, tl.float32), power)
+    inv_freq = _rope_inv_freq(HALF, ln_theta_hi, ln_theta_lo, BLOCK_HALF, False)
     if PDL:
         pdl_wait()
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.float32)
     src = x_ptr + b.to(tl.int64) * stride_xb + t * stride_xt + offs_h[:, None] * stride_xh + 2 * offs_i[None, :]
-    xe = tl.load(src, mask=mask, other=0.0).to(tl.float32)                             # [BLOCK_NH, BLOCK_HALF]
-    xo = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    xe, xo = _rope_pairs(src, mask)                                                    # [BLOCK_NH, BLOCK_HALF]
     if PDL:
         pdl_trigger()
-    angle = pos * inv_freq                                                             # [BLOCK_HALF]
-    cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
+    cos, sin = _rope_cos_sin(pos, inv_freq, False)
+    lo, hi = _rope_rotate(xe, xo, cos[None, :], sin[None, :], False)
     dst = out_ptr + (m * NH + offs_h[:, None]).to(tl.int64) * (2 * HALF) + offs_i[None, :]
     ty = out_ptr.dtype.element_ty
-    tl.store(dst, (xe * cos - xo * sin).to(ty), mask=mask)
-    tl.store(dst + HALF, (xo * cos + xe * sin).to(ty), mask=mask)
+    tl.store(dst, lo.to(ty), mask=mask)
+    tl.store(dst + HALF, hi.to(ty), mask=mask)
+
+
+@triton.jit
+def _head_gate(g):
+    """sigmoid(g) of fp32 logits as the reference computes it: exp in float64 rounded once (expf to < 1 ulp), IEEE
+    division; fp32, for the caller to round to the activation dtype. Shared by the gate kernel and v_absorb's GATE."""
+    e = tl.exp((-g).to(tl.float64)).to(tl.float32)
+    return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
 
 
 @triton.jit
@@ -343,10 +421,61 @@ def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, T, H, V, stride_xb, stride_xt, s
                 mask=mask, other=0.0)
     if PDL:
         pdl_trigger()
-    e = tl.exp((-g).to(tl.float64)).to(tl.float32)           # exp in float64 rounded once: expf to < 1 ulp
-    gate = tl.math.div_rn(tl.full([BLOCK_H], 1.0, tl.float32), 1.0 + e).to(x.dtype)
+    gate = _head_gate(g).to(x.dtype)
     out = x.to(tl.float32) * gate.to(tl.float32)[:, None]
     tl.store(out_ptr + (m * H + offs_h[:, None]).to(tl.int64) * V + offs_v[None, :], out.to(x.dtype), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------- prep
+
+
+@triton.jit
+def _mla_prep_kernel(q_ptr, c_ptr, k_ptr, w_ptr, kv_ptr, locs_ptr, pos_ptr, qout_ptr,
+                     T, NH, HALF, R, ln_theta_hi, ln_theta_lo, eps,
+                     stride_qb, stride_qt, stride_qh, stride_c, stride_k, stride_row,
+                     stride_locs_b, stride_locs_t, stride_pos_b, stride_pos_t,
+                     BLOCK_NH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                     MUL_RN: tl.constexpr, PDL: tl.constexpr):
+    """Token m: q_rope[m] = rope(q_pe[m]); cache row cache_locs[m] = [rmsnorm(c_kv[m]) | rope(k_pe[m])].
+
+    The norm is the rmsnorm kernel's: the same row code (_rmsnorm_row) on a row addressed as it addresses one
+    (c_kv as [M, R], row = program id), the launcher gives it that kernel's BLOCK_N and num_warps and its fp fusion
+    (on); the ropes run the rope kernel's code with every product an explicit round-to-nearest multiply (MUL_RN) so
+    that fusion cannot contract them (the rope kernel launches with fusion off)."""
+    m = tl.program_id(0)
+    row = m.to(tl.int64)
+    b, t = m // T, m % T
+    offs_h = tl.arange(0, BLOCK_NH)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    cols = tl.arange(0, BLOCK_R)
+    mask_i, mask_r = offs_i < HALF, cols < R
+    mask_q = (offs_h < NH)[:, None] & mask_i[None, :]
+    w = tl.load(w_ptr + cols, mask=mask_r, other=0.0)
+    inv_freq = _rope_inv_freq(HALF, ln_theta_hi, ln_theta_lo, BLOCK_HALF, MUL_RN)
+    if PDL:
+        pdl_wait()
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.float32)
+    loc = tl.load(locs_ptr + b.to(tl.int64) * stride_locs_b + t * stride_locs_t).to(tl.int64)
+    qe, qo = _rope_pairs(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
+                         + 2 * offs_i[None, :], mask_q)                                # [BLOCK_NH, BLOCK_HALF]
+    ke, ko = _rope_pairs(k_ptr + row * stride_k + 2 * offs_i, mask_i)                  # [BLOCK_HALF]
+    x = tl.load(c_ptr + row * stride_c + cols, mask=mask_r, other=0.0)                 # [BLOCK_R]
+    if PDL:
+        pdl_trigger()
+    cos, sin = _rope_cos_sin(pos, inv_freq, MUL_RN)
+    q_lo, q_hi = _rope_rotate(qe, qo, cos[None, :], sin[None, :], MUL_RN)
+    dst = qout_ptr + (m * NH + offs_h[:, None]).to(tl.int64) * (2 * HALF) + offs_i[None, :]
+    tl.store(dst, q_lo.to(qout_ptr.dtype.element_ty), mask=mask_q)
+    tl.store(dst + HALF, q_hi.to(qout_ptr.dtype.element_ty), mask=mask_q)
+    # the cache row rounds as the unfused ops do: to the activation dtype (rmsnorm's, rope's outputs), then to the
+    # cache dtype (mla_cache_write)
+    cache_row = kv_ptr + loc * stride_row
+    normed = _rmsnorm_row(x, w, R, eps).to(c_ptr.dtype.element_ty)
+    tl.store(cache_row + cols, normed.to(kv_ptr.dtype.element_ty), mask=mask_r)
+    k_lo, k_hi = _rope_rotate(ke, ko, cos, sin, MUL_RN)
+    k_ty = k_ptr.dtype.element_ty
+    tl.store(cache_row + R + offs_i, k_lo.to(k_ty).to(kv_ptr.dtype.element_ty), mask=mask_i)
+    tl.store(cache_row + R + HALF + offs_i, k_hi.to(k_ty).to(kv_ptr.dtype.element_ty), mask=mask_i)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -359,6 +488,21 @@ def _pow2(n: int, least: int = 1) -> int:
 def _fp32(v: float) -> float:
     """v rounded to the nearest fp32 (as a Python float)."""
     return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def _split_chunks(block_r: int) -> int:
+    """Column chunks of the split program's latent (SPLIT_CHUNKS while a chunk keeps tl.dot's minimum width)."""
+    return SPLIT_CHUNKS if block_r // SPLIT_CHUNKS >= MIN_DOT else 1
+
+
+def _ln_theta(theta: float) -> tuple[float, float]:
+    """ln(theta) as two fp32 halves (hi + lo, exact in float64): the rope kernels' scalar arguments are fp32."""
+    hi = _fp32(math.log(theta))
+    return hi, _fp32(math.log(theta) - hi)
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
 
 
 def _launch_opts(pdl: bool, device: torch.device) -> tuple[bool, dict]:
@@ -402,12 +546,16 @@ def _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions
 
 
 def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
-                   page_rows: torch.Tensor, positions: torch.Tensor, scale: float, *, pdl: bool = False,
+                   page_rows: torch.Tensor, positions: torch.Tensor, scale: float,
+                   gate: torch.Tensor | None = None, *, pdl: bool = False,
                    split_rows: int = SPLIT_ROWS, block_n: int | None = None, split_warps: int | None = None,
                    split_stages: int = SPLIT_STAGES, combine_block_s: int = CB_BLOCK_S,
                    combine_block_r: int = CB_BLOCK_R) -> torch.Tensor:
     """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them)."""
     B, T, H, N, Rr, R, Vd = _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions)
+    _want(gate is None or (tuple(gate.shape) == (B, T, H) and gate.is_floating_point()),
+          f"mla_attention: gate is {None if gate is None else list(gate.shape)} "
+          f"{None if gate is None else gate.dtype}, want [{B}, {T}, {H}] float logits")
     block_h, block_r, fp32 = _pow2(H, MIN_DOT), _pow2(R, MIN_DOT), kv_pages.dtype == torch.float32
     if block_n is None:
         block_n = BLOCK_N_FP32 if fp32 else BLOCK_N
@@ -434,33 +582,36 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl,
         num_warps=GEMV_WARPS, **launch)
     _split_kernel[(M, S)](
-        q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, PS, capacity, scale * LOG2E,
+        q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
         page_rows.stride(0), positions.stride(0), positions.stride(1),
-        H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
+        PS=PS, H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
         BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
-        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), num_warps=split_warps, num_stages=split_stages,
+        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r),
+        num_warps=split_warps, num_stages=split_stages,
         **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
         num_warps=GEMV_WARPS, **launch)
+    g, g_strides = (gate, gate.stride()) if gate is not None else (out, (0, 0, 0))   # out: a never-read stand-in
     _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
-        o_lat, kv_b, out, kv_b.stride(0), H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
-        BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, PDL=pdl, num_warps=GEMV_WARPS, **launch)
+        o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
+        BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, num_warps=GEMV_WARPS, **launch)
     return out
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
-                  page_rows: torch.Tensor, positions: torch.Tensor, scale: float, *, pdl: bool = False,
-                  ) -> torch.Tensor:
+                  page_rows: torch.Tensor, positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
+                  *, pdl: bool = False) -> torch.Tensor:
     """Weight-absorbed split-KV decode attention, as torch.ops.lingc.mla_attention: [B, T, H, Vd] in q's dtype.
 
     q_nope [B, T, H, N], q_rope [B, T, H, Rr] (rotated), kv_pages [NP, PS, R + Rr], kv_b_weight
     [H * (N + Vd), R], page_rows [B, MP] int, positions [B, T] int (query t sees rows j <= positions[b, t];
-    positions must be < MP * PS). pdl is dropped where unsupported.
+    positions must be < MP * PS). gate [B, T, H] (fuse_mla): the output times sigmoid(gate) as sigmoid_gate
+    computes it, in v_absorb's epilogue. pdl is dropped where unsupported.
     """
-    return _mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, pdl=pdl)
+    return _mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, gate, pdl=pdl)
 
 
 def mla_cache_write(kv_pages: torch.Tensor, latent: torch.Tensor, cache_locs: torch.Tensor, *,
@@ -495,8 +646,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, *, pdl: bool = 
     x = _inner_contiguous(x)
     pdl, launch = _launch_opts(pdl, x.device)
     # no FMA contraction: xe*cos - xo*sin rounds each product like the reference
-    ln_hi = _fp32(math.log(theta))
-    _rope_kernel[(B * T,)](x, positions, out, T, NH, RR // 2, ln_hi, _fp32(math.log(theta) - ln_hi),
+    _rope_kernel[(B * T,)](x, positions, out, T, NH, RR // 2, *_ln_theta(theta),
                            x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1),
                            BLOCK_NH=_pow2(NH), BLOCK_HALF=_pow2(RR // 2), PDL=pdl, num_warps=GEMV_WARPS,
                            enable_fp_fusion=False, **launch)
@@ -519,12 +669,52 @@ def sigmoid_gate(x: torch.Tensor, gate_logits: torch.Tensor, *, pdl: bool = Fals
     return out
 
 
+def mla_prep(q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_norm_weight: torch.Tensor,
+             kv_pages: torch.Tensor, cache_locs: torch.Tensor, positions: torch.Tensor, theta: float, eps: float, *,
+             pdl: bool = False) -> torch.Tensor:
+    """rope(q_pe) and the cache rows [rmsnorm(c_kv) | rope(k_pe)] in one launch, as torch.ops.lingc.mla_prep.
+
+    q_pe [B, T, H, Rr], c_kv [B, T, R], k_pe [B, T, Rr] (views of the projections), kv_norm_weight [R], kv_pages
+    [NP, PS, R + Rr] (written at cache_locs [B, T]), positions [B, T]. Returns q_rope [B, T, H, Rr] in q_pe's dtype.
+    pdl is dropped where unsupported.
+    """
+    _want(q_pe.dim() == 4 and q_pe.shape[3] % 2 == 0,
+          f"mla_prep: q_pe must be [B, T, H, Rr] with Rr even, got {list(q_pe.shape)}")
+    B, T, H, Rr = q_pe.shape
+    _want(c_kv.dim() == 3 and tuple(c_kv.shape[:2]) == (B, T),
+          f"mla_prep: c_kv is {list(c_kv.shape)}, want [{B}, {T}, R]")
+    R = c_kv.shape[2]
+    _want(tuple(k_pe.shape) == (B, T, Rr), f"mla_prep: k_pe is {list(k_pe.shape)}, want [{B}, {T}, {Rr}]")
+    _want(tuple(kv_norm_weight.shape) == (R,), f"mla_prep: kv_norm_weight is {list(kv_norm_weight.shape)}, want [{R}]")
+    _want(kv_pages.dim() == 3 and kv_pages.shape[2] == R + Rr and kv_pages.is_contiguous(),
+          f"mla_prep: kv_pages is {list(kv_pages.shape)}, want contiguous [NP, PS, {R + Rr}] (R={R} + Rr={Rr})")
+    for name, t in (("cache_locs", cache_locs), ("positions", positions)):
+        _want(tuple(t.shape) == (B, T) and t.dtype in (torch.int32, torch.int64),
+              f"mla_prep: {name} is {list(t.shape)} {t.dtype}, want [{B}, {T}] int32/int64")
+    _want(triton.next_power_of_2(R) <= MAX_NORM_BLOCK, f"mla_prep: c_kv rows of {R} exceed one block")
+    q_rope = torch.empty((B, T, H, Rr), dtype=q_pe.dtype, device=q_pe.device)
+    if B * T == 0:
+        return q_rope
+    # c_kv and k_pe as [M, R] / [M, Rr] rows: the norm then addresses its row as the rmsnorm kernel does
+    c2, k2 = _inner_contiguous(c_kv.reshape(B * T, R)), _inner_contiguous(k_pe.reshape(B * T, Rr))
+    q_pe = _inner_contiguous(q_pe)
+    pdl, launch = _launch_opts(pdl, q_pe.device)
+    block_r = triton.next_power_of_2(R)
+    _mla_prep_kernel[(B * T,)](
+        q_pe, c2, k2, kv_norm_weight, kv_pages, cache_locs, positions, q_rope, T, H, Rr // 2, R, *_ln_theta(theta), eps,
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), c2.stride(0), k2.stride(0), kv_pages.stride(1),
+        cache_locs.stride(0), cache_locs.stride(1), positions.stride(0), positions.stride(1),
+        BLOCK_NH=_pow2(H), BLOCK_HALF=_pow2(Rr // 2), BLOCK_R=block_r,
+        MUL_RN=q_pe.is_cuda and not _interpreting(), PDL=pdl, num_warps=_norm_warps(block_r), **launch)
+    return q_rope
+
+
 # ----------------------------------------------------------------------------------------------- references
 
 
-def mla_attention_ref(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale) -> torch.Tensor:
-    """lingc's reference MLA attention (expands K/V with kv_b in fp32)."""
-    return torch.ops.lingc.mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale)
+def mla_attention_ref(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, gate=None) -> torch.Tensor:
+    """lingc's reference MLA attention (expands K/V with kv_b in fp32; then the head gate if given)."""
+    return torch.ops.lingc.mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, gate)
 
 
 def mla_cache_write_ref(kv_pages, latent, cache_locs) -> None:
@@ -542,9 +732,15 @@ def sigmoid_gate_ref(x, gate_logits) -> torch.Tensor:
     return torch.ops.lingc.sigmoid_gate(x, gate_logits)
 
 
+def mla_prep_ref(q_pe, c_kv, k_pe, kv_norm_weight, kv_pages, cache_locs, positions, theta, eps) -> torch.Tensor:
+    """lingc's reference prep (rope, rmsnorm, cat and cache write composed; mutates kv_pages)."""
+    return torch.ops.lingc.mla_prep(q_pe, c_kv, k_pe, kv_norm_weight, kv_pages, cache_locs, positions, theta, eps)
+
+
 LOWERINGS = {
     "mla_attention": mla_attention,
     "mla_cache_write": mla_cache_write,
     "rope": rope,
     "sigmoid_gate": sigmoid_gate,
+    "mla_prep": mla_prep,
 }
