@@ -532,8 +532,10 @@ def _kda_commit_multi_kernel(slots_ptr, accept_ptr, p0_ptr, st0_ptr, p1_ptr, st1
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, R, HR, N, s_xm, s_xh, s_gm, s_gh, inv_n, eps,
-                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+def _gated_rmsnorm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, R, N, s_xm, s_xh, s_gm, s_gh, inv_n, eps,
+                          HR: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
+                          PDL: tl.constexpr):
+    # HR (heads per token) is a constexpr: the row split below is then shifts and masks, not a 64-bit division
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)               # row = m * HR + h
     cols = tl.arange(0, BLOCK_N)
     cm = cols < N
@@ -801,8 +803,8 @@ def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps
         return out
     pdl = pdl and pdl_supported(x.device)
     _gated_rmsnorm_kernel[(triton.cdiv(R, NORM_ROWS),)](
-        x3, weight, g3, out, R, x3.shape[1], N, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), 1.0 / N, eps,
-        ROWS=NORM_ROWS, BLOCK_N=triton.next_power_of_2(N), PRECISE=_precise(x.device), PDL=pdl,
+        x3, weight, g3, out, R, N, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), 1.0 / N, eps,
+        HR=x3.shape[1], ROWS=NORM_ROWS, BLOCK_N=triton.next_power_of_2(N), PRECISE=_precise(x.device), PDL=pdl,
         **_launch_opts(pdl, NORM_WARPS))
     return out
 
