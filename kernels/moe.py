@@ -81,9 +81,11 @@ class GemmConfig(NamedTuple):
 
 # Tunables. Decode has 8 active blocks, so the N-tiles must supply the CTAs: the up-GEMM (N = 2I = 1024)
 # gets 8 x 32 = 256 programs, the down-GEMM (N = h = 1536) 8 x 48 = 384, each streaming a 32-row weight
-# tile over K in 256-byte rows with 3 tiles in flight (num_stages 4).
+# tile over K in 256-byte rows with 3 tiles in flight (num_stages 4; the down-GEMM's K = I = 512 is only 4 tiles, and
+# 3 stages measured best there: 5.8 vs 6.1 us at 1 token, 18.7 vs 20.7 at 6, 50.2 vs 51.6 at 64, same bits, stages
+# do not enter the arithmetic; bench/results/kernels-moe-stages-h200-20261130.json).
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
-DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)   # moe_down
+DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)   # moe_down
 # the down-GEMM's pre-wait L2 prefetch: off by default. With it and the MLA split's on, the H200 decode step measured
 # 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); with it alone 1.474 against 1.413
 # (NEXTN 4.079 vs 3.987 ms; step-ab-h200-20261130-e.json). LINGC_MOE_DOWN_PREFETCH=1 turns it on
