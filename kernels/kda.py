@@ -239,6 +239,15 @@ def _delta_step(S, q, k, v, f, bt, a, dtb, lower_bound, scale, kmask, PRECISE: t
 
 
 @triton.jit
+def _pick(values, t, T: tl.constexpr):
+    """values[t] for a runtime t < T (a tuple of T tensors of one shape): a chain of selects, exact."""
+    x = values[0]
+    for i in tl.static_range(1, T):
+        x = tl.where(t == i, values[i], x)
+    return x
+
+
+@triton.jit
 def _load_window(pool_row, x_row, s_xt, mask, T: tl.constexpr, W: tl.constexpr):
     """A conv's whole window for T positions as a tuple of W - 1 + T vectors: element i is pool[i] (in x's dtype)
     for i < W - 1, then x[i - (W - 1)], the values _window_value loads one at a time. All loads issue at once."""
@@ -472,9 +481,11 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
             _put_window(sq_ptr + cst + ck * (W - 1), win_q, t + 1, own, W)
             _put_window(sk_ptr + cst + ck * (W - 1), win_k, t + 1, own, W)
             _put_window(sv_ptr + cst + cv * (W - 1), win_v, t + 1, vm, W)
-    # 3. the recurrence chain
-    for t in tl.static_range(T):
-        S, o = _delta_step(S, qs[t], ks[t], vs[t], fs[t], bs[t], a, dtb, lower_bound, scale, km, PRECISE)
+    # 3. the recurrence chain: a loop, not unrolled (one copy of the step's code: unrolled over T = 6 the kernel's
+    #    straight-line code stalled on instruction fetch); position t's values are picked from the registers
+    for t in range(T):
+        S, o = _delta_step(S, _pick(qs, t, T), _pick(ks, t, T), _pick(vs, t, T), _pick(fs, t, T), _pick(bs, t, T),
+                           a, dtb, lower_bound, scale, km, PRECISE)
         tl.store(o_ptr + ((b * T + t) * H + h) * D + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
         if STAGED:
             tl.store(staging_ptr + b * s_stb + t * s_stt + tile, S, mask=tmask)
