@@ -14,7 +14,8 @@ B=1) at T=1 (decode) and T=6 (a verify chain), context 8192 and 1024 (positions 
       cache, einsums; bf16 matmuls). FlashInfer's MLA core is timed only if `import flashinfer` works.
 bytes = cache rows read (ctx * 576 * 2) + kv_b (4 MB) + q and out; gbps = cache bytes / time (the brief's
 measure), total_gbps = bytes / time. A tunable sweep (SPLIT_ROWS x BLOCK_N x warps x stages x the combine's blocks) follows at
-context 8192, and rows for mla_cache_write, rope and sigmoid_gate (tiny: launch bound) close the table.
+context 8192, rows for mla_cache_write, rope and sigmoid_gate (tiny: launch bound), and fuse_mla's kernels against the
+launches they replace (mla_prep; mla_attention with its gate; ok = bit-exact) close the table.
 
     python3 bench/kernel_mla.py [--json $OUT/mla.json]
 """
@@ -221,6 +222,62 @@ def _small_rows(T: int) -> list[dict]:
     return rows
 
 
+def _fuse_mla_rows(T: int, dev: torch.device = torch.device("cuda"), ctx: int = CAPACITY) -> list[dict]:
+    """fuse_mla's kernels at T tokens against the launches they replace, on the same inputs: mla_prep vs rope (q, k)
+    + rmsnorm + cat + mla_cache_write, and mla_attention with its gate vs mla_attention then sigmoid_gate. ok =
+    bit_exact (the pass declares numerics unchanged: this is the device check of that claim); time_us vs
+    unfused_time_us is the launch time it saves (PDL on where supported, warm inputs)."""
+    from lingc.kernels.mla import mla_attention, mla_cache_write, mla_prep, pdl_supported, rope, sigmoid_gate
+    from lingc.kernels.rmsnorm import rmsnorm
+
+    g = torch.Generator(device=dev).manual_seed(100 + T)
+    pdl, copies, q_lora = pdl_supported(dev), 8, 256            # the kv_a part sits after q_a in the fused projection
+    pos = torch.arange(ctx - T, ctx, device=dev).view(1, T)
+    q_pe = torch.randn(1, T, H, N + RR, device=dev, generator=g).to(BF16)[..., N:]
+    kv_a = (3 * torch.randn(1, T, q_lora + R + RR + H, device=dev, generator=g)).to(BF16)
+    c_kv, k_pe = kv_a[..., q_lora:q_lora + R], kv_a[..., q_lora + R:q_lora + R + RR]
+    w = (1 + 0.1 * torch.randn(R, device=dev, generator=g)).to(BF16)
+    kv = torch.randn(ctx // PS + 8, PS, R + RR, device=dev, generator=g).to(BF16)
+    locs = torch.randperm(kv.shape[0] * PS, device=dev, generator=g)[:T].view(1, T)
+
+    def prep(pages: torch.Tensor, on: bool) -> torch.Tensor:
+        return mla_prep(q_pe, c_kv, k_pe, w, pages, locs, pos, THETA, 1e-6, pdl=on)
+
+    def unfused_prep(pages: torch.Tensor, on: bool) -> torch.Tensor:
+        k_rope = rope(k_pe.unsqueeze(2), pos, THETA, pdl=on).squeeze(2)
+        latent = torch.cat([rmsnorm(c_kv, w, 1e-6, pdl=on), k_rope], dim=-1)
+        q_rope = rope(q_pe, pos, THETA, pdl=on)
+        mla_cache_write(pages, latent, locs, pdl=on)
+        return q_rope
+
+    a, b, c = kv.clone(), kv.clone(), kv.clone()
+    got, got_nopdl, want = prep(a, pdl), prep(b, False), unfused_prep(c, pdl)
+    rows = [{"kernel": "mla_prep", "shape": f"B1-T{T}-H{H}-R{R}-Rr{RR}",
+             "ok": bool(torch.equal(got, want) and torch.equal(a, c)), "bit_exact": bool(torch.equal(got, want)),
+             "cache_bit_exact": bool(torch.equal(a, c)),
+             "pdl_equal": bool(torch.equal(got, got_nopdl) and torch.equal(a, b)),
+             "time_us": _time([lambda: prep(a, pdl)] * copies),
+             "unfused_time_us": _time([lambda: unfused_prep(c, pdl)] * copies)}]
+
+    q_nope = torch.randn(1, T, H, N, device=dev, generator=g).to(BF16)
+    kv_b = (torch.randn(H * (N + VD), R, device=dev, generator=g) * R ** -0.5).to(BF16)
+    page_rows = torch.randperm(kv.shape[0], device=dev, generator=g)[:ctx // PS].view(1, -1).to(torch.int32)
+    logits = (4 * torch.randn(1, T, H, device=dev, generator=g)).to(BF16)
+
+    def gated(on: bool) -> torch.Tensor:
+        return mla_attention(q_nope, got, kv, kv_b, page_rows, pos, SCALE, logits, pdl=on)
+
+    def unfused_gated(on: bool) -> torch.Tensor:
+        return sigmoid_gate(mla_attention(q_nope, got, kv, kv_b, page_rows, pos, SCALE, pdl=on), logits, pdl=on)
+
+    out, out_nopdl, want = gated(pdl), gated(False), unfused_gated(pdl)
+    rows.append({"kernel": "mla_attention+gate", "shape": f"B1-T{T}-H{H}-ctx{ctx}-PS{PS}",
+                 "ok": bool(torch.equal(out, want)), "bit_exact": bool(torch.equal(out, want)),
+                 "pdl_equal": bool(torch.equal(out, out_nopdl)), "time_us": _time([lambda: gated(pdl)] * copies),
+                 "unfused_time_us": _time([lambda: unfused_gated(pdl)] * copies)})
+    return rows
+
+
 def run(device: torch.device) -> list[dict]:
     """Every row of the table (see the module docstring); device must be a CUDA device."""
     import lingc  # noqa: F401  (registers the reference ops)
@@ -231,6 +288,7 @@ def run(device: torch.device) -> list[dict]:
             rows += _attention_rows(T, ctx)
         for T in (1, 6):
             rows += _small_rows(T)
+            rows += _fuse_mla_rows(T)
     for r in rows:
         for k, v in r.items():
             if isinstance(v, float) and math.isnan(v):

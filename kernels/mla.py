@@ -1,4 +1,8 @@
-"""Gated-MLA decode kernels: weight-absorbed split-KV attention over the paged latent cache, cache write, RoPE, gate.
+"""Gated-MLA decode kernels: weight-absorbed split-KV attention over the paged latent cache, cache write, RoPE, gate,
+and fuse_mla's prep (RoPE + kv norm + cache write in one launch).
+
+One file past the style's ~400 lines on purpose: mla_prep and the gated v_absorb share the rope and gate helpers with
+the kernels they replace, which is what makes them bit-identical to those.
 
 Letters (lingc/ops/mla.py): B requests, T new tokens, M = B*T queries, H heads, N nope dim, Rr rope dim,
 R kv_lora rank, L = R + Rr cached values per token, Vd value dim, NP pages of PS rows, MP pages per request,
@@ -13,7 +17,9 @@ S = cdiv(MP*PS, SPLIT_ROWS) key splits.
                                             fp32 online softmax (exp2), o[h] = sum p c_kv; writes the unnormalised
                                             partial (m, l, o[H, R]) in fp32
     3. combine    grid (M*H, R/CB_BLOCK_R)  o_lat = sum_s 2^(m_s - max) o_s / sum_s 2^(m_s - max) l_s (fp32)
-    4. v_absorb   grid (H, Vd/VA_BLOCK_V, M) out[m, h] = W_uv[h] @ o_lat[m, h]          fp32 sum, one rounding
+    4. v_absorb   grid (H, Vd/VA_BLOCK_V, M) out[m, h] = W_uv[h] @ o_lat[m, h]          fp32 sum, one rounding;
+                                            with a gate (GATE, fuse_mla) then out * sigmoid(g[m, h]), the
+                                            sigmoid_gate kernel's arithmetic on the rounded output (_head_gate)
 Why four: the absorptions read the 4 MB kv_b weight (2 MB each half); a split program needs all H heads'
 q_lat, so computing it there would re-read W_uk once per split. Separate GEMV kernels spread each half over
 128 programs per query (a verify chain's queries re-read the slice from L2; one query per program replaced a loop
@@ -43,8 +49,21 @@ SPLIT_ROWS=64, L2-resident).
 math mirrors the reference (fp32, inv_freq from a float64 power rounded to fp32, IEEE division, no FMA
 contraction in rope) but libm-level differences in cos/sin/exp may move a bf16 result by an ulp.
 
-PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b (a weight, written
-by no earlier kernel) is loaded before `gdc_wait()`; every activation, the cache, page table and positions
+`mla_prep` (fuse_mla) replaces five launches: rope(q_pe), rope(k_pe), the kv_a rmsnorm, the cat and mla_cache_write.
+One program per token ropes its q_pe for all heads (q_rope out) and writes [rmsnorm(c_kv) | rope(k_pe)] into its
+cache row, each rounded to the activation dtype and then to the cache dtype, as the five do. Same bits, by
+construction: the norm is kernels/rmsnorm.py's row code (_rmsnorm_row) on a row addressed as that kernel addresses
+it, at its BLOCK_N, num_warps (2 at R = 512) and fp fusion (on: the sum of squares contracts into FMAs; the PTX
+reduction sequence is the rmsnorm kernel's, checked offline for sm_90 at Ling-3.0-tiny's shapes); the ropes are the
+rope kernel's helpers (_rope_inv_freq, _rope_cos_sin, _rope_rotate) with MUL_RN, every product an explicit mul.rn
+that fusion cannot contract (the rope kernel launches with fusion off; compiled so, the rope code's float SASS
+instructions are the fusion-off kernel's). Bit-equality on the H200 is still to be checked on the device; the
+interpreter is exact (tests/kernels/test_mla_prep.py). Bytes: q_pe, c_kv, k_pe in, q_rope out, one cache row out,
+the norm weight.
+
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b and mla_prep's norm weight
+(weights, written by no earlier kernel) are loaded before `gdc_wait()` (mla_prep also computes its inv_freq there);
+every activation, the cache, page table, cache rows and positions
 are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One optional hint comes before
 the wait: the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in the H200 step; the chain's
 last query's programs only) reads its query's position and page-table row through L2 and asks L2 for its visible
@@ -329,11 +348,18 @@ def _cache_write_kernel(kv_ptr, latent_ptr, locs_ptr, T, L, stride_row, stride_l
 
 @triton.jit
 def _mul(a, b, MUL_RN: tl.constexpr):
-    """a * b rounded once. MUL_RN: libdevice's explicit round-to-nearest multiply, which no fp-fusion setting contracts
-    into an FMA (a kernel compiled with fusion on keeps the fusion-off rope kernel's products); else a plain multiply
-    (fusion off, or the interpreter, which has no libdevice and no FMA contraction)."""
+    """a * b rounded once (fp32 or float64). MUL_RN: an explicit `mul.rn`, the instruction a fusion-off kernel emits
+    for a multiply; no fp-fusion setting contracts it into an FMA, so a kernel compiled with fusion on (mla_prep, for
+    its norm) computes the fusion-off rope kernel's products. Inline PTX rather than libdevice's mul_rn, which the
+    default FTZ reflection turns into mul.rn.ftz. Else a plain multiply (fusion off, or the interpreter, which runs
+    no PTX and contracts nothing)."""
     if MUL_RN:
-        return tl.extra.cuda.libdevice.mul_rn(a, b)
+        if a.dtype == tl.float64:
+            return tl.inline_asm_elementwise("mul.rn.f64 $0, $1, $2;", "=d,d,d", [a, b], dtype=tl.float64,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                             is_pure=True, pack=1)
     else:
         return a * b
 

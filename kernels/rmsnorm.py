@@ -32,6 +32,18 @@ NUM_WARPS_MAX = 16
 
 
 @triton.jit
+def _rmsnorm_row(x, w, N, eps):
+    """One row's norm from loaded [BLOCK_N] x and w (masked lanes 0): w * normed in fp32, for the caller to round to
+    x's dtype. Shared with mla_prep (kernels/mla.py), which so runs this kernel's arithmetic; its bits also depend on
+    the reduction layout (BLOCK_N, num_warps, the load's vector width) and on fp fusion (on: the sum of squares
+    contracts into FMAs), which mla_prep takes from this kernel's launch."""
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(x.dtype)
+    return w.to(tl.float32) * normed.to(tl.float32)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
                     BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -43,10 +55,7 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if PDL:
         pdl_trigger()
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    normed = (xf * rstd).to(x.dtype)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = _rmsnorm_row(x, w, N, eps).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 

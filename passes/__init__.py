@@ -8,6 +8,7 @@ from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
 from lingc.passes.fuse_combine_norm import FuseCombineNorm
 from lingc.passes.fuse_index_chains import FuseIndexChains
 from lingc.passes.fuse_kda import FuseKda
+from lingc.passes.fuse_mla import FuseMla
 from lingc.passes.fuse_moe import FuseMoe
 from lingc.passes.fuse_moe_align import FuseMoeAlign
 from lingc.passes.fuse_norm_linear import FuseNormLinear
@@ -20,7 +21,8 @@ from lingc.passes.tp import TensorParallel
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, FuseIndexChains, CaptureMetadata, Bf16Router,
                                                      FuseProjections, FuseAddNorm, FuseMoeAlign, FuseSharedExpert,
-                                                     FuseMoe, FuseKda, FuseNormLinear, FuseCombineNorm, Pdl)}
+                                                     FuseMoe, FuseKda, FuseNormLinear, FuseCombineNorm, FuseMla,
+                                                     Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

@@ -31,7 +31,7 @@ HOT_OPS = {"rmsnorm", "add_rmsnorm", "linear", "router_topk", "router_align", "m
            "kda_recurrent_staged", "kda_commit", "gated_rmsnorm", "mla_attention", "mla_cache_write", "rope",
            "sigmoid_gate", "greedy_sample", "chain_accept", "filtered_probs", "kda_conv_qkv", "kda_fused_verify",
            "kda_fused_decode", "kda_commit_multi", "rmsnorm_linear", "add_rmsnorm_linear", "ep_align", "ep_combine",
-           "all_reduce"}
+           "all_reduce", "mla_prep"}
 
 
 def test_every_hot_op_has_a_kernel() -> None:

@@ -3,7 +3,8 @@
 Small odd MLA shapes (H=2, N=16, Rr=8, R=32, Vd=16, pages of 4 or 5 rows out of order, B=2 with different page
 lists and positions, up to ~40 cached tokens). The key property is row invariance: each query of a verify chain
 gives exactly the bits of a T=1 decode call at the same position (torch.equal), whatever the batch and the cache
-capacity. Every buffer the launchers allocate is NaN-poisoned, so a read of an unwritten element shows.
+capacity. Every buffer the launchers allocate is NaN-poisoned, so a read of an unwritten element shows. The head gate
+folded into mla_attention (fuse_mla) must give the sigmoid_gate kernel's bits; mla_prep: tests/kernels/test_mla_prep.py.
 """
 
 from __future__ import annotations
@@ -137,6 +138,21 @@ def test_attention_bad_inputs_name_the_problem() -> None:
         mla_attention(c["q_nope"], c["q_rope"], c["kv_pages"].bfloat16(), *_args(c)[3:])
     with pytest.raises(ValueError, match=r"positions is \[1, 2\], want \[1, 1\]"):
         mla_attention(*_args(c)[:5], c["positions"].repeat(1, 2), SCALE)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 6), (2, 6)], ids=["B1-T1", "B2-T1", "B1-T6", "B2-T6"])
+@dtypes
+def test_gate_folded_into_attention_equals_the_gate_kernel(B: int, T: int, dtype: torch.dtype) -> None:
+    """fuse_mla's gate argument: v_absorb's epilogue gives the bits of the sigmoid_gate kernel after the attention, and
+    the reference op with a gate is the sigmoid_gate reference of its output."""
+    c = _case(B, T, dtype, seed=7 * B + T)
+    logits = (4 * torch.randn(B, T, H, generator=torch.Generator().manual_seed(T))).to(dtype)
+    gated = _attend(c, split_rows=16, block_n=16, gate=logits)
+    assert not gated.isnan().any()
+    assert torch.equal(gated, sigmoid_gate(_attend(c, split_rows=16, block_n=16), logits))
+    assert torch.equal(mla_attention_ref(*_args(c), logits), sigmoid_gate_ref(_reference(c), logits))
+    with pytest.raises(ValueError, match=rf"mla_attention: gate is \[{B}, {T}, {H - 1}\]"):
+        mla_attention(*_args(c), logits[..., :H - 1])
 
 
 @pytest.mark.parametrize("latent_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
