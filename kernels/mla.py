@@ -222,7 +222,6 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
                              other=0.0),)                                                # [BLOCK_N, RC]
         k_rope = tl.load(kv_ptr + base[:, None] + R + offs_e[None, :], mask=valid[:, None] & mask_e[None, :],
                          other=0.0)
-        # independent accumulation chains (one per chunk and one for the rope part), summed in a fixed order
         # one accumulation chain in the unchunked order: the latent columns 0 .. R-1, then the rope part
         scores = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         if IEEE:
