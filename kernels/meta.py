@@ -11,6 +11,14 @@ spent ~130 us in them (bench/device_profile.py). Each launcher here is one progr
                                                          -> (page_table[slots] [B, MP],
                                                              page_rows[b, min(pos // PS, MP - 1)] * PS + pos % PS)
     pick_position(x [B, T, ...], index [B])              -> x[b, index[b]]             [B, 1, ...]
+    gather_rows_multi(tables [S, ...] x N, slots [B])    -> [t[slots] for t in tables]  (fuse_relay)
+    scatter_rows_multi(tables x N, slots, values x N, adds x N)
+                                                         : t[slots] = v + a             (fuse_relay; a: int)
+
+The two multi ops take up to RELAY_MULTI_MAX tables of any dtypes and row widths in one launch: a fixed set of
+(pointer, row size, stride, block end) arguments per table with a constexpr count N (the sets past N are dummies
+no program dereferences), the grid's second axis the tables' row blocks end to end, so a program copies one block
+of one table's row. A scatter's add is a constexpr (one compile per folded constant: +1, +13, ...).
 
 Exact: they copy values or do integer arithmetic, so outputs equal the references bit for bit (positions and
 slots are non-negative, where C-style and floor division agree). The rows past the batch dim must be
@@ -30,6 +38,7 @@ import triton.language as tl
 
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the fallbacks and references)
+from lingc.ops.meta import RELAY_MULTI_MAX, check_relay_multi
 
 BLOCK = 1024        # elements per program of a row copy
 WARPS = 4
@@ -95,6 +104,96 @@ def _paged_refill_kernel(pt_ptr, slots_ptr, pos_ptr, rows_ptr, locs_ptr, MP, T, 
         tl.store(rows_ptr + b * MP + offs, tl.load(row + offs, mask=mask), mask=mask)
     if PDL:
         pdl_trigger()
+
+
+@triton.jit
+def _gather_part(src_ptr, out_ptr, b, slot, blk, lo, hi, R, s_src, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One table's share of gather_rows_multi: the programs blk in [lo, hi) copy row `slot` block by block."""
+    if (blk >= lo) & (blk < hi):
+        offs = (blk - lo) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < R
+        x = tl.load(src_ptr + slot * s_src + offs, mask=mask)
+        if PDL:
+            pdl_trigger()
+        tl.store(out_ptr + b * R + offs, x, mask=mask)
+
+
+@triton.jit
+def _gather_rows_multi_kernel(slots_ptr,
+                              src0, out0, R0, s0, E0, src1, out1, R1, s1, E1,
+                              src2, out2, R2, s2, E2, src3, out3, R3, s3, E3,
+                              src4, out4, R4, s4, E4, src5, out5, R5, s5, E5,
+                              src6, out6, R6, s6, E6, src7, out7, R7, s7, E7,
+                              N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out_i[b] = src_i[slots[b]] for the N tables (N <= RELAY_MULTI_MAX; the argument sets past N are dummies).
+    Grid (B, E_{N-1}): table i owns the row blocks [E_{i-1}, E_i), so each program copies one block of one row."""
+    b = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    if PDL:
+        pdl_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    _gather_part(src0, out0, b, slot, blk, 0, E0, R0, s0, BLOCK, PDL)
+    if N > 1:
+        _gather_part(src1, out1, b, slot, blk, E0, E1, R1, s1, BLOCK, PDL)
+    if N > 2:
+        _gather_part(src2, out2, b, slot, blk, E1, E2, R2, s2, BLOCK, PDL)
+    if N > 3:
+        _gather_part(src3, out3, b, slot, blk, E2, E3, R3, s3, BLOCK, PDL)
+    if N > 4:
+        _gather_part(src4, out4, b, slot, blk, E3, E4, R4, s4, BLOCK, PDL)
+    if N > 5:
+        _gather_part(src5, out5, b, slot, blk, E4, E5, R5, s5, BLOCK, PDL)
+    if N > 6:
+        _gather_part(src6, out6, b, slot, blk, E5, E6, R6, s6, BLOCK, PDL)
+    if N > 7:
+        _gather_part(src7, out7, b, slot, blk, E6, E7, R7, s7, BLOCK, PDL)
+
+
+@triton.jit
+def _scatter_part(buf_ptr, value_ptr, b, slot, blk, lo, hi, R, s_buf, s_value, ADD: tl.constexpr,
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One table's share of scatter_rows_multi: buf[slot] = value[b] + ADD in the value's dtype, cast to buf's."""
+    if (blk >= lo) & (blk < hi):
+        offs = (blk - lo) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < R
+        x = tl.load(value_ptr + b * s_value + offs, mask=mask)
+        if PDL:
+            pdl_trigger()
+        if ADD != 0:
+            x = x + ADD          # an integer constant fitting the value's dtype: the add stays in that dtype
+        tl.store(buf_ptr + slot * s_buf + offs, x.to(buf_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scatter_rows_multi_kernel(slots_ptr,
+                               buf0, val0, R0, sb0, sv0, E0, buf1, val1, R1, sb1, sv1, E1,
+                               buf2, val2, R2, sb2, sv2, E2, buf3, val3, R3, sb3, sv3, E3,
+                               buf4, val4, R4, sb4, sv4, E4, buf5, val5, R5, sb5, sv5, E5,
+                               buf6, val6, R6, sb6, sv6, E6, buf7, val7, R7, sb7, sv7, E7,
+                               A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+                               A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr,
+                               N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """buf_i[slots[b]] = val_i[b] + A_i for the N tables; the grid as in _gather_rows_multi_kernel."""
+    b = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    if PDL:
+        pdl_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    _scatter_part(buf0, val0, b, slot, blk, 0, E0, R0, sb0, sv0, A0, BLOCK, PDL)
+    if N > 1:
+        _scatter_part(buf1, val1, b, slot, blk, E0, E1, R1, sb1, sv1, A1, BLOCK, PDL)
+    if N > 2:
+        _scatter_part(buf2, val2, b, slot, blk, E1, E2, R2, sb2, sv2, A2, BLOCK, PDL)
+    if N > 3:
+        _scatter_part(buf3, val3, b, slot, blk, E2, E3, R3, sb3, sv3, A3, BLOCK, PDL)
+    if N > 4:
+        _scatter_part(buf4, val4, b, slot, blk, E3, E4, R4, sb4, sv4, A4, BLOCK, PDL)
+    if N > 5:
+        _scatter_part(buf5, val5, b, slot, blk, E4, E5, R5, sb5, sv5, A5, BLOCK, PDL)
+    if N > 6:
+        _scatter_part(buf6, val6, b, slot, blk, E5, E6, R6, sb6, sv6, A6, BLOCK, PDL)
+    if N > 7:
+        _scatter_part(buf7, val7, b, slot, blk, E6, E7, R7, sb7, sv7, A7, BLOCK, PDL)
 
 
 def _rows_contiguous(t: torch.Tensor, lead: int) -> bool:
@@ -201,10 +300,92 @@ def pick_position(x: torch.Tensor, index: torch.Tensor, *, pdl: bool = False) ->
     return out
 
 
+def _multi_blocks(rows: list[int]) -> tuple[int, list[int]]:
+    """(BLOCK, block ends E_i): one BLOCK for every table (the widest row's, at most BLOCK), table i's blocks
+    [E_{i-1}, E_i); the unused argument sets get the total, so their range is empty."""
+    block = min(BLOCK, triton.next_power_of_2(max(max(rows), 1)))
+    ends, total = [], 0
+    for r in rows:
+        total += triton.cdiv(r, block)
+        ends.append(total)
+    return block, ends + [total] * (RELAY_MULTI_MAX - len(rows))
+
+
+def _chunks(n: int) -> list[range]:
+    return [range(i, min(i + RELAY_MULTI_MAX, n)) for i in range(0, n, RELAY_MULTI_MAX)]
+
+
+def gather_rows_multi(tables: list[torch.Tensor], slots: torch.Tensor, *, pdl: bool = False) -> list[torch.Tensor]:
+    """[t[slots] for t in tables] (lingc.gather_rows_multi): one launch per RELAY_MULTI_MAX tables, one program
+    per (request, block of one table's row); tables of any dtypes and row widths."""
+    check_relay_multi("gather_rows_multi", tables, slots)
+    if not all(_rows_contiguous(t, 1) for t in tables):
+        return torch.ops.lingc.gather_rows_multi(tables, slots)
+    B = slots.shape[0]
+    outs = [torch.empty((B, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in tables]
+    pdl, opts = _opts(pdl, slots.device)
+    for part in _chunks(len(tables)):
+        rows = [_row_size(tables[i], 1) for i in part]
+        block, ends = _multi_blocks(rows)
+        if B == 0 or ends[-1] == 0:
+            continue
+        args = []
+        for k in range(RELAY_MULTI_MAX):
+            if k < len(part):
+                t = tables[part[k]]
+                args += [t, outs[part[k]], rows[k], t.stride(0), ends[k]]
+            else:                                   # dummies: never dereferenced (N is a constexpr)
+                args += [slots, slots, 0, 0, ends[k]]
+        _gather_rows_multi_kernel[(B, ends[-1])](slots, *args, N=len(part), BLOCK=block, PDL=pdl, **opts)
+    return outs
+
+
+def _foldable_add(value: torch.Tensor, add: int) -> bool:
+    """The kernel adds an integer constant in the value's dtype: int32 / int64 values, a constant that fits them."""
+    if add == 0:
+        return True
+    if value.dtype not in (torch.int32, torch.int64):
+        return False
+    info = torch.iinfo(value.dtype)
+    return info.min <= add <= info.max
+
+
+def scatter_rows_multi(tables: list[torch.Tensor], slots: torch.Tensor, values: list[torch.Tensor], adds: list[int],
+                       *, pdl: bool = False) -> None:
+    """table[slots] = value + add for each table (lingc.scatter_rows_multi): one launch per RELAY_MULTI_MAX tables.
+    Tables sharing memory (one launch would write them in no order), rows that are not contiguous and adds the
+    kernel does not fold run the torch reference (no host reads either way)."""
+    check_relay_multi("scatter_rows_multi", tables, slots, values, adds)
+    B = slots.shape[0]
+    if (len({t.untyped_storage().data_ptr() for t in tables}) != len(tables)
+            or not all(_rows_contiguous(t, 1) and _rows_contiguous(v, 1) and _foldable_add(v, a)
+                       for t, v, a in zip(tables, values, adds))):
+        torch.ops.lingc.scatter_rows_multi(tables, slots, values, adds)
+        return
+    pdl, opts = _opts(pdl, slots.device)
+    for part in _chunks(len(tables)):
+        rows = [_row_size(tables[i], 1) for i in part]
+        block, ends = _multi_blocks(rows)
+        if B == 0 or ends[-1] == 0:
+            continue
+        args, consts = [], {}
+        for k in range(RELAY_MULTI_MAX):
+            if k < len(part):
+                t, v = tables[part[k]], values[part[k]]
+                args += [t, v, rows[k], t.stride(0), v.stride(0), ends[k]]
+                consts[f"A{k}"] = int(adds[part[k]])
+            else:                                   # dummies: never dereferenced (N is a constexpr)
+                args += [slots, slots, 0, 0, 0, ends[k]]
+                consts[f"A{k}"] = 0
+        _scatter_rows_multi_kernel[(B, ends[-1])](slots, *args, **consts, N=len(part), BLOCK=block, PDL=pdl, **opts)
+
+
 LOWERINGS: dict[str, Callable] = {
     "gather_rows": gather_rows,
     "scatter_rows": scatter_rows,
     "step_positions": step_positions,
     "paged_refill": paged_refill,
     "pick_position": pick_position,
+    "gather_rows_multi": gather_rows_multi,
+    "scatter_rows_multi": scatter_rows_multi,
 }

@@ -22,19 +22,14 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import is_free
+from lingc.passes.matchers import is_free, written_inputs
 
 REFILL_OPS = {OPS.gather_rows, OPS.step_positions, OPS.cache_locs, OPS.paged_refill}
 INDEX_MATH = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}     # positions + i, counter + k
 
 
 def _mutated_inputs_of(node: fx.Node) -> set[fx.Node]:
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.is_mutable:
-        return set()
-    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    named = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
-    return {v for k, v in named.items() if k in written and isinstance(v, fx.Node)}
+    return written_inputs(node)
 
 
 def _is_refill(node: fx.Node, group: set[fx.Node]) -> bool:

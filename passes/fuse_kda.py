@@ -84,7 +84,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import VIEW_OPS, calls, is_free
+from lingc.passes.matchers import VIEW_OPS, calls, is_free, written_inputs
 
 # rewrite 4 (decode's kda_conv_qkv + kda_recurrent -> kda_fused_decode); LINGC_KDA_FUSED_DECODE=0 keeps the two
 # launches (an A/B knob for bench/device_step.py: the one launch measured slower alone on the H200, kernels/kda.py)
@@ -106,13 +106,8 @@ def _base(node: Any) -> Any:
 
 
 def _writes(node: fx.Node) -> set[fx.Node]:
-    """Inputs an op updates in place (schema arguments marked as written), as buffers."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.is_mutable:
-        return set()
-    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    named = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
-    return {_base(v) for k, v in named.items() if k in written and isinstance(v, fx.Node)}
+    """Inputs an op updates in place (schema arguments marked as written, lists included), as buffers."""
+    return {_base(v) for v in written_inputs(node)}
 
 
 def _reads(node: fx.Node) -> set[fx.Node]:

@@ -23,6 +23,21 @@ def is_free(node: fx.Node) -> bool:
     return node.op in ("placeholder", "get_attr") or node.target in VIEW_OPS or node.target is operator.getitem
 
 
+def written_inputs(node: fx.Node) -> set[fx.Node]:
+    """Inputs an op updates in place: the arguments its schema marks as written, every tensor of a written list
+    (scatter_rows_multi's tables)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return set()
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    named = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
+    out: set[fx.Node] = set()
+    for key, value in named.items():
+        if key in written:
+            out |= {v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node)}
+    return out
+
+
 def calls(graph: fx.Graph, op_short: str) -> list[fx.Node]:
     """Every call of torch.ops.lingc.<op_short> in graph order."""
     target = OPS[op_short]

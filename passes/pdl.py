@@ -41,7 +41,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls, consumers, is_free, producer
+from lingc.passes.matchers import calls, consumers, is_free, producer, written_inputs
 
 
 SOLO = True      # annotate the kernels outside chains as single-kernel "solo" links (module docstring)
@@ -95,13 +95,8 @@ def _layer_tag(node: fx.Node) -> str:
 
 
 def _mutated(node: fx.Node) -> set[fx.Node]:
-    """Inputs an op updates in place (schema arguments marked as written)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return set()
-    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    args = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
-    return {v for k, v in args.items() if k in written and isinstance(v, fx.Node)}
+    """Inputs an op updates in place (schema arguments marked as written, lists included)."""
+    return written_inputs(node)
 
 
 def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
@@ -142,7 +137,7 @@ class Pdl(Pass):
     summary = "annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
-             "fuse_combine_norm", "fuse_mla")
+             "fuse_combine_norm", "fuse_relay", "fuse_mla")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:

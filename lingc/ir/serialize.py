@@ -129,7 +129,9 @@ def graph_from_json(nodes: list[dict[str, Any]], name: str = "graph") -> fx.Grap
                 raise IRError(f"{where}: unknown op '{target}' (not in the lingc allowlist)")
             args = tuple(_dec(entry.get("args", []), env, where))
             kwargs = {k: _dec(v, env, where) for k, v in entry.get("kwargs", {}).items()}
-            node = graph.call_function(table[target], args, kwargs)
+            # named at creation: call_function would first reserve an automatic name ('getitem'), which a later
+            # node of that name could then not have (a getitem that keeps a fused node's name, fuse_relay / fuse_kda)
+            node = graph.create_node("call_function", table[target], args, kwargs, name=node_name)
         elif kind == "output":
             args = _dec(entry.get("args", []), env, where)
             out = args[0]

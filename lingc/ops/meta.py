@@ -2,7 +2,8 @@
 
 Every step derives what it needs on the device from buffers indexed by request slot (the FutureMap
 idea, techniques.md section 1): the host only says which slots run. `gather_rows` / `scatter_rows`
-are the relay reads and writes; `cache_locs` and `step_positions` are the metadata refill.
+are the relay reads and writes (`gather_rows_multi` / `scatter_rows_multi`: several of them by one slots tensor in
+one op, built by the fuse_relay pass); `cache_locs` and `step_positions` are the metadata refill.
 Letters: S request slots, B requests in the step, T tokens, MP pages per request, PS page size.
 """
 
@@ -129,3 +130,73 @@ def _(page_table, slots, positions, page_size):
 
 
 register("paged_refill")
+
+
+# ---- fuse_relay: a graph's relay reads / writes by one slots tensor in one op each ------------------------
+
+# tables per gather_rows_multi / scatter_rows_multi launch: the Triton kernels take this many (pointer, row size,
+# row stride) argument sets, with a constexpr count; fuse_relay makes several ops of at most this many
+RELAY_MULTI_MAX = 8
+
+
+def check_relay_multi(op: str, tables: list[torch.Tensor], slots: torch.Tensor,
+                      values: Optional[list[torch.Tensor]] = None, adds: Optional[list[int]] = None) -> None:
+    """Host-side argument checks shared by the multi ops' references and their Triton launchers (shapes and dtypes
+    only: nothing is read from the device). Raises ValueError naming the argument."""
+    if len(tables) == 0:
+        raise ValueError(f"lingc.{op}: tables is empty, want at least one table")
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lingc.{op}: slots must be a 1-D int32 / int64 tensor, got {list(slots.shape)} {slots.dtype}")
+    for i, t in enumerate(tables):
+        if t.dim() < 1:
+            raise ValueError(f"lingc.{op}: tables[{i}] is 0-D, want [S, ...] (one row per request slot)")
+    if values is None:
+        return
+    if adds is None or len(values) != len(tables) or len(adds) != len(tables):
+        raise ValueError(f"lingc.{op}: tables, values and adds must have one entry per table, got {len(tables)}, "
+                         f"{len(values)} and {'none' if adds is None else len(adds)}")
+    B = slots.shape[0]
+    for i, (t, v, a) in enumerate(zip(tables, values, adds)):
+        if tuple(v.shape) != (B, *t.shape[1:]):
+            raise ValueError(f"lingc.{op}: values[{i}] is {list(v.shape)}, want {[B, *t.shape[1:]]}: one "
+                             f"tables[{i}] row {list(t.shape[1:])} per request (slots has {B})")
+        if a != 0 and (v.dtype.is_floating_point or v.dtype == torch.bool or v.is_complex()):
+            raise ValueError(f"lingc.{op}: adds[{i}] = {a} on {v.dtype} values; adds fold integer index math only")
+
+
+@torch.library.custom_op("lingc::gather_rows_multi", mutates_args=())
+def gather_rows_multi(tables: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    """[gather_rows(t, slots) for t in tables]: several relay reads by the same slots in one op (fuse_relay).
+    tables [S, ...] of any dtypes and row widths -> one [B, ...] per table."""
+    check_relay_multi("gather_rows_multi", tables, slots)
+    return [gather_rows(t, slots) for t in tables]
+
+
+@gather_rows_multi.register_fake
+def _(tables, slots):
+    check_relay_multi("gather_rows_multi", tables, slots)
+    return [t.new_empty((slots.shape[0], *t.shape[1:])) for t in tables]
+
+
+register("gather_rows_multi")
+
+
+@torch.library.custom_op("lingc::scatter_rows_multi", mutates_args=("tables",))
+def scatter_rows_multi(tables: list[torch.Tensor], slots: torch.Tensor, values: list[torch.Tensor],
+                       adds: list[int]) -> None:
+    """scatter_rows(t, slots, v + a) for each (t, v, a) (scatter_rows(t, slots, v) where a = 0): several relay
+    writes by the same slots in one op, with the integer `+ a` of a counter folded in (fuse_relay). The add runs in
+    the value's dtype, as aten.add(v, a) does, then scatter_rows casts to the table's dtype. The tables must be
+    distinct buffers (one launch writes them in no order)."""
+    check_relay_multi("scatter_rows_multi", tables, slots, values, adds)
+    for t, v, a in zip(tables, values, adds):
+        scatter_rows(t, slots, v + a if a != 0 else v)
+
+
+@scatter_rows_multi.register_fake
+def _(tables, slots, values, adds):
+    check_relay_multi("scatter_rows_multi", tables, slots, values, adds)
+    return None
+
+
+register("scatter_rows_multi")

@@ -116,3 +116,51 @@ def test_fuse_norm_linear_kernels_match_the_unfused_kernels(tiny_program_bf16) -
     for g, w in zip(got, want):
         assert ((g - w).abs() <= FuseNormLinear.tolerance * (1 + w.abs())).all()
     assert all(torch.equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got[::2], want[::2]))
+
+
+def test_fuse_relay_kernels_in_the_nextn_and_decode_steps(tiny_partitioned_bf16, monkeypatch) -> None:
+    """gather_rows_multi / scatter_rows_multi as the executor runs them in step, draft, verify and extend (their real
+    tables, views, dtypes and folded adds, seeded greedy and sampled requests): every call launches the kernel (no
+    fallback) and matches the op's reference bit for bit (the reference is the composition; that the fused graphs
+    equal the unfused ones is tests/passes/test_fuse_relay.py). Running the unfused program on the kernels as well
+    would double this test's ~17 s."""
+    import lingc.kernels.meta as meta
+    from lingc.passes.fuse_relay import FuseRelay
+    from lingc.passes.verify import random_inputs
+    graphs = ("step", "draft", "verify", "extend")
+    fused, record = FuseRelay().run(tiny_partitioned_bf16)          # after pdl here: only scheduling differs
+    calls = {"gather": 0, "scatter": 0, "kernels": 0}
+    for name in ("_gather_rows_multi_kernel", "_scatter_rows_multi_kernel"):
+        kernel = getattr(meta, name)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel):
+                calls["kernels"] += 1
+                return kernel[grid]
+        monkeypatch.setattr(meta, name, Counted())
+
+    def gather(tables, slots, *, pdl=False):
+        got = meta.gather_rows_multi(tables, slots, pdl=pdl)
+        want = OPS.gather_rows_multi(tables, slots)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        calls["gather"] += 1
+        return got
+
+    def scatter(tables, slots, values, adds, *, pdl=False):
+        want = [t.clone() for t in tables]
+        OPS.scatter_rows_multi(want, slots, values, adds)
+        meta.scatter_rows_multi(tables, slots, values, adds, pdl=pdl)
+        assert all(torch.equal(a, b) for a, b in zip(tables, want))
+        calls["scatter"] += 1
+
+    monkeypatch.setitem(kernel_table(), "gather_rows_multi", gather)
+    monkeypatch.setitem(kernel_table(), "scatter_rows_multi", scatter)
+    keep = fused.copy()
+    keep.graphs = {g: keep.graphs[g] for g in graphs}
+    exe = Executor(keep, "cpu", backend="triton")
+    inputs = random_inputs(fused, list(graphs))
+    for key, t in exe.buffers.tensors.items():
+        t.copy_(inputs[key.split(":")[-1]])
+    for g in graphs:
+        exe.run(g)
+    assert calls == {"gather": 5, "scatter": 4, "kernels": 9}, record.details

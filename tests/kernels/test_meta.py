@@ -1,14 +1,21 @@
 """lingc.kernels.meta in the Triton interpreter against torch.ops.lingc.* (gather/scatter rows, positions,
-paged refill, pick position): bit for bit, every output element written (outputs poisoned), odd shapes and
-dtypes, strided inputs, and the fallbacks for layouts the kernels do not take."""
+paged refill, pick position, and fuse_relay's gather_rows_multi / scatter_rows_multi): bit for bit, every output
+element written (outputs poisoned), odd shapes and dtypes, strided inputs, the fallbacks for layouts the kernels do
+not take, bad arguments named, and the multi kernels' PDL path compiled for sm_90."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import lingc.kernels.meta as meta
 from lingc.kernels.lowering import kernel_table
+from lingc.ops.meta import RELAY_MULTI_MAX
 
 POISON = {torch.int64: -0x5A5A5A5A5A, torch.int32: -0x2152411, torch.float32: float("nan"),
           torch.bfloat16: float("nan"), torch.bool: True}
@@ -40,7 +47,8 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def test_every_meta_op_is_lowered() -> None:
     table = kernel_table()
-    for op in ("gather_rows", "scatter_rows", "step_positions", "paged_refill", "pick_position"):
+    for op in ("gather_rows", "scatter_rows", "step_positions", "paged_refill", "pick_position", "gather_rows_multi",
+               "scatter_rows_multi"):
         assert table[op] is getattr(meta, op)
 
 
@@ -111,3 +119,195 @@ def test_pick_position(dtype: torch.dtype) -> None:
     _same(meta.pick_position(wide, index), torch.ops.lingc.pick_position(wide, index))   # contiguous, strided T
     nd = _rand((2, 7), dtype, g)
     _same(meta.pick_position(nd, index), torch.ops.lingc.pick_position(nd, index))
+
+
+# ---- gather_rows_multi / scatter_rows_multi (fuse_relay) ------------------------------------------------------
+# a step's relay tables: counters (int64 / int32), sampling params (fp32), token rows, a hidden row (bf16), a probs
+# row wider than one BLOCK (several programs per table row)
+RELAY_ROWS = [(torch.int64, ()), (torch.float32, ()), (torch.int32, ()), (torch.int64, (5,)), (torch.bfloat16, (7,)),
+              (torch.float32, (1500,)), (torch.int32, (2, 3)), (torch.float32, (3,)), (torch.int64, ()),
+              (torch.bool, (4,)), (torch.int32, (9,))]
+S = 4
+
+
+def _tables(n: int, g: torch.Generator) -> list[torch.Tensor]:
+    return [_rand((S, *row), dtype, g) for dtype, row in RELAY_ROWS[:n]]
+
+
+def _slots(B: int) -> torch.Tensor:
+    return torch.tensor([3, 1][:B], dtype=torch.int32)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the multi kernels' launches (a launcher that fell back to the reference launches none)."""
+    counts = {"gather": 0, "scatter": 0}
+
+    class Counted:
+        def __init__(self, kernel, key):
+            self.kernel, self.key = kernel, key
+
+        def __getitem__(self, grid):
+            counts[self.key] += 1
+            return self.kernel[grid]
+    monkeypatch.setattr(meta, "_gather_rows_multi_kernel", Counted(meta._gather_rows_multi_kernel, "gather"))
+    monkeypatch.setattr(meta, "_scatter_rows_multi_kernel", Counted(meta._scatter_rows_multi_kernel, "scatter"))
+    return counts
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("n", [1, 3, RELAY_MULTI_MAX, len(RELAY_ROWS)], ids=lambda n: f"N{n}")
+def test_gather_rows_multi(n: int, B: int, launches: dict[str, int]) -> None:
+    """Mixed dtypes and row widths in one launch (N <= 8), two launches past RELAY_MULTI_MAX tables."""
+    g = torch.Generator().manual_seed(n * 10 + B)
+    tables, slots = _tables(n, g), _slots(B)
+    got, want = meta.gather_rows_multi(tables, slots), torch.ops.lingc.gather_rows_multi(tables, slots)
+    assert len(got) == len(want) == n and launches["gather"] == -(-n // RELAY_MULTI_MAX)
+    for x, y, t in zip(got, want, tables):
+        _same(x, y)
+        _same(y, torch.ops.lingc.gather_rows(t, slots))                  # the reference is the composition
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("n", [1, 3, RELAY_MULTI_MAX, len(RELAY_ROWS)], ids=lambda n: f"N{n}")
+def test_scatter_rows_multi(n: int, B: int, launches: dict[str, int]) -> None:
+    """table[slots] = value + add: adds on the integer tables (int64 and int32), none on the others; the rows of
+    other slots keep their values (the whole tables are compared)."""
+    g = torch.Generator().manual_seed(n * 10 + B + 1)
+    tables, slots = _tables(n, g), _slots(B)
+    values = [_rand((B, *t.shape[1:]), t.dtype, g) for t in tables]
+    adds = [(13, -1, 1, 7)[i % 4] if t.dtype in (torch.int32, torch.int64) else 0 for i, t in enumerate(tables)]
+    got, want, comp = ([t.clone() for t in tables] for _ in range(3))
+    meta.scatter_rows_multi(got, slots, values, adds)
+    torch.ops.lingc.scatter_rows_multi(want, slots, values, adds)
+    assert launches["scatter"] == -(-n // RELAY_MULTI_MAX)
+    for t, v, a in zip(comp, values, adds):                              # the composition the op stands for
+        torch.ops.lingc.scatter_rows(t, slots, v + a if a else v)
+    for x, y, z in zip(got, want, comp):
+        _same(x, y)
+        _same(y, z)
+
+
+def test_scatter_rows_multi_adds_wrap_and_cast_like_torch(launches: dict[str, int]) -> None:
+    """The add runs in the value's dtype (int32 wraps at 2^31, as aten.add does), then the cast to the table's."""
+    slots = _slots(2)
+    i32 = torch.tensor([2**31 - 1, -5], dtype=torch.int32)
+    i64 = torch.tensor([2**62, 3], dtype=torch.int64)
+    tables = [torch.zeros(S, dtype=torch.int64), torch.zeros(S, dtype=torch.int32), torch.zeros(S, dtype=torch.int64)]
+    values, adds = [i32, i64, i64], [1, 2**40, -(2**40)]
+    got, want = [t.clone() for t in tables], [t.clone() for t in tables]
+    meta.scatter_rows_multi(got, slots, values, adds)
+    torch.ops.lingc.scatter_rows_multi(want, slots, values, adds)
+    for x, y in zip(got, want):
+        _same(x, y)
+    assert got[0][3] == -(2**31) and got[2][1] == 3 - 2**40 and launches["scatter"] == 1
+
+
+def test_scatter_rows_multi_falls_back(launches: dict[str, int]) -> None:
+    """Tables sharing memory (one launch would race), strided rows and an add that does not fit an int32 value run
+    the sequential reference."""
+    g = torch.Generator().manual_seed(4)
+    slots = _slots(2)
+
+    def aliased() -> list[torch.Tensor]:
+        pool = torch.zeros(S, 6, dtype=torch.int64)
+        return [pool, pool[:, :3]]
+
+    def strided() -> list[torch.Tensor]:
+        return [torch.arange(40, dtype=torch.int64).view(S, 10)[:, ::2], torch.zeros(S, dtype=torch.int32)]
+
+    def small() -> list[torch.Tensor]:
+        return [torch.zeros(S, dtype=torch.int32)]
+
+    cases = [(aliased, [_rand((2, 6), torch.int64, g), _rand((2, 3), torch.int64, g)], [0, 1]),
+             (strided, [_rand((2, 5), torch.int64, g), _rand((2,), torch.int32, g)], [2, 0]),
+             (small, [_rand((2,), torch.int32, g)], [2**33])]
+    for make, values, adds in cases:
+        got, want = make(), make()
+        meta.scatter_rows_multi(got, slots, values, adds)
+        torch.ops.lingc.scatter_rows_multi(want, slots, values, adds)
+        for x, y in zip(got, want):
+            _same(x, y)
+    assert launches["scatter"] == 0
+
+
+def test_gather_rows_multi_of_a_strided_table_falls_back(launches: dict[str, int]) -> None:
+    strided = torch.arange(40, dtype=torch.int64).view(S, 10)[:, ::2]
+    tables, slots = [strided, torch.arange(S, dtype=torch.float32)], _slots(2)
+    for x, y in zip(meta.gather_rows_multi(tables, slots), torch.ops.lingc.gather_rows_multi(tables, slots)):
+        _same(x, y)
+    assert launches["gather"] == 0
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_multi_ops_name_bad_arguments(impl: str) -> None:
+    gather = meta.gather_rows_multi if impl == "kernel" else torch.ops.lingc.gather_rows_multi
+    scatter = meta.scatter_rows_multi if impl == "kernel" else torch.ops.lingc.scatter_rows_multi
+    t64, tf = torch.zeros(S, dtype=torch.int64), torch.zeros(S, 3)
+    slots = _slots(2)
+    with pytest.raises(ValueError, match="tables is empty"):
+        gather([], slots)
+    with pytest.raises(ValueError, match="slots must be a 1-D int32 / int64 tensor, got \\[2, 1\\]"):
+        gather([t64], slots.view(2, 1))
+    with pytest.raises(ValueError, match="slots must be .* torch.float32"):
+        gather([t64], slots.float())
+    with pytest.raises(ValueError, match="tables\\[1\\] is 0-D"):
+        gather([t64, torch.tensor(1)], slots)
+    with pytest.raises(ValueError, match="tables, values and adds must have one entry per table, got 2, 1 and 2"):
+        scatter([t64, tf], slots, [torch.zeros(2, dtype=torch.int64)], [0, 0])
+    with pytest.raises(ValueError, match="values\\[1\\] is \\[2, 4\\], want \\[2, 3\\]"):
+        scatter([t64, tf], slots, [torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4)], [0, 0])
+    with pytest.raises(ValueError, match="adds\\[1\\] = 1 on torch.float32 values"):
+        scatter([t64, tf], slots, [torch.zeros(2, dtype=torch.int64), torch.zeros(2, 3)], [1, 1])
+
+
+_PTX_PROBE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lingc.kernels.meta as K
+
+def compiled(fn, sig, consts):
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
+    find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
+    return find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), find("ld.global")
+
+kinds = ["i64", "fp32", "bf16"]
+for pdl in (True, False):
+    sig = {"slots_ptr": "*i32"}
+    for k in range(8):
+        dt = kinds[k] if k < 3 else "i32"
+        sig |= {f"src{k}": f"*{dt}", f"out{k}": f"*{dt}", f"R{k}": "i32", f"s{k}": "i32", f"E{k}": "i32"}
+    sig |= {"N": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"}
+    print("gather", pdl, *compiled(K._gather_rows_multi_kernel, sig, dict(N=3, BLOCK=1024, PDL=pdl)), sep="|")
+    sig = {"slots_ptr": "*i32"}
+    for k in range(8):
+        dt = kinds[k] if k < 3 else "i32"
+        sig |= {f"buf{k}": f"*{dt}", f"val{k}": f"*{dt}", f"R{k}": "i32", f"sb{k}": "i32", f"sv{k}": "i32",
+                f"E{k}": "i32"}
+    sig |= {f"A{k}": "constexpr" for k in range(8)} | {"N": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"}
+    consts = dict(A0=1, A1=0, A2=0, A3=0, A4=0, A5=0, A6=0, A7=0, N=3, BLOCK=1024, PDL=pdl)
+    print("scatter", pdl, *compiled(K._scatter_rows_multi_kernel, sig, consts), sep="|")
+"""
+
+
+def test_multi_kernels_pdl_path_compiles_for_sm90() -> None:
+    """Both multi kernels compile for sm_90 (no GPU needed) with PDL on: one gdc_wait, before every global load
+    (the slot, then the table rows an earlier kernel wrote; no weights here) and a launch_dependents (right
+    behind the wait under LINGC_PDL_TRIGGER=early, the default); with PDL off, no GDC instruction at all."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LINGC_PDL_TRIGGER")}
+    proc = subprocess.run([sys.executable, "-c", _PTX_PROBE], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|") for line in proc.stdout.strip().splitlines()]
+    assert len(rows) == 4
+    for kernel, pdl, waits, triggers, loads in rows:
+        waits, triggers, loads = eval(waits), eval(triggers), eval(loads)
+        assert loads, kernel
+        if pdl == "True":
+            assert len(waits) == 1 and waits[0] < loads[0], (kernel, waits, loads)
+            assert len(triggers) == 1 and waits[0] < triggers[0] < loads[0], (kernel, triggers)
+        else:
+            assert waits == [] and triggers == [], kernel
