@@ -236,10 +236,11 @@ def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_row, GS,
 
 @triton.jit
 def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                         N, stride_row, GS, n_group, topk_group, scale, E, BM, max_padded, n_blocks,
+                         N, stride_row, GS, n_group, topk_group, scale, E, max_padded, n_blocks,
                          R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr,
                          TOP_K: tl.constexpr, SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
-                         NP_BLOCK: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
+                         NP_BLOCK: tl.constexpr, BM: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr,
+                         PDL: tl.constexpr):
     rows = tl.arange(0, R_BLOCK)                                                  # all N rows side by side
     bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)
     if PDL:
@@ -257,7 +258,7 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
 
 
 @triton.jit
-def _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM, max_padded, n_blocks,
+def _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM: tl.constexpr, max_padded, n_blocks,
                  NP_BLOCK: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr, CACHE: tl.constexpr):
     """moe_align over the NP = N * (k + S) stored ids (kernels/moe_align.py's pair axis), E experts counting the
     shared ones: every cell of sorted_pairs, block_expert and total, with disjoint stores (no sentinel pass).
@@ -301,10 +302,11 @@ def _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, NP, E, BM, ma
 
 @triton.jit
 def _router_align_split_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                               count_ptr, N, stride_row, GS, n_group, topk_group, scale, E, BM, max_padded, n_blocks,
+                               count_ptr, N, stride_row, GS, n_group, topk_group, scale, E, max_padded, n_blocks,
                                G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                                SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
-                               NP_BLOCK: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
+                               NP_BLOCK: tl.constexpr, BM: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr,
+                               PDL: tl.constexpr):
     """Program r routes row r as _router_topk_kernel does and stores it; the program drawing ticket N - 1 from
     count_ptr (int32, zero between launches) aligns all N rows' ids and zeroes the counter (module docstring)."""
     rows = tl.program_id(0) + tl.arange(0, 1)                                     # one row per program
@@ -396,8 +398,8 @@ def _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK: tl.co
 
 @triton.jit
 def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                              N, stride_row, n_group, topk_group, scale, BM, max_padded, n_blocks,
-                              GS: tl.constexpr, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
+                              N, stride_row, n_group, topk_group, scale, max_padded, n_blocks,
+                              BM: tl.constexpr, GS: tl.constexpr, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
                               L_BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
                               K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     W: tl.constexpr = TOP_K + SHARED                                              # pairs per row
@@ -441,7 +443,7 @@ def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, 
 
 
 @triton.jit
-def _align_from_picks(picks, valid, eid, r, kk, N, BM, sorted_ptr, block_expert_ptr, total_ptr, E_ROUTED,
+def _align_from_picks(picks, valid, eid, r, kk, N, BM: tl.constexpr, sorted_ptr, block_expert_ptr, total_ptr, E_ROUTED,
                       TOP_K: tl.constexpr, SHARED: tl.constexpr):
     """moe_align's scatters from the pick tile (the sentinels are already stored): bits_e = the rows that picked e
     (the one cross-warp sum), then per cell the expert's count, segment offset and the row's rank in it."""
@@ -626,12 +628,12 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
     if rows is not None:
         _router_align_rows_kernel[(1,)](
             logits, expert_bias, *outputs, N, logits.stride(0), n_group, topk_group, float(routed_scaling_factor),
-            block_m, max_padded, n_blocks, **rows, PDL=pdl, **launch)
+            max_padded, n_blocks, BM=block_m, **rows, PDL=pdl, **launch)
         return outputs
     tile = _tile(n_group, group_size, top_k, fused_shared)
     align = dict(NP_BLOCK=max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs)),
-                 BM_BLOCK=max(2, triton.next_power_of_2(block_m)), FILL=FILL_BLOCK)
-    scalars = (logits.stride(0), group_size, n_group, topk_group, float(routed_scaling_factor), num_experts, block_m,
+                 BM=block_m, BM_BLOCK=max(2, triton.next_power_of_2(block_m)), FILL=FILL_BLOCK)
+    scalars = (logits.stride(0), group_size, n_group, topk_group, float(routed_scaling_factor), num_experts,
                max_padded, n_blocks)
     if use_split:
         counters = workspace if workspace is not None else align_counters(dev)

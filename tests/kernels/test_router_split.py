@@ -143,7 +143,7 @@ from triton.compiler import ASTSource
 import lingc.kernels.router as R
 pdl = sys.argv[1] == "1"
 tile = R._tile(8, 16, 8, 1)                                    # Ling-3.0-tiny verify: N = 6, E = 128 + 1, 54 pairs
-const = dict(tile, NP_BLOCK=64, BM_BLOCK=16, FILL=R.FILL_BLOCK, PDL=pdl)
+const = dict(tile, NP_BLOCK=64, BM=16, BM_BLOCK=16, FILL=R.FILL_BLOCK, PDL=pdl)
 sig = {n: "constexpr" if n in const else "fp32" if n == "scale" else
           ("*fp32" if n in ("logits_ptr", "bias_ptr", "w_ptr") else "*i32") if n.endswith("_ptr") else "i32"
        for n in R._router_align_split_kernel.arg_names}
