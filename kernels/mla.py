@@ -90,15 +90,16 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 # none of them may depend on T, B or the positions. SPLIT_ROWS must be a multiple of BLOCK_N.
 SPLIT_ROWS = 64          # cache rows per split: 8192 rows -> 128 splits, about one per SM at T = 1
 SPLIT_STAGES = 2
-# Occupancy: the split program's 211 registers (below) fit 2 CTAs an SM, so a 6-query verify's 768 split programs run
-# ~3 waves. A ptxas register cap of 168 (3 CTAs, 112 bytes of spills) measured no faster on the H200 (6 queries 46.5 vs
-# 46.5-46.9 us, 1 query 22.0 vs 18.5; bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
+# Occupancy: the split program's registers (182 with the latent chunks below, 211 before) fit 2 CTAs an SM, so a
+# 6-query verify's 768 split programs run ~3 waves. A ptxas register cap of 168 (3 CTAs, 112 bytes of spills) measured
+# no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5;
+# bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
 # Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
-# rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked offline with ptxas for sm_90:
-# bf16 H=16 R=512 at 4 warps: 211 registers, no spills (rechecked 2026-11-30 with the launch's divisibility-by-16
-# specialisation of the pointers and strides; compiled without it, the cache loads are not vectorised and it reads
-# 255); H=32 (Flash) needs 8 warps (150 registers); fp32
-# (IEEE dots, test models) spills at 32 rows, so 16 rows and 8 warps (91 registers).
+# rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked with ptxas for sm_90: bf16 H=16 R=512 at
+# 4 warps: 182 registers, no spills (the H200's Triton cache; compiled offline without the launch's divisibility-by-16
+# specialisation of the pointers and strides, the cache loads are not vectorised and the count is misleading);
+# H=32 (Flash) needs 8 warps (150 registers, before the chunks); fp32 (IEEE dots, test models) spills at 32 rows, so
+# 16 rows and 8 warps (91 registers).
 BLOCK_N = 32
 BLOCK_N_FP32 = 16
 # The split program loads its latent columns (q_lat and the cache's c_kv) as SPLIT_CHUNKS column chunks of R / 4 and
