@@ -84,7 +84,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import VIEW_OPS, calls, is_free, written_inputs
+from lingc.passes.matchers import base_buffer as _base, calls, is_free, written_buffers as _writes
 
 # rewrite 4 (decode's kda_conv_qkv + kda_recurrent -> kda_fused_decode); LINGC_KDA_FUSED_DECODE=0 keeps the two
 # launches (an A/B knob for bench/device_step.py: the one launch measured slower alone on the H200, kernels/kda.py)
@@ -97,18 +97,6 @@ MAX_COMMITS = 4                      # kda_commit_multi takes up to 4 (pool, sta
 
 
 # ---- what a node reads and writes ------------------------------------------------------------------------
-
-def _base(node: Any) -> Any:
-    """The buffer a view reads (a pool seen through views is the pool)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
-        node = node.args[0]
-    return node
-
-
-def _writes(node: fx.Node) -> set[fx.Node]:
-    """Inputs an op updates in place (schema arguments marked as written, lists included), as buffers."""
-    return {_base(v) for v in written_inputs(node)}
-
 
 def _reads(node: fx.Node) -> set[fx.Node]:
     return {_base(i) for i in node.all_input_nodes}

@@ -71,32 +71,10 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import VIEW_OPS, calls
+from lingc.passes.matchers import base_buffer as _base, calls, written_buffers as _writes
 
 aten = torch.ops.aten
 KEEP_META = ("lingc.scope", "lingc.stage")
-
-
-def _base(node: Any) -> Any:
-    """The buffer a view reads (a cache seen through views is the cache)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
-        node = node.args[0]
-    return node
-
-
-def _writes(node: fx.Node) -> set[Any]:
-    """Buffers an op updates in place (its schema's written arguments)."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.is_mutable:
-        return set()
-    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    named = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
-    out: set[Any] = set()
-    for key, value in named.items():
-        if key in written:
-            values = value if isinstance(value, (list, tuple)) else [value]
-            out |= {_base(v) for v in values if isinstance(v, fx.Node)}
-    return out
 
 
 def _can_delay(order: dict[fx.Node, int], nodes: list[fx.Node], members: list[fx.Node], to: fx.Node) -> bool:

@@ -38,6 +38,18 @@ def written_inputs(node: fx.Node) -> set[fx.Node]:
     return out
 
 
+def base_buffer(node):
+    """The buffer a value reads, looking through views (a pool or cache seen through views is that buffer)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def written_buffers(node: fx.Node) -> set:
+    """The buffers an op updates in place: its written inputs (written_inputs), looked through views."""
+    return {base_buffer(v) for v in written_inputs(node)}
+
+
 def calls(graph: fx.Graph, op_short: str) -> list[fx.Node]:
     """Every call of torch.ops.lingc.<op_short> in graph order."""
     target = OPS[op_short]
