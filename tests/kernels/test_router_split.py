@@ -153,7 +153,8 @@ ptx = triton.compile(ASTSource(fn=R._router_align_split_kernel, signature=sig, c
 lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
 find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
 print(find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), find("atom.global.gpu.acq_rel.add"),
-      find("ld.global.cg"), find("ld.global"), find("st.global"), find("bar.sync"), sep="|")
+      find("ld.global.cg"), find("ld.global"), find("st.global"), find("bar.sync"), find("div.s") + find("rem.s"),
+      sep="|")
 """
 
 
@@ -161,13 +162,15 @@ print(find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), fin
 def test_split_compiles_for_sm90(pdl: bool) -> None:
     """sm_90 PTX (a fresh process without TRITON_INTERPRET, no GPU): the bias load before griddepcontrol.wait and
     the logits after it; one acq_rel gpu-scope atomic (the ticket) after the wait, a CTA barrier right before it;
-    the ids reloaded through L2 (ld.global.cg) only after the ticket. Without PDL no griddepcontrol at all."""
+    the ids reloaded through L2 (ld.global.cg) only after the ticket; no integer division (block_m is a constexpr).
+    Without PDL no griddepcontrol at all."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _PTX_PROBE, "1" if pdl else "0"], capture_output=True, text=True,
                           timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    waits, triggers, atoms, cg_loads, loads, stores, barriers = (
+    waits, triggers, atoms, cg_loads, loads, stores, barriers, divisions = (
         eval(part) for part in proc.stdout.strip().splitlines()[-1].split("|"))
+    assert not divisions, divisions          # block_m is a constexpr: the align's block arithmetic is shifts
     assert len(atoms) == 1, atoms
     assert cg_loads and min(cg_loads) > atoms[0], (cg_loads, atoms)
     row_stores = [i for i in stores if i < atoms[0]]                              # the row's weights and ids
