@@ -57,9 +57,9 @@ it, at its BLOCK_N, num_warps (2 at R = 512) and fp fusion (on: the sum of squar
 reduction sequence is the rmsnorm kernel's, checked offline for sm_90 at Ling-3.0-tiny's shapes); the ropes are the
 rope kernel's helpers (_rope_inv_freq, _rope_cos_sin, _rope_rotate) with MUL_RN, every product an explicit mul.rn
 that fusion cannot contract (the rope kernel launches with fusion off; compiled so, the rope code's float SASS
-instructions are the fusion-off kernel's). Bit-equality on the H200 is still to be checked on the device; the
-interpreter is exact (tests/kernels/test_mla_prep.py). Bytes: q_pe, c_kv, k_pe in, q_rope out, one cache row out,
-the norm weight.
+instructions are the fusion-off kernel's). Bit-equal on the H200 at 1 and 6 tokens, PDL on and off
+(bench/kernel_mla.py's mla_prep row); the interpreter is exact (tests/kernels/test_mla_prep.py). Bytes: q_pe,
+c_kv, k_pe in, q_rope out, one cache row out, the norm weight.
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b and mla_prep's norm weight
 (weights, written by no earlier kernel) are loaded before `gdc_wait()` (mla_prep also computes its inv_freq there);

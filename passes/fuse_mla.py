@@ -52,8 +52,8 @@ backend gives the same bits. The kernels run the replaced kernels' arithmetic (k
 kernels/rmsnorm.py's row code at that kernel's block shape, warps and fp fusion (the same PTX reduction sequence for
 sm_90 at Ling-3.0-tiny's shapes: tests/kernels/test_mla_prep_sm90.py), the ropes the rope kernel's code with its
 products as explicit mul.rn (so the norm's fp fusion cannot contract them; the float SASS instructions match the
-fusion-off rope kernel's), the gate the sigmoid_gate kernel's code on v_absorb's rounded output. Bit-equality on the
-GPU is still to be checked on the device (bench/kernel_mla.py's mla_prep and mla_attention+gate rows); the
+fusion-off rope kernel's), the gate the sigmoid_gate kernel's code on v_absorb's rounded output. Bit-equal on the
+H200 at 1 and 6 tokens, PDL on and off (bench/kernel_mla.py's mla_prep and mla_attention+gate rows); the
 interpreter (tests/kernels/test_mla_prep.py, test_mla.py) is bit-exact.
 
 TP: mla_prep's q_rope and the gate carry the heads, so after the tp pass they have the rank's H / N heads like

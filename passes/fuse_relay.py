@@ -51,19 +51,12 @@ from lingc.ops import OPS
 from lingc.ops.meta import RELAY_MULTI_MAX
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import VIEW_OPS, written_inputs
+from lingc.passes.matchers import base_buffer, written_buffers
 
 aten = torch.ops.aten
 ADD_OPS = {aten.add.Tensor: 1, aten.sub.Tensor: -1}
 INT_DTYPES = (torch.int32, torch.int64)
 KEEP_META = ("lingc.scope", "lingc.stage", "lingc.capture")
-
-
-def _base(node: Any) -> Any:
-    """The buffer a view reads."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
-        node = node.args[0]
-    return node
 
 
 class _Effects:
@@ -72,8 +65,8 @@ class _Effects:
     def __init__(self, graph: fx.Graph):
         self.nodes = list(graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
-        self.writes = {n: {_base(v) for v in written_inputs(n)} for n in self.nodes}
-        self.reads = {n: {_base(i) for i in n.all_input_nodes} for n in self.nodes}
+        self.writes = {n: written_buffers(n) for n in self.nodes}
+        self.reads = {n: {base_buffer(i) for i in n.all_input_nodes} for n in self.nodes}
 
     def between(self, first: fx.Node, last: fx.Node) -> list[fx.Node]:
         """The nodes after `first` up to and including `last`."""
@@ -106,7 +99,7 @@ def _gather_groups(graph: fx.Graph) -> list[list[fx.Node]]:
             anchor = group[0]
             if anchor.args[1] is not slots or len(group) >= RELAY_MULTI_MAX:
                 continue
-            if any(effects.writes[n] & {table, _base(slots)}
+            if any(effects.writes[n] & {table, base_buffer(slots)}
                    for n in effects.nodes[effects.order[anchor]:effects.order[node]]):
                 continue                                   # the table (or slots) changes between: read it later
             group.append(node)
@@ -186,7 +179,7 @@ def _safe_at(effects: _Effects, write: _Write, anchor: fx.Node) -> bool:
     between its first read of the value and there writes the value's buffer or slots, and nothing after the scatter
     reads or writes its table."""
     skip = {write.node, *write.folded}
-    inputs = {_base(write.value), _base(write.slots)}
+    inputs = {base_buffer(write.value), base_buffer(write.slots)}
     after_scatter = effects.order[write.node]
     for n in effects.between(write.start, anchor):
         if n in skip:

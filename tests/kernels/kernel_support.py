@@ -22,3 +22,15 @@ def poisoned_empty() -> Iterator[None]:
         yield
     finally:
         torch.empty = real
+
+
+def poison_float_empty(monkeypatch) -> None:
+    """For the rest of a test, torch.empty returns NaN-filled float tensors (other dtypes as torch makes them), so a
+    float output cell a launcher allocates and its kernel never writes shows. monkeypatch restores it."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)

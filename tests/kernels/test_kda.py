@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lingc.kernels import kda as K
+from kernel_support import poison_float_empty  # noqa: E402  (tests/kernels is on sys.path)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 dtypes = pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -358,13 +359,7 @@ def test_fused_decode_bad_inputs_raise() -> None:
 @pytest.fixture
 def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     """Launcher-allocated float outputs start as NaN, so an element the kernel never writes shows."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+    poison_float_empty(monkeypatch)
 
 
 @dtypes

@@ -17,6 +17,7 @@ import torch
 import lingc.kernels.mla as mla
 from lingc.kernels.mla import (mla_attention, mla_attention_ref, mla_cache_write, mla_cache_write_ref, rope,
                                rope_ref, sigmoid_gate, sigmoid_gate_ref)
+from kernel_support import poison_float_empty  # noqa: E402  (tests/kernels is on sys.path)
 
 H, N, RR, R, VD = 2, 16, 8, 32, 16
 SCALE = (N + RR) ** -0.5
@@ -33,13 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 @pytest.fixture(autouse=True)
 def _poisoned_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every float buffer the launchers allocate (outputs, q_lat, split partials) starts as NaN."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(mla.torch, "empty", poisoned)
+    poison_float_empty(monkeypatch)
 
 
 def _case(B: int, T: int, dtype: torch.dtype, seed: int, ps: int = 4, mp: int = 11, spare: int = 7,

@@ -18,6 +18,7 @@ import torch
 import lingc.kernels.mla as mla
 from lingc.kernels.mla import mla_cache_write, mla_prep, mla_prep_ref, rope
 from lingc.kernels.rmsnorm import rmsnorm
+from kernel_support import poison_float_empty  # noqa: E402  (tests/kernels is on sys.path)
 
 H, RR, R, N = 3, 8, 40, 16               # odd head count and latent width (R is padded to a 64 block)
 PS, MP = 4, 5                            # pages of 4 rows, 5 pages per request
@@ -30,13 +31,7 @@ shapes = pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 6), (2, 6)], ids=["
 @pytest.fixture(autouse=True)
 def _poisoned_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every float buffer the mla launchers allocate (mla_prep's q_rope) starts as NaN."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(mla.torch, "empty", poisoned)
+    poison_float_empty(monkeypatch)
 
 
 def _case(B: int, T: int, dtype: torch.dtype, seed: int) -> dict:
