@@ -250,22 +250,30 @@ def _pick(values, t, T: tl.constexpr):
 
 
 @triton.jit
-def _load_window(pool_row, x_row, s_xt, mask, T: tl.constexpr, W: tl.constexpr):
-    """A conv's whole window for T positions as a tuple of W - 1 + T vectors: element i is pool[i] (in x's dtype)
-    for i < W - 1, then x[i - (W - 1)], the values _window_value loads one at a time. All loads issue at once."""
+def _pool_window(pool_row, x_row, mask, W: tl.constexpr):
+    """The pool part of a conv window: W - 1 vectors pool[i] in x's dtype, read through L2 (`.cg`: the fused
+    kernels may load them before their PDL wait, see _kda_fused_kernel)."""
+    win = ()
+    for i in tl.static_range(W - 1):
+        win = win + (tl.load(pool_row + i, mask=mask, other=0.0, cache_modifier=".cg").to(x_row.dtype.element_ty),)
+    return win
+
+
+@triton.jit
+def _x_window(x_row, s_xt, mask, T: tl.constexpr):
+    """The x part of a conv window: T vectors x[t]. With _pool_window, a conv's whole window for T positions as a
+    tuple of W - 1 + T vectors (element i is pool[i] for i < W - 1, then x[i - (W - 1)]: the values _window_value
+    loads one at a time)."""
     xs = ()
     for t in tl.static_range(T):
         xs = xs + (tl.load(x_row + t * s_xt, mask=mask, other=0.0),)
-    win = ()
-    for i in tl.static_range(W - 1):
-        win = win + (tl.load(pool_row + i, mask=mask, other=0.0).to(xs[0].dtype),)
-    return win + xs
+    return xs
 
 
 @triton.jit
 def _conv_window(win, t: tl.constexpr, w0, w1, w2, w3, W: tl.constexpr, PRECISE: tl.constexpr):
     """silu(sum_j w_j * win[t + j]) in fp32, taps summed j = 0 .. W-1 one by one, as the reference does; win holds
-    the window in registers (_load_window, or _conv_at's W loaded values)."""
+    the window in registers (_pool_window + _x_window, or _conv_at's W loaded values)."""
     y = win[t].to(tl.float32) * w0
     y = y + win[t + 1].to(tl.float32) * w1
     if W > 2:
@@ -398,7 +406,9 @@ def _update_windows(cq_row, ck_row, cv_row, qx_row, kx_row, vx_row, s_xt, count_
     """kda_fused_decode's in-place conv window update, once this V tile has read every window it reads: a ticket
     from the head's counter, and the tile that draws the last one updates the head's q/k windows (every tile
     reads them) and zeroes the counter; each tile updates its own v channels. Taken before any store of the
-    program (at T = 1), so the release has nothing to drain, and before the recurrence, under the state load."""
+    program (at T = 1), so the release has nothing to drain, and before the recurrence, under the state load.
+    After the PDL wait: the counter is shared by every kda_fused_decode launch of the device, and the wait is
+    what orders this launch's increments after the previous launch's reset."""
     tl.debug_barrier()  # every thread's window loads come before the ticket (release) is taken
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:              # every tile of the head has read the q/k windows
@@ -440,12 +450,16 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
     wv3 = _tap_weight(wv_ptr, cv, vm, 3, W)
     a = _exp(tl.load(a_log_ptr + h).to(tl.float32), PRECISE)
     dtb = tl.load(dt_bias_ptr + h * D + rk, mask=km, other=0.0).to(tl.float32)
-    if PDL:
-        pdl_wait()
-    slot = tl.load(slots_ptr + b).to(tl.int64)
+    # 0. the state slice and the pool windows: under PDL, before the wait. Their
+    #    writers (the host's slots; this layer's kda kernels or commits of an earlier step) are at least two
+    #    kernels back, and a PDL kernel's programs start only after every program of the kernel before it has
+    #    passed its own wait, i.e. after the kernel two back completed (kernels/pdl.py); the pdl pass launches a
+    #    fused KDA kernel without PDL where its predecessor writes a pool (passes/pdl.py `_prewait_safe`).
+    #    Read through L2 (`.cg`), as L1 is not coherent. The wait then only guards q/k/v/f/b (the projection).
+    slot = tl.load(slots_ptr + b, cache_modifier=".cg").to(tl.int64)
     tile = h * D * D + rk[:, None] * D + rv[None, :]
     tmask = km[:, None] & vm[None, :]
-    S = tl.load(pool_ptr + slot * H * D * D + tile, mask=tmask, other=0.0)
+    S = tl.load(pool_ptr + slot * H * D * D + tile, mask=tmask, other=0.0, cache_modifier=".cg")
     cq_row = cq_ptr + slot * s_cpool + ck * (W - 1)
     ck_row = ck_ptr + slot * s_cpool + ck * (W - 1)
     cv_row = cv_ptr + slot * s_cpool + cv * (W - 1)
@@ -454,13 +468,18 @@ def _kda_fused_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_p
     vx_row = vx_ptr + b * s_xb + cv
     f_row = f_ptr + b * s_fb + h * s_fh + rk
     b_row = b_ptr + b * s_bb + h * s_bh
+    pwin_q = _pool_window(cq_row, qx_row, km, W)
+    pwin_k = _pool_window(ck_row, kx_row, km, W)
+    pwin_v = _pool_window(cv_row, vx_row, vm, W)
+    if PDL:
+        pdl_wait()
     # the q/k channels whose staged windows this V tile writes (its own slice; all tiles compute all of them)
     own = km & (rk >= tl.program_id(1) * BV) & (rk < tl.program_id(1) * BV + BV)
-    # 1. every load of data an earlier kernel wrote, all T positions at once (T is a constexpr: unrolled), so the
+    # 1. every load of data the projection wrote, all T positions at once (T is a constexpr: unrolled), so the
     #    chain below pays one load latency, not one per position behind the previous position's reductions
-    win_q = _load_window(cq_row, qx_row, s_xt, km, T, W)
-    win_k = _load_window(ck_row, kx_row, s_xt, km, T, W)
-    win_v = _load_window(cv_row, vx_row, s_xt, vm, T, W)
+    win_q = pwin_q + _x_window(qx_row, s_xt, km, T)
+    win_k = pwin_k + _x_window(kx_row, s_xt, km, T)
+    win_v = pwin_v + _x_window(vx_row, s_xt, vm, T)
     fs = ()
     bs = ()
     for t in tl.static_range(T):

@@ -41,7 +41,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls, consumers, is_free, producer, written_inputs
+from lingc.passes.matchers import base_buffer, calls, consumers, is_free, producer, written_buffers, written_inputs
 
 
 SOLO = True      # annotate the kernels outside chains as single-kernel "solo" links (module docstring)
@@ -107,6 +107,24 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
     return not (set(node.all_input_nodes) & written_by_chain)
 
 
+# Kernels whose PDL path loads some inputs BEFORE gdc_wait (kernels/kda.py _kda_fused_kernel: the state pool, the
+# conv pools and the slots): safe when the kernel just before them writes none of those buffers, since a PDL
+# kernel's programs start only after the kernel two back has completed (kernels/pdl.py). Indices are the op's
+# positional arguments (after `_prewait_safe` looks through views).
+PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14)}
+
+
+def _prewait_safe(graph: fx.Graph, node: fx.Node, short: str) -> bool:
+    """False if the launch before `node` writes a buffer `node` may read before its PDL wait."""
+    prev = node.prev
+    while prev.op != "root" and (prev.op != "call_function" or is_free(prev)):
+        prev = prev.prev
+    if prev.op == "root":
+        return True
+    early = {base_buffer(node.args[i]) for i in PREWAIT_INPUTS[short]}
+    return not (written_buffers(prev) & early)
+
+
 def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.Node]], list[str]]:
     """Move independent kernels out from between chain members; split where a kernel depends on the chain."""
     order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
@@ -144,6 +162,7 @@ class Pdl(Pass):
         chains: list[dict[str, Any]] = []
         moved_all: list[str] = []
         solo: dict[str, int] = {}
+        unsafe: list[str] = []
         for gname, graph in program.graphs.items():
             found: list[tuple[str, list[fx.Node]]] = []
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
@@ -169,9 +188,14 @@ class Pdl(Pass):
                         node.meta["lingc.pdl"] = {"chain": label, "index": i, "length": len(piece),
                                                   "early_launch": i > 0}
                     chains.append({"graph": gname, "chain": label, "nodes": [n.name for n in piece]})
+            for short in PREWAIT_INPUTS:
+                for node in calls(graph, short):
+                    if "lingc.pdl" in node.meta and not _prewait_safe(graph, node, short):
+                        del node.meta["lingc.pdl"]           # launched without PDL: its loads are stream-ordered
+                        unsafe.append(f"{gname}:{node.name}")
             if SOLO:
                 for node in graph.nodes:
                     if node.op == "call_function" and not is_free(node) and "lingc.pdl" not in node.meta:
                         node.meta["lingc.pdl"] = dict(SOLO_META)
                         solo[gname] = solo.get(gname, 0) + 1
-        return {"matches": len(chains), "chains": chains, "moved": moved_all, "solo": solo}
+        return {"matches": len(chains), "chains": chains, "moved": moved_all, "solo": solo, "no_pdl": unsafe}
