@@ -90,6 +90,10 @@ DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)   #
 # 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); with it alone 1.474 against 1.413
 # (NEXTN 4.079 vs 3.987 ms; step-ab-h200-20261130-e.json). LINGC_MOE_DOWN_PREFETCH=1 turns it on
 DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
+# the down-GEMM's register preload of its whole weight tile (K <= PRELOAD_MAX_K), before its PDL wait, so the tile
+# streams from HBM while the up-GEMM runs: LINGC_MOE_DOWN_PRELOAD=1 (A/B pending on the H200)
+DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "0") == "1"
+PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
 ACT_BLOCK = 1024             # silu_and_mul: output columns per program (I = 512: one program per row)
@@ -120,15 +124,33 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr, LIBDEVICE_EXP: tl.constexp
 
 
 @triton.jit
+def _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr):
+    """PRELOAD: the program's whole weight tile as K_CHUNKS [BLOCK_K, BLOCK_N] chunks in registers, the values
+    _gemm_tile's loop loads (zeros past K and N). block_expert through L2 (.cg): under PDL this runs before the
+    wait, and its writer (the align) is two kernels back (module docstring)."""
+    expert = tl.load(block_expert_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    ws = ()
+    for c in tl.static_range(K_CHUNKS):
+        mask = (c * BLOCK_K + offs_k < K)[:, None] & (offs_n < N)[None, :]
+        ws = ws + (tl.load(w_ptrs + c * BLOCK_K, mask=mask, other=0.0, eviction_policy="evict_first"),)
+    return ws
+
+
+@triton.jit
 def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
-               LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr):
+               LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr, ws, K_CHUNKS: tl.constexpr):
     """One grouped-GEMM tile: N-tile pid_n of block pid_m (which must be in use), stored. Shared by
     _moe_gemm_kernel and kernels/moe_fused.py, so the two give a tile the same bits. A_CG loads the A rows
-    through L2 only (.cg): the fused kernel's down tiles read rows other programs of the same launch wrote."""
+    through L2 only (.cg): the fused kernel's down tiles read rows other programs of the same launch wrote.
+    K_CHUNKS > 0: the weight tile is `ws` (_preload_tile), the same chunks in the same order of dots."""
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = tl.arange(0, TILE_M)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs)  # [TILE_M]
@@ -140,24 +162,31 @@ def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]                                    # [TILE_M, BK]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_mask = valid[:, None]
-            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy="evict_first")
-        else:
-            k_ok = k0 + offs_k < K
-            a_mask = valid[:, None] & k_ok[None, :]
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if A_CG:
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
-        else:
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    for c in tl.static_range(K_CHUNKS):                      # PRELOAD: every A chunk at once, then the dots
+        a = tl.load(a_ptrs + c * BLOCK_K, mask=valid[:, None] & (c * BLOCK_K + offs_k < K)[None, :], other=0.0)
         if IEEE_DOT:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(a.to(tl.float32), ws[c].to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            acc = tl.dot(a, ws[c], acc)
+    if K_CHUNKS == 0:
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a_mask = valid[:, None]
+                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy="evict_first")
+            else:
+                k_ok = k0 + offs_k < K
+                a_mask = valid[:, None] & k_ok[None, :]
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if A_CG:
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
+            else:
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if IEEE_DOT:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     h = acc.to(out_ptr.dtype.element_ty)  # the one rounding moe_up stores; the fused epilogue starts from it
     out_rows = out_ptr + pairs.to(tl.int64)[:, None] * stride_om
     if SWIGLU:
@@ -190,20 +219,28 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     K_LINES: tl.constexpr, LINE: tl.constexpr):
+                     K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    ws = ()
+    if K_CHUNKS > 0:          # PRELOAD (the down-GEMM): the align is two kernels back, see the module docstring
+        total = tl.load(total_ptr, cache_modifier=".cg")
+        if pid_m * BLOCK_M >= total:
+            return
+        ws = _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K,
+                           K_CHUNKS)
     if PDL:
         if PREFETCH:
             _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we,
                            stride_wn, BLOCK_M, BLOCK_N, K_LINES, LINE)
         pdl_wait()
-    total = tl.load(total_ptr)
-    if pid_m * BLOCK_M >= total:
-        return
+    if K_CHUNKS == 0:
+        total = tl.load(total_ptr)
+        if pid_m * BLOCK_M >= total:
+            return
     _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n, num_pairs, N, K, stride_am,
                stride_we, stride_wn, stride_om, limit, TOP_K, BLOCK_M, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU,
-               HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, False)
+               HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, False, ws, K_CHUNKS)
     if PDL:
         pdl_trigger()
 
@@ -360,9 +397,10 @@ def _out(op: str, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.
 def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
                   swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
-                  prefetch: bool = False) -> torch.Tensor:
+                  prefetch: bool = False, preload: bool = False) -> torch.Tensor:
     """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K].
-    prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring)."""
+    prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring).
+    preload: the whole weight tile into registers first, before the PDL wait (the down-GEMM; K <= PRELOAD_MAX_K)."""
     _float_dtype(a, op, "activations")
     if a.dim() != 2 or w.dim() != 3 or w.shape[2] != a.shape[1] or w.dtype != a.dtype:
         raise ValueError(f"{op}: activations {list(a.shape)} {a.dtype} and weights {list(w.shape)} {w.dtype}: "
@@ -395,6 +433,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
+        K_CHUNKS=triton.cdiv(k, config.block_k) if preload and k <= PRELOAD_MAX_K else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
@@ -427,7 +466,7 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, bl
              config: GemmConfig | None = None) -> torch.Tensor:
     """Grouped down-GEMM, unweighted: act [NP, I], w2 [E, h, I] -> [NP, h] in act.dtype (pair p reads row p)."""
     return _grouped_gemm("moe_down", act, w2, sorted_pairs, block_expert, total, 1, block_m, 0.0,
-                         False, pdl, out, config or DOWN_CONFIG, prefetch=DOWN_PREFETCH)
+                         False, pdl, out, config or DOWN_CONFIG, prefetch=DOWN_PREFETCH, preload=DOWN_PRELOAD)
 
 
 def silu_and_mul(h: torch.Tensor, limit: float, *, pdl: bool = False,

@@ -73,7 +73,7 @@ def _moe_fused_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, down_ptr, out_ptr, tw_ptr
         b = t // up_strips
         _gemm_tile(x_ptr, w13_ptr, act_ptr, sorted_ptr, block_expert_ptr, b, t % up_strips, num_pairs, N13, K_UP,
                    stride_xm, stride_w13e, stride_w13n, stride_act, limit, TOP_K, BLOCK_M, TILE_M, UP_BN, UP_BK,
-                   EVEN_UP, True, HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, False)
+                   EVEN_UP, True, HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, False, (), 0)
         tl.debug_barrier()                                    # every thread's act stores precede the release
         tl.atomic_add(up_count_ptr + b, 1, sem="release", scope="gpu")
     for t in range(pid, blocks * down_strips, progs):
@@ -83,7 +83,7 @@ def _moe_fused_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, down_ptr, out_ptr, tw_ptr
             pass
         _gemm_tile(act_ptr, w2_ptr, down_ptr, sorted_ptr, block_expert_ptr, b, j, num_pairs, H, K_DOWN,
                    stride_act, stride_w2e, stride_w2n, stride_down, 0.0, 1, BLOCK_M, TILE_M, DOWN_BN, DOWN_BK,
-                   EVEN_DOWN, False, False, IEEE_DOT, LIBDEVICE_EXP, True)
+                   EVEN_DOWN, False, False, IEEE_DOT, LIBDEVICE_EXP, True, (), 0)
         tl.debug_barrier()
         ticket = tl.atomic_add(down_count_ptr + j, 1, sem="acq_rel", scope="gpu")
         if ticket == blocks - 1:                              # strip j of every block is stored: combine it

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lingc.kernels.moe import (INTERLEAVE4, LOWERINGS, SEQUENTIAL, interleave_w13, moe_combine, moe_combine_ref,
+from lingc.kernels.moe import (INTERLEAVE4, LOWERINGS, SEQUENTIAL, GemmConfig, _grouped_gemm, interleave_w13,
+                               moe_combine, moe_combine_ref,
                                moe_down, moe_down_ref, moe_up, moe_up_act, moe_up_act_ref, moe_up_ref,
                                silu_and_mul, silu_and_mul_ref)
 from lingc.kernels.moe_align import moe_align_ref
@@ -260,3 +261,16 @@ def test_lowerings_cover_the_reference_ops() -> None:
     assert set(LOWERINGS) == {"moe_up", "moe_up_act", "silu_and_mul", "moe_down", "moe_combine", "combine_add_rmsnorm"}
     for name in LOWERINGS:
         assert hasattr(torch.ops.lingc, name)
+
+
+@cases
+@dtypes
+def test_down_preload_is_bit_identical_to_the_loop(n, k, num_experts, h, inter, block_m, dtype) -> None:
+    """The down-GEMM's register preload of its weight tile (LINGC_MOE_DOWN_PRELOAD) runs the loop's dots on the
+    same chunks in the same order: 16-wide K chunks give 2 (masked tail) to 4 of them here."""
+    m = Moe(n, k, num_experts, h, inter, dtype, block_m, seed=n * 100 + h + 7)
+    cfg = GemmConfig(block_n=32, block_k=16, num_warps=4, num_stages=3)
+    args = ("moe_down", m.act, m.w2, *m.align, 1, block_m, 0.0, False, False, None, cfg)
+    looped = _grouped_gemm(*args)
+    preloaded = _grouped_gemm(*args, preload=True)
+    assert torch.equal(looped, preloaded)
