@@ -51,7 +51,12 @@ and its block's expert through L2 and asks L2 for its whole [BLOCK_N, K] weight 
 two kernels back (align -> up-GEMM -> down-GEMM): the down-GEMM launches only when every up-GEMM program has passed
 its own wait (the trigger follows the wait), so the align has completed and the tile is right, and its 12.6 MB
 stream while the up-GEMM runs. Correctness never depends on it: the tile is loaded again after the wait, and a stale
-expert id (PDL off upstream) would only waste bandwidth. `gdc_launch_dependents()` follows the last load of data an
+expert id (PDL off upstream) would only waste bandwidth. The down-GEMM's PRELOAD (on by default at decode's pair
+counts, DOWN_PRELOAD) goes further on the same grounds: before the wait it reads total and its block's expert (.cg)
+and loads its whole weight tile into registers; after the wait only the act rows. Here correctness does rely on the
+align being complete, so the pdl pass launches a moe_down without PDL where the launch just before it produced or
+wrote its align (passes/pdl.py PREWAIT_INPUTS; never in lingc's graphs, where the up-GEMM sits between). With PDL
+off the loads are stream-ordered anyway. `gdc_launch_dependents()` follows the last load of data an
 earlier kernel wrote (the K loop's A rows, the SwiGLU inputs, the combine inputs). With PDL off no GDC call
 is emitted (the interpreter cannot run them).
 """
@@ -90,10 +95,14 @@ DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)   #
 # 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); with it alone 1.474 against 1.413
 # (NEXTN 4.079 vs 3.987 ms; step-ab-h200-20261130-e.json). LINGC_MOE_DOWN_PREFETCH=1 turns it on
 DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
-# the down-GEMM's register preload of its whole weight tile (K <= PRELOAD_MAX_K), before its PDL wait, so the tile
-# streams from HBM while the up-GEMM runs: LINGC_MOE_DOWN_PRELOAD=1 (A/B pending on the H200)
-DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "0") == "1"
+# the down-GEMM's register preload of its whole weight tile, before its PDL wait, so the tile streams from HBM while
+# the up-GEMM runs. Only at <= PRELOAD_MAX_PAIRS pairs (a decode step's 9) and K <= PRELOAD_MAX_K: the H200 step
+# (bench/results/step-ab-h200-20261201.json) measured decode 1.328 vs 1.356 ms with it, but verify (54 pairs, ~2000
+# programs whose early-resident preloads crowd the up-GEMM) 2.727 vs 2.638. It never changes bits (same chunks, same
+# order of dots), so the pair count may choose it. LINGC_MOE_DOWN_PRELOAD=0 turns it off.
+DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
+PRELOAD_MAX_PAIRS = 16
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
 ACT_BLOCK = 1024             # silu_and_mul: output columns per program (I = 512: one program per row)
@@ -400,7 +409,8 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
                   prefetch: bool = False, preload: bool = False) -> torch.Tensor:
     """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K].
     prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring).
-    preload: the whole weight tile into registers first, before the PDL wait (the down-GEMM; K <= PRELOAD_MAX_K)."""
+    preload: the whole weight tile into registers first, before the PDL wait (the down-GEMM; K <= PRELOAD_MAX_K and
+    at most PRELOAD_MAX_PAIRS pairs)."""
     _float_dtype(a, op, "activations")
     if a.dim() != 2 or w.dim() != 3 or w.shape[2] != a.shape[1] or w.dtype != a.dtype:
         raise ValueError(f"{op}: activations {list(a.shape)} {a.dtype} and weights {list(w.shape)} {w.dtype}: "
@@ -433,7 +443,8 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
-        K_CHUNKS=triton.cdiv(k, config.block_k) if preload and k <= PRELOAD_MAX_K else 0,
+        K_CHUNKS=triton.cdiv(k, config.block_k) if preload and k <= PRELOAD_MAX_K and num_pairs <= PRELOAD_MAX_PAIRS
+        else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 

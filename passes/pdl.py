@@ -107,22 +107,26 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
     return not (set(node.all_input_nodes) & written_by_chain)
 
 
-# Kernels whose PDL path loads some inputs BEFORE gdc_wait (kernels/kda.py _kda_fused_kernel: the state pool, the
-# conv pools and the slots): safe when the kernel just before them writes none of those buffers, since a PDL
+# Kernels whose PDL path loads some inputs BEFORE gdc_wait: kernels/kda.py _kda_fused_kernel (the conv pools, the
+# state pool, the slots) and kernels/moe.py's down-GEMM preload (sorted_pairs, block_expert, total: the align's
+# outputs). Safe when the launch just before them neither writes nor produces any of those buffers, since a PDL
 # kernel's programs start only after the kernel two back has completed (kernels/pdl.py). Indices are the op's
-# positional arguments (after `_prewait_safe` looks through views).
-PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14)}
+# positional arguments.
+PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14),
+                  "moe_down": (2, 3, 4)}
 
 
 def _prewait_safe(graph: fx.Graph, node: fx.Node, short: str) -> bool:
-    """False if the launch before `node` writes a buffer `node` may read before its PDL wait."""
+    """False if the launch before `node` writes or produces a buffer `node` may read before its PDL wait."""
     prev = node.prev
     while prev.op != "root" and (prev.op != "call_function" or is_free(prev)):
         prev = prev.prev
     if prev.op == "root":
         return True
-    early = {base_buffer(node.args[i]) for i in PREWAIT_INPUTS[short]}
-    return not (written_buffers(prev) & early)
+    early = [node.args[i] for i in PREWAIT_INPUTS[short]]
+    if written_buffers(prev) & {base_buffer(a) for a in early}:
+        return False
+    return all(not isinstance(a, fx.Node) or producer(a) is not prev for a in early)
 
 
 def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.Node]], list[str]]:

@@ -26,11 +26,14 @@ def _verify_graph(between: bool) -> tuple[fx.Graph, fx.Node]:
     return g, node
 
 
-def test_prewait_indices_name_the_pools_and_slots():
+def test_prewait_indices_name_the_early_inputs():
     names = [a.name for a in OPS.kda_fused_decode._schema.arguments]
+    want = {"kda_fused_decode": ["conv_q_pool", "conv_k_pool", "conv_v_pool", "state_pool", "slots"],
+            "moe_down": ["sorted_pairs", "block_expert", "total"]}
+    want["kda_fused_verify"] = want["kda_fused_decode"]
     for short, idx in PREWAIT_INPUTS.items():
         args = [a.name for a in getattr(OPS, short)._schema.arguments]
-        assert [args[i] for i in idx] == ["conv_q_pool", "conv_k_pool", "conv_v_pool", "state_pool", "slots"]
+        assert [args[i] for i in idx] == want[short]
     assert "state_pool" in names
 
 
@@ -41,10 +44,24 @@ def test_a_pool_writer_just_before_makes_it_unsafe():
     assert _prewait_safe(g, node, "kda_fused_verify")
 
 
-def test_pdl_keeps_every_fused_kda_kernel_in_lingc_graphs(tiny_partitioned: Program):
+def test_pdl_keeps_every_early_loading_kernel_in_lingc_graphs(tiny_partitioned: Program):
     fused, _ = FuseKda().run(tiny_partitioned)
     scheduled, record = Pdl().run(fused)
     assert record.details["no_pdl"] == []
-    kda = [n for g in scheduled.graphs.values() for n in g.nodes
-           if n.target in (OPS.kda_fused_decode, OPS.kda_fused_verify)]
-    assert kda and all("lingc.pdl" in n.meta for n in kda)
+    early = [n for g in scheduled.graphs.values() for n in g.nodes
+             if n.target in (OPS.kda_fused_decode, OPS.kda_fused_verify, OPS.moe_down)]
+    assert early and all("lingc.pdl" in n.meta for n in early)
+
+
+def test_moe_down_right_after_its_align_is_unsafe():
+    """moe_down preloads the align's outputs before its wait: the align must not be the launch just before it."""
+    g = fx.Graph()
+    ids, x, act, w2 = (g.placeholder(n) for n in ("ids", "x", "act", "w2"))
+    align = g.call_function(OPS.moe_align, (ids, 8, 16))
+    parts = [g.call_function(__import__("operator").getitem, (align, i)) for i in range(3)]
+    down = g.call_function(OPS.moe_down, (act, w2, *parts, 16))
+    g.output(down)
+    assert not _prewait_safe(g, down, "moe_down")
+    with g.inserting_before(down):
+        g.call_function(OPS.linear, (x, w2))
+    assert _prewait_safe(g, down, "moe_down")
