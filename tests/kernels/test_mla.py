@@ -9,10 +9,17 @@ folded into mla_attention (fuse_mla) must give the sigmoid_gate kernel's bits; m
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import lingc.kernels.mla as mla
 from lingc.kernels.mla import (mla_attention, mla_attention_ref, mla_cache_write, mla_cache_write_ref, rope,
@@ -114,6 +121,165 @@ def test_attention_row_invariance(split: dict, dtype: torch.dtype) -> None:
             assert torch.equal(single[0, 0], chain[b, t]), f"query ({b}, {t}) differs from its T=1 call"
     bigger = dict(c, page_rows=torch.cat([c["page_rows"], c["page_rows"].flip(1)], dim=1))   # MP 11 -> 22
     assert torch.equal(_attend(bigger, **split), chain), "the cache capacity changed a query's bits"
+
+
+# The absorptions as they were before their query loop (a program per head, column block and query), kept to check the
+# loop's bits: the loop must run each query's code unchanged.
+@triton.jit
+def _q_absorb_per_query(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, stride_w,
+                        H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
+                        BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    h = tl.program_id(0)
+    m = tl.program_id(2)
+    offs_n = tl.arange(0, BLOCK_NOPE)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_n, mask_r = offs_n < N, offs_r < R
+    w_rows = (h * HEAD_ROWS + offs_n).to(tl.int64)
+    w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
+                mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+    b, t = m // T, m % T
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
+                mask=mask_n, other=0.0).to(tl.float32)
+    q_lat = tl.sum(q[:, None] * w, axis=0)
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
+
+
+@triton.jit
+def _v_absorb_per_query(olat_ptr, w_ptr, out_ptr, g_ptr, T, stride_w, stride_gb, stride_gt, stride_gh,
+                        H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
+                        BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr):
+    h = tl.program_id(0)
+    m = tl.program_id(2)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_v, mask_r = offs_v < VD, offs_r < R
+    w_rows = (h * HEAD_ROWS + N + offs_v).to(tl.int64)
+    w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
+                mask=mask_v[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+    o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)
+    if GATE:
+        b, t = m // T, m % T
+        g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh).to(tl.float32)
+    out = tl.sum(w * o[None, :], axis=1)
+    if GATE:
+        ty = out_ptr.dtype.element_ty
+        out = out.to(ty).to(tl.float32) * mla._head_gate(g).to(ty).to(tl.float32)
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 3)], ids=["M1", "M3", "M6"])
+@dtypes
+def test_absorb_loops_give_the_per_query_kernels_bits(B: int, T: int, dtype: torch.dtype) -> None:
+    """q / v absorb (a program per head and column block, a loop over the M queries, every look-ahead depth) against
+    the per-query-program kernels they replaced, bit for bit: strided q and gate views, two column blocks with a
+    partial one, padded N and R."""
+    Hh, Nn, Rk, Vd = 2, 24, 80, 20                      # BLOCK_NOPE 32; q: 2 blocks of 64; v: 2 of 16, BLOCK_R 128
+    g = torch.Generator().manual_seed(B * 10 + T)
+    q = torch.randn(B, T, Hh, Nn + 8, generator=g).to(dtype)[..., :Nn]                # a view, as q_nope is
+    w = (torch.randn(Hh * (Nn + Vd), Rk, generator=g) * Rk ** -0.5).to(dtype)
+    o_lat = torch.randn(B * T, Hh, Rk, generator=g)                                    # fp32, as the combine writes
+    logits = (4 * torch.randn(B, T, Hh + 1, generator=g)).to(dtype)[..., 1:]          # a view
+    M, qa, va, nan = B * T, mla.QA_BLOCK_R, mla.VA_BLOCK_V, float("nan")
+    common = dict(H=Hh, N=Nn, R=Rk, HEAD_ROWS=Nn + Vd)
+    want_q = torch.full((M, Hh, Rk), nan, dtype=dtype)
+    _q_absorb_per_query[(Hh, triton.cdiv(Rk, qa), M)](q, w, want_q, T, *q.stride()[:3], w.stride(0),
+                                                      BLOCK_NOPE=32, BLOCK_R=qa, **common)
+    want_v = {gate: torch.full((B, T, Hh, Vd), nan, dtype=dtype) for gate in (False, True)}
+    for gate, out in want_v.items():
+        _v_absorb_per_query[(Hh, triton.cdiv(Vd, va), M)](o_lat, w, out, logits, T, w.stride(0), *logits.stride(),
+                                                          VD=Vd, BLOCK_V=va, BLOCK_R=128, GATE=gate, **common)
+    assert not want_q.isnan().any() and not want_v[True].isnan().any()
+    for ahead in (0, 1, 2, 4):
+        got_q = torch.full_like(want_q, nan)
+        mla._q_absorb_kernel[(Hh, triton.cdiv(Rk, qa))](q, w, got_q, M, T, *q.stride()[:3], w.stride(0),
+                                                        BLOCK_NOPE=32, BLOCK_R=qa, AHEAD=ahead, PDL=False, **common)
+        assert torch.equal(got_q, want_q), f"q_absorb differs at AHEAD={ahead}"
+        for gate, want in want_v.items():
+            got = torch.full_like(want, nan)
+            mla._v_absorb_kernel[(Hh, triton.cdiv(Vd, va))](o_lat, w, got, logits, M, T, w.stride(0), *logits.stride(),
+                                                            VD=Vd, BLOCK_V=va, BLOCK_R=128, GATE=gate, AHEAD=ahead,
+                                                            PDL=False, **common)
+            assert torch.equal(got, want), f"v_absorb (gate {gate}) differs at AHEAD={ahead}"
+
+
+_ABSORB_PTX = r"""
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lingc.kernels.mla as K
+i32, bf16 = "i32", "*bf16"
+def probe(fn, sig, const):   # pointers and row strides divisible by 16, as the launch specialises them
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n.endswith("_ptr") or n == "stride_w"}
+    src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"].splitlines()
+    lines, first = inspect.getsourcelines(fn.fn)
+    w_line = first + next(i for i, l in enumerate(lines) if l.strip().startswith("w = tl.load("))
+    rows, loc, block, succ = [], None, 0, {0: set()}     # succ: the control-flow graph of the basic blocks
+    for l in ptx:
+        l = l.strip()
+        if l.startswith(".loc"):
+            loc = re.search(r"// mla\.py:(\d+)", l)
+            loc = int(loc.group(1)) if loc else None
+            continue
+        label = re.match(r"(\$L__BB\d+_\d+):", l)
+        if label:
+            succ[block].add(label.group(1))
+            block = label.group(1)
+            succ.setdefault(block, set())
+            continue
+        op = (l.split()[1] if l.startswith("@") else (l.split() or [""])[0]).rstrip(";")
+        if op.startswith(("ld.global", "griddepcontrol")):
+            rows.append([op, loc == w_line, block])
+        if op.startswith("bra"):
+            succ[block].add(l.split()[-1].rstrip(";"))
+            if not l.startswith("@"):                     # no fall-through
+                block = ("after", len(rows), l)
+                succ[block] = set()
+    def in_cycle(start):
+        seen, todo = set(), list(succ[start])
+        while todo:
+            b = todo.pop()
+            if b == start:
+                return True
+            if b not in seen:
+                seen.add(b)
+                todo += succ.get(b, ())
+        return False
+    return [[op, weight, in_cycle(b)] for op, weight, b in rows]
+const = dict(H=16, N=128, R=512, HEAD_ROWS=256, AHEAD=K.ABSORB_AHEAD, PDL=True)
+print(json.dumps({
+    "q": probe(K._q_absorb_kernel, dict(q_ptr=bf16, w_ptr=bf16, out_ptr=bf16, M=i32, T=i32, stride_qb=i32,
+                                         stride_qt=i32, stride_qh=i32, stride_w=i32),
+               dict(const, BLOCK_NOPE=128, BLOCK_R=64)),
+    "v": probe(K._v_absorb_kernel, dict(olat_ptr="*fp32", w_ptr=bf16, out_ptr=bf16, g_ptr=bf16, M=i32, T=i32,
+                                         stride_w=i32, stride_gb=i32, stride_gt=i32, stride_gh=i32),
+               dict(const, VD=128, BLOCK_V=16, BLOCK_R=512, GATE=True))}))
+"""
+
+
+def test_absorb_loops_pdl_placement_in_sm90_ptx() -> None:
+    """Compiled for sm_90 (no GPU) with the late trigger: only the weight block loads before the wait; the query loop
+    is not unrolled (the look-ahead's loads before it, one query's in it); the trigger follows every load, outside the
+    loop (a cycle of the PTX control-flow graph)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LINGC_PDL_TRIGGER"] = "late"
+    proc = subprocess.run([sys.executable, "-c", _ABSORB_PTX], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ahead = mla.ABSORB_AHEAD
+    for name, rows in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        ops = [op for op, _, _ in rows]
+        assert ops.count("griddepcontrol.wait") == 1 and ops.count("griddepcontrol.launch_dependents") == 1, name
+        wait, trigger = ops.index("griddepcontrol.wait"), ops.index("griddepcontrol.launch_dependents")
+        loads = [i for i, op in enumerate(ops) if op.startswith("ld.global")]
+        assert all(rows[i][1] for i in loads if i < wait), f"{name}: a load other than the weight's before the wait"
+        assert any(i > wait for i in loads) and trigger > loads[-1], f"{name}: the trigger precedes a load"
+        assert not rows[wait][2] and not rows[trigger][2], f"{name}: the wait or the trigger is in the query loop"
+        assert rows[loads[-1]][2], f"{name}: no load in a loop"
+        per_query = 1 if name == "q" else 2                                               # q; o_lat and gate
+        assert len([i for i in loads if i > wait]) == per_query * (ahead + 1), f"{name}: want the look-ahead's " \
+            "loads before the loop and one query's in it"
 
 
 def test_attention_pdl_on_cpu_falls_back() -> None:
