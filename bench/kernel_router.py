@@ -13,8 +13,7 @@ H200 sweep: 4 warps, `_split_warps`). Each of those rows also carries `variants_
 variant == pairs where the outputs are defined), `equals_pairs` (this row's outputs == pairs', all five, every cell
 bit for bit), `unfused_kernels_time_us` (router_topk kernel + moe_align kernel, the pair the fusion replaces) and
 `ref_time_us` (the torch reference op); the split rows carry `counter_zero` (the ticket counter is zero after the
-checks, timing included) and `split_replicas` (copies of the row in its warp-local routing tile, `_split_tile`;
-0: router_topk's one-row tile).
+checks, timing included).
 
 Each row: correctness vs the reference op on the GPU (router: per-row id sets and the weight of each id, the
 reference's order being unspecified; alignment and token ids exact), pdl=True output == pdl=False output bit for
@@ -104,8 +103,7 @@ def _router_align_rows(x: torch.Tensor, bias: torch.Tensor, copies: list, N: int
     """router_align[rows], [pairs], [split] and the split num_warps sweep at one (N, fused_shared): checks, PDL,
     times, side by side."""
     from lingc.kernels.moe_align import moe_align as moe_align_kernel
-    from lingc.kernels.router import (_split_tile, _split_warps, align_counters, router_align, router_align_ref,
-                                      router_topk)
+    from lingc.kernels.router import align_counters, router_align, router_align_ref, router_topk
 
     experts = E + shared
     args = (N_GROUP, TOPK_GROUP, TOP_K, SCALE, experts, BLOCK_M, shared)
@@ -133,8 +131,6 @@ def _router_align_rows(x: torch.Tensor, bias: torch.Tensor, copies: list, N: int
         if kw["variant"] == "split":
             torch.cuda.synchronize()
             extra["counter_zero"] = not bool(align_counters(x.device).any())
-            warps = kw.get("split_warps") or _split_warps(N_GROUP * (E // N_GROUP))
-            extra["split_replicas"] = _split_tile(N_GROUP, E // N_GROUP, TOP_K, shared, warps)["REPLICAS"]
         ok = same and err < 1e-5 and align_exact and variants_equal and equals_pairs and extra.get("counter_zero", True)
         rows.append(_row(f"router_align[{name}]",
                          f"N={N} E={E}+{shared} k={TOP_K} g={N_GROUP}/{TOPK_GROUP} BM={BLOCK_M}",

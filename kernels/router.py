@@ -38,19 +38,9 @@ else "rows" from ROWS_FROM rows up where it applies, else "pairs"):
   [NP_BLOCK, NP_BLOCK] compares (`_align_pairs`, kernels/moe_align.py's pair axis), writing every cell with
   disjoint stores.
   "split" (grid (N,); N * (k + S) <= MAX_PAIRS): one program routes one row, so the N rows are routed at once on
-  N SMs, and only the align runs in one program. Why: one program holding all N rows pays for them on one SM
-  ("rows" at N = 6: 10.3 us per launch in the CUDA-graph verify step, against ~4 us for one row). The routing is
-  warp-local (`_route_row_replicas`): the program has 4 warps for the align, and router_topk's one-row tile spread
-  over them made each of the k picks and each group reduction a CTA-wide reduction through shared memory (sm_90
-  PTX of the Ling-3.0-tiny verify build: 40 bar.sync before the ticket, 76 in all, 225 registers; ncu on the
-  H200: 254 registers, 8.07 us per launch in the verify step). So the row is routed on the "rows" tile
-  [L, R, G, C] with R = warps * 32 / L identical copies of it (E = 128: L = 16, 8 copies, 2 per warp, the warps on
-  R only): `_row_picks` reduces each copy inside its warp (shuffles), with the bits of "rows" and router_topk, and
-  copy 0 stores. Same build: 2 bar.sync before the ticket (the group ranking's permute, the ticket barrier), 38 in
-  all (the align's), 167 registers, ~1360 PTX instructions to the ticket against ~940 (8 tile cells per thread,
-  not 1). Where that tile would hold more than SPLIT_REPLICA_CELLS cells per thread (E = 512: 16, 190
-  registers for the routing against 56) the kernel keeps router_topk's one-row tile (`_split_tile`: REPLICAS = 0,
-  a constexpr). Program r stores its row's weights and ids, then (a CTA barrier, then an acq_rel
+  N SMs exactly as the router_topk kernel routes them, and only the align runs in one program. Why: one program
+  holding all N rows pays for them on one SM ("rows" at N = 6: 10.3 us per launch in the CUDA-graph verify step,
+  against ~4 us for one row). Program r stores its row's weights and ids, then (a CTA barrier, then an acq_rel
   gpu-scope atomic add) takes a ticket from an int32 counter; the program drawing the last ticket (N - 1) reloads
   all N rows' ids through L2 (`.cg`: other CTAs wrote them, and L1 is not coherent across SMs), runs the same
   `_align_pairs` as "pairs" (one helper, so the two cannot drift) and stores 0 back to the counter, so the next
@@ -64,9 +54,8 @@ else "rows" from ROWS_FROM rows up where it applies, else "pairs"):
   may run concurrently) is touched only after the PDL wait, which returns once the previous launch (its reset
   included) has completed. The last program's critical path: one row's routing, the ticket's round trip (~0.8 us
   in kda), the [NP_BLOCK, NP_BLOCK] align (4 warps: `_split_warps`). H200, CUDA graph, PDL on, N = 6 with the
-  shared expert, before the warp-local routing: 7.5 us against 7.8 for "rows"; the verify step 2.795 ms against
-  2.804 with "rows" (bench/results/kernels-router-split-h200-20261130.json). The warp-local routing is not timed
-  on the H200 yet (bench/kernel_router.py times every variant at N = 1, 2, 6; its split rows say which tile ran).
+  shared expert: 7.5 us against 7.8 for "rows"; the verify step 2.795 ms against 2.804 with "rows"
+  (bench/results/kernels-router-split-h200-20261130.json).
 Anything else runs the router_topk kernel, then lingc.kernels.moe_align.
 
 Why "pairs" scaled badly with N (H200, Ling-3.0-tiny, k + S = 9, in the CUDA-graph step: 4.0 us at N = 1,
@@ -88,27 +77,23 @@ E = 128 runs every N <= 16 with 4-8 per thread (64-120 registers), E = 512 (Ling
 16-32 (167-245 registers, no spills; sm_90, ptxas of Triton 3.6); larger tiles take "pairs" or the two kernels.
 
 Tiles: router_topk and "pairs" route rows in a [R_BLOCK, G_BLOCK, GS_BLOCK] tile (rows x groups x experts of a
-group, padded to powers of two; router_topk has one row per program), "rows" in the [L, R, G, C] tile above,
-"split" in that tile with R copies of its row (or router_topk's tile where that is too big: "split" above). A
+group, padded to powers of two; router_topk has one row per program), "rows" in the [L, R, G, C] tile above. A
 candidate is an int64 key (order-preserving bits of the fp32 biased score, then NO_ID - id), so each of the k
 picks is ONE max reduction that yields both the best score and its lowest id; the pick's unbiased score is the
-same sigmoid of the same logit ("pairs", router_topk: reloaded as a scalar; "rows", "split": a max over the picked
-cell).
+same sigmoid of the same logit ("pairs", router_topk: reloaded as a scalar; "rows": a max over the picked cell).
 
 Bytes per row: reads E logits (4 B) + E bias (4 B, shared, L2-resident), writes 8k B (weights, ids);
 router_align also writes (NP + E*(BM-1)) * 4 B of sorted_pairs and 4 B per block of block_expert.
-The file holds router_topk and the three router_align kernels (~750 lines): they share the routing helpers
-(`_route_rows`: router_topk, "pairs", "split" at E = 512; `_row_picks` and `_row_weights`: "rows", "split"), the
-align helper (`_align_pairs`: "pairs", "split") and the ordering contract, and they stay side by side for timing
-(bench/kernel_router.py).
+The file holds router_topk and the three router_align kernels (~700 lines): they share the routing helpers, the
+align helper and the ordering contract, and they stay side by side for timing (bench/kernel_router.py).
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, the expert bias (a weight no
 earlier kernel writes) is loaded before `gdc_wait()`, the logits after it, and `gdc_launch_dependents()` follows
-the last logits load (in "rows" and "split", the tile load: they read no logits after it; in "split" on
-router_topk's tile, the pick reloads). In "split" the trigger comes before the ids reload: those ids are this
-launch's own stores, not an earlier kernel's output, and a dependent's own `gdc_wait` still waits for this whole
-grid (the last program's align included) to complete before it reads anything. The ticket is taken after the
-wait (see "split" above). With PDL off no GDC call is emitted (the interpreter cannot run them).
+the last logits load (in "rows", the tile load; it reads no logits after it). In "split" the trigger follows the
+row's logits loads as in router_topk, before the ids reload: those ids are this launch's own stores, not an
+earlier kernel's output, and a dependent's own `gdc_wait` still waits for this whole grid (the last program's
+align included) to complete before it reads anything. The ticket is taken after the wait (see "split" above).
+With PDL off no GDC call is emitted (the interpreter cannot run them).
 """
 
 from __future__ import annotations
@@ -139,9 +124,6 @@ SPLIT_FROM = int(os.environ.get("LINGC_ROUTER_SPLIT_FROM", "2"))   # "auto": "sp
                 # N * (top_k + S) <= MAX_PAIRS (LINGC_ROUTER_SPLIT_FROM=99 turns it off for an A/B)
 ALIGN_COUNTERS = 1             # "split": one int32 ticket counter per launch (kernels/workspace.py)
 SPLIT_WARPS = 4                # "split": num_warps (at least; _split_warps), from the H200 sweep
-SPLIT_REPLICA_CELLS = 8        # "split": warp-local routing on copies of the row while the [L, R, G, C] tile holds at
-                               # most this many cells per thread (E = 128 in 8 groups: 8, 64 registers; E = 512: 16,
-                               # 190 registers against 56: it keeps the one-row tile; ptxas sm_90a, Triton 3.6)
 MIN_NP_BLOCK = 16              # smallest pair block of the fused kernel (as kernels/moe_align.py)
 FILL_BLOCK = 1024              # cells per store of the sentinel tails (sorted_pairs, block_expert)
 # (largest routing tile, num_warps), first match: rows x padded E (one row per router_topk program, all N rows
@@ -324,73 +306,27 @@ def _router_align_split_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr,
                                G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                                SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
                                NP_BLOCK: tl.constexpr, BM: tl.constexpr, BM_BLOCK: tl.constexpr, FILL: tl.constexpr,
-                               PDL: tl.constexpr, REPLICAS: tl.constexpr, L_BLOCK: tl.constexpr,
-                               C_BLOCK: tl.constexpr):
-    """Program r routes row r and stores it; the program drawing ticket N - 1 from count_ptr (int32, zero between
-    launches) aligns all N rows' ids and zeroes the counter (module docstring). REPLICAS > 0: the row is routed
-    warp-locally on REPLICAS copies (`_route_row_replicas`, the "rows" helpers); 0: as _router_topk_kernel routes it
-    (`_route_rows` on a [1, G_BLOCK, GS_BLOCK] tile spread over the warps), where the replicated tile is too big."""
-    row = tl.program_id(0)                                                        # one row per program
-    if REPLICAS > 0:
-        _route_row_replicas(logits_ptr, bias_ptr, w_ptr, ids_ptr, row, stride_row, GS, n_group, topk_group, scale,
-                            REPLICAS, G_BLOCK, C_BLOCK, L_BLOCK, TOP_K, SHARED, K_BLOCK, NO_ID, PDL)
-    else:
-        rows = row + tl.arange(0, 1)
-        bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)               # a weight: before the wait
-        if PDL:
-            pdl_wait()      # also orders the ticket after the previous launch's counter reset (it has completed)
-        weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
-                                   1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
-        if PDL:
-            pdl_trigger()   # after the last read of an earlier kernel's output (the logits): the ids reload below
+                               PDL: tl.constexpr):
+    """Program r routes row r as _router_topk_kernel does and stores it; the program drawing ticket N - 1 from
+    count_ptr (int32, zero between launches) aligns all N rows' ids and zeroes the counter (module docstring)."""
+    rows = tl.program_id(0) + tl.arange(0, 1)                                     # one row per program
+    bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)                   # a weight: before the wait
+    if PDL:
+        pdl_wait()          # also orders the ticket after the previous launch's counter reset (it has completed)
+    weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
+                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
+    if PDL:
+        pdl_trigger()       # after the last read of an earlier kernel's output (the logits): the ids reload below
                             # reads this launch's stores, and dependents gdc_wait for the whole grid anyway
-        if SHARED > 0:
-            weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
-        _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
+    if SHARED > 0:
+        weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
+    _store_rows(w_ptr, ids_ptr, rows, N, weights, ids, TOP_K + SHARED, K_BLOCK)
     tl.debug_barrier()      # every thread's id stores come before the ticket (release) is taken
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == N - 1:     # every row is stored (its release is in the chain of N increments this acquire reads)
         _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, N * (TOP_K + SHARED), E, BM, max_padded,
                      n_blocks, NP_BLOCK, BM_BLOCK, FILL, ".cg")
         tl.store(count_ptr, 0)                                                    # ready for the next launch
-
-
-@triton.jit
-def _route_row_replicas(logits_ptr, bias_ptr, w_ptr, ids_ptr, row, stride_row, GS, n_group, topk_group, scale,
-                        R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, L_BLOCK: tl.constexpr,
-                        TOP_K: tl.constexpr, SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
-                        PDL: tl.constexpr):
-    """"split"'s warp-local routing of one row: the "rows" tile [L, R, G, C] (section below) with R_BLOCK = warps *
-    32 / L identical replicas of the row, so the warps sit on the replica axis and every reduction of the pick
-    chain and the group scores stays inside a warp (shuffles, no CTA barrier), where a one-row tile over 4 warps
-    would cross warps through shared memory in each of them. `_row_picks` routes the replicas exactly as "rows"
-    routes its rows (the same bits as _route_rows); replica 0 stores the row's weights and ids. Loads the bias, then
-    (PDL) waits, loads the logits and triggers, as the "rows" kernel."""
-    W: tl.constexpr = TOP_K + SHARED                                              # pairs per row
-    l = tl.arange(0, L_BLOCK)[:, None, None, None]                                # [L, 1, 1, 1]
-    r = tl.arange(0, R_BLOCK)[None, :, None, None]                                # [1, R, 1, 1] replica
-    g = tl.arange(0, G_BLOCK)[None, None, :, None]                                # [1, 1, G, 1]
-    c = tl.arange(0, C_BLOCK)[None, None, None, :]                                # [1, 1, 1, C]
-    kk = tl.arange(0, K_BLOCK)[:, None, None, None]                               # [K, 1, 1, 1]
-    j = c * L_BLOCK + l                                                           # expert inside its group
-    valid = (r < R_BLOCK) & (g < n_group) & (j < GS)                              # [L, R, G, C], every replica
-    eid = g * GS + j
-    cell = tl.where(valid, eid, 0)              # (a select: no axis looks contiguous, see the "rows" section)
-    bias = tl.load(bias_ptr + cell, mask=valid, other=0.0).to(tl.float32)         # a weight: before the wait
-    if PDL:
-        pdl_wait()          # also orders the ticket after the previous launch's counter reset (it has completed)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cell, mask=valid, other=0.0).to(tl.float32)
-    if PDL:
-        pdl_trigger()       # after the last read of an earlier kernel's output (the logits)
-    eid = tl.where(valid, eid, NO_ID)
-    score = tl.sigmoid(x)
-    biased = tl.where(valid, score + bias, float("-inf"))
-    scores, total, ids, _ = _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK, G_BLOCK,
-                                       C_BLOCK, L_BLOCK, TOP_K, K_BLOCK, NO_ID)
-    weights, ids = _row_weights(scores, total, ids, kk, scale, GS * n_group, TOP_K, SHARED)
-    row_cells = row * W + kk + 0 * r                                              # [K, R, 1, 1]
-    tl.store(w_ptr + row_cells, weights, mask=(kk < W) & (r == 0))
-    tl.store(ids_ptr + row_cells, ids, mask=(kk < W) & (r == 0))
 
 
 # ---- router_align "rows": tokens on warps, the align read off the routing tile ------------------------------------
@@ -461,15 +397,6 @@ def _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK: tl.co
 
 
 @triton.jit
-def _row_weights(scores, total, ids, kk, scale, first_shared, TOP_K: tl.constexpr, SHARED: tl.constexpr):
-    """Weights and ids [K, R, 1, 1] from _row_picks: the scores renormalised by their pick-order sum and scaled (as
-    _route_rows), then the shared experts first_shared + s at kk = TOP_K + s with weight 1.0."""
-    weights = scores / (total + 1e-20) * scale
-    shared = (kk >= TOP_K) & (kk < TOP_K + SHARED)                                # [K, 1, 1, 1]
-    return tl.where(shared, 1.0, weights), tl.where(shared, first_shared + kk - TOP_K, ids)
-
-
-@triton.jit
 def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                               N, stride_row, n_group, topk_group, scale, max_padded, n_blocks,
                               BM: tl.constexpr, GS: tl.constexpr, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
@@ -504,7 +431,10 @@ def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, 
     biased = tl.where(valid, score + bias, float("-inf"))
     scores, total, ids, picks = _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK, G_BLOCK,
                                            C_BLOCK, L_BLOCK, TOP_K, K_BLOCK, NO_ID)
-    weights, ids = _row_weights(scores, total, ids, kk, scale, GS * n_group, TOP_K, SHARED)
+    weights = scores / (total + 1e-20) * scale
+    shared = (kk >= TOP_K) & (kk < W)                                             # [K, 1, 1, 1]
+    weights = tl.where(shared, 1.0, weights)
+    ids = tl.where(shared, GS * n_group + kk - TOP_K, ids)
     row_cells = r * W + kk                                                        # [K, R, 1, 1]
     tl.store(w_ptr + row_cells, weights, mask=rvalid & (kk < W))
     tl.store(ids_ptr + row_cells, ids, mask=rvalid & (kk < W))
@@ -562,19 +492,6 @@ def _split_warps(route_elements: int) -> int:
     7.5 ("rows" 7.8, router_topk + moe_align 8.2). The last program's align is the critical path, and at 1 warp its
     [NP_BLOCK, NP_BLOCK] tiles are ~5100 PTX instructions (sm_90) against ~1550 + 36 bar.sync at 4."""
     return max(_num_warps(route_elements), SPLIT_WARPS)
-
-
-def _split_tile(n_group: int, group_size: int, top_k: int, fused_shared: int, warps: int) -> dict:
-    """Routing constexprs of the "split" kernel at num_warps = warps: the "rows" tile [L, R, G, C] with REPLICAS = R
-    = warps * 32 / L copies of the row (warps on R: warp-local routing, `_route_row_replicas`) while it holds at most
-    SPLIT_REPLICA_CELLS cells per thread (G x C), else REPLICAS = 0: router_topk's [1, G, GS] tile (`_route_rows`)."""
-    tile = _tile(n_group, group_size, top_k, fused_shared)
-    lanes = min(ROW_LANES, tile["GS_BLOCK"])
-    chunks = tile["GS_BLOCK"] // lanes
-    if tile["G_BLOCK"] * chunks > SPLIT_REPLICA_CELLS:
-        return dict(tile, REPLICAS=0, L_BLOCK=1, C_BLOCK=1)
-    return dict(tile, REPLICAS=warps * 32 // lanes, L_BLOCK=lanes, C_BLOCK=chunks,
-                K_BLOCK=max(lanes, tile["K_BLOCK"]))                  # >= L: [K, R] tiles fill lanes (as "rows")
 
 
 def _check(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int,
@@ -720,11 +637,9 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
                max_padded, n_blocks)
     if use_split:
         counters = workspace if workspace is not None else align_counters(dev)
-        warps = split_warps or _split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"])
         _router_align_split_kernel[(N,)](
-            logits, expert_bias, *outputs, counters, N, *scalars,
-            **_split_tile(n_group, group_size, top_k, fused_shared, warps), **align, PDL=pdl, num_warps=warps,
-            **launch)
+            logits, expert_bias, *outputs, counters, N, *scalars, **tile, **align, PDL=pdl,
+            num_warps=split_warps or _split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"]), **launch)
         return outputs
     r_block = triton.next_power_of_2(N)
     _router_align_kernel[(1,)](

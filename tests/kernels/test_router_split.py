@@ -142,22 +142,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import lingc.kernels.router as R
 pdl = sys.argv[1] == "1"
-warps = R._split_warps(R._tile(8, 16, 8, 1)["G_BLOCK"] * 16)
-tile = R._split_tile(8, 16, 8, 1, warps)                       # Ling-3.0-tiny verify: N = 6, E = 128 + 1, 54 pairs
+tile = R._tile(8, 16, 8, 1)                                    # Ling-3.0-tiny verify: N = 6, E = 128 + 1, 54 pairs
 const = dict(tile, NP_BLOCK=64, BM=16, BM_BLOCK=16, FILL=R.FILL_BLOCK, PDL=pdl)
 sig = {n: "constexpr" if n in const else "fp32" if n == "scale" else
           ("*fp32" if n in ("logits_ptr", "bias_ptr", "w_ptr") else "*i32") if n.endswith("_ptr") else "i32"
        for n in R._router_align_split_kernel.arg_names}
-kernel = triton.compile(ASTSource(fn=R._router_align_split_kernel, signature=sig, constexprs=const),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-ptx = kernel.asm["ptx"]
-layouts = [l.split("warpsPerCTA = [")[1].split("]")[0].replace(" ", "") for l in kernel.asm["ttgir"].splitlines()
-           if l.startswith("#blocked")]
+ptx = triton.compile(ASTSource(fn=R._router_align_split_kernel, signature=sig, constexprs=const),
+                     target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": R._split_warps(tile["G_BLOCK"] * tile["GS_BLOCK"])}).asm["ptx"]
 lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
 find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
 print(find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), find("atom.global.gpu.acq_rel.add"),
       find("ld.global.cg"), find("ld.global"), find("st.global"), find("bar.sync"), find("div.s") + find("rem.s"),
-      [[int(w) for w in lay.split(",")] for lay in layouts if lay.count(",") == 3], tile["REPLICAS"], sep="|")
+      sep="|")
 """
 
 
@@ -166,17 +163,13 @@ def test_split_compiles_for_sm90(pdl: bool) -> None:
     """sm_90 PTX (a fresh process without TRITON_INTERPRET, no GPU): the bias load before griddepcontrol.wait and
     the logits after it; one acq_rel gpu-scope atomic (the ticket) after the wait, a CTA barrier right before it;
     the ids reloaded through L2 (ld.global.cg) only after the ticket; no integer division (block_m is a constexpr).
-    Without PDL no griddepcontrol at all. The routing is warp-local (`_route_row_replicas`): every 4-d layout puts
-    the warps on the replica axis only, and before the ticket there are at most 3 bar.sync (the group ranking's
-    permute, the barrier before the ticket; router_topk's one-row tile over 4 warps had 40 there)."""
+    Without PDL no griddepcontrol at all."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _PTX_PROBE, "1" if pdl else "0"], capture_output=True, text=True,
                           timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    waits, triggers, atoms, cg_loads, loads, stores, barriers, divisions, four_d, replicas = (
+    waits, triggers, atoms, cg_loads, loads, stores, barriers, divisions = (
         eval(part) for part in proc.stdout.strip().splitlines()[-1].split("|"))
-    assert replicas == 8 and four_d and all(w == [1, 4, 1, 1] for w in four_d), f"warps off the replicas: {four_d}"
-    assert len([b for b in barriers if b < atoms[0]]) <= 3, f"{barriers} bar.sync, ticket at {atoms}"
     assert not divisions, divisions          # block_m is a constexpr: the align's block arithmetic is shifts
     assert len(atoms) == 1, atoms
     assert cg_loads and min(cg_loads) > atoms[0], (cg_loads, atoms)
@@ -187,5 +180,4 @@ def test_split_compiles_for_sm90(pdl: bool) -> None:
         return
     assert len(waits) == 1 and len(triggers) == 1 and waits[0] < atoms[0], (waits, triggers, atoms)
     before = [i for i in loads if i < waits[0]]
-    after = [i for i in loads if waits[0] < i < atoms[0]]
-    assert before and after and len(before) <= len(after), "bias before, logits after"   # (8 cells each per thread)
+    assert before and len(before) < len([i for i in loads if waits[0] < i < atoms[0]]), "bias before, logits after"
