@@ -9,31 +9,26 @@ R kv_lora rank, L = R + Rr cached values per token, Vd value dim, NP pages of PS
 S = cdiv(MP*PS, SPLIT_ROWS) key splits.
 
 `mla_attention` (one launcher, four kernels, all of them written out by the kernels themselves):
-    1. q_absorb   grid (H, R/QA_BLOCK_R)    q_lat[m, h] = q_nope[m, h] @ W_uk[h]      fp32 sum, stored in the
-                                            cache dtype (it is an MMA operand in stage 2); a loop over the queries
+    1. q_absorb   grid (H, R/QA_BLOCK_R, M) q_lat[m, h] = q_nope[m, h] @ W_uk[h]      fp32 sum, stored in the
+                                            cache dtype (it is an MMA operand in stage 2)
     2. split      grid (M, S)               one program = one query, all H heads, the cache rows
                                             [s*SPLIT_ROWS, (s+1)*SPLIT_ROWS) that the query sees: scores
                                             q_lat.c_kv + q_rope.k_rope on tensor cores ([H, R] x [R, BLOCK_N]),
                                             fp32 online softmax (exp2), o[h] = sum p c_kv; writes the unnormalised
                                             partial (m, l, o[H, R]) in fp32
     3. combine    grid (M*H, R/CB_BLOCK_R)  o_lat = sum_s 2^(m_s - max) o_s / sum_s 2^(m_s - max) l_s (fp32)
-    4. v_absorb   grid (H, Vd/VA_BLOCK_V)   out[m, h] = W_uv[h] @ o_lat[m, h]          fp32 sum, one rounding;
+    4. v_absorb   grid (H, Vd/VA_BLOCK_V, M) out[m, h] = W_uv[h] @ o_lat[m, h]          fp32 sum, one rounding;
                                             with a gate (GATE, fuse_mla) then out * sigmoid(g[m, h]), the
-                                            sigmoid_gate kernel's arithmetic on the rounded output (_head_gate);
-                                            a loop over the queries
+                                            sigmoid_gate kernel's arithmetic on the rounded output (_head_gate)
 Why four: the absorptions read the 4 MB kv_b weight (2 MB each half); a split program needs all H heads'
 q_lat, so computing it there would re-read W_uk once per split. Separate GEMV kernels spread each half over
-128 programs and, under PDL, load their weight slice before the wait. Each program loads its weight block once and
-loops over the queries (a program per query re-read the block from L2 once per query: 4.9 / 3.8 us at 6 queries vs
-2.6 / 2.4 at 1, bench/results/kernels-mla-parts-h200-20261130.json); the loop keeps the next ABSORB_AHEAD queries'
-loads in flight, which the earlier loop (6.5 / 5.3 us at 6 queries in bench/results/profile-h200-20261130.json, a PDL
-step profile) did not. Not yet timed on the H200.
+128 programs per query (a verify chain's queries re-read the slice from L2; one query per program replaced a loop
+over the queries, which cost 6.5 / 5.3 us at 6 queries) and, under PDL, load their weight slice before the wait.
 The combine is separate so that it is a plain elementwise-parallel pass over R (no re-reading of partials).
 
 Row invariance (a verify chain of T queries gives each query the bits of a T=1 decode step): every query is
-computed with the same instruction sequence whatever T and B are (the split and the combine give each query its own
-programs; the absorptions run one query's code per iteration of a runtime loop, the look-ahead moves loads only).
-Split boundaries are
+computed by its own programs with the same instruction sequence whatever T and B are (every stage gives each
+query its own programs). Split boundaries are
 fixed multiples of SPLIT_ROWS from row 0; a split that starts past the query's position does nothing and the
 combine reads only the query's own pos // SPLIT_ROWS + 1 splits, in blocks of CB_BLOCK_S with a fixed
 reduction shape, so the split count S (from the capacity MP*PS) never enters a query's arithmetic either.
@@ -120,9 +115,6 @@ CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 8
 CB_BLOCK_R = 64          # latent columns per combine program (M*H x R/64 programs: 128 at T = 1)
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
-# q / v absorb loop over the queries: the loads of the next ABSORB_AHEAD queries are in flight (registers) while a
-# query's sum runs, so their latency overlaps it. Moves loads only, never the arithmetic; 0 loads each query at its turn
-ABSORB_AHEAD = 2
 GEMV_WARPS = 4
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
@@ -137,20 +129,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _query_load(ptr, m, T, stride_b, stride_t, mask):
-    """The load at ptr + query m's offset in a [B, T, ...] tensor (m = b*T + t); zeros where mask is off (the
-    look-ahead's loads past the last query)."""
-    b, t = m // T, m % T
-    return tl.load(ptr + b.to(tl.int64) * stride_b + t * stride_t, mask=mask, other=0.0)
-
-
-@triton.jit
-def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, M, T, stride_qb, stride_qt, stride_qh, stride_w,
+def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, stride_w,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                     BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
-    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock) loads its
-    weight block once, then runs every query m in a loop (the q row of query m + AHEAD loads before query m's sum)."""
+                     BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m)."""
     h = tl.program_id(0)
+    m = tl.program_id(2)
     offs_n = tl.arange(0, BLOCK_NOPE)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_n, mask_r = offs_n < N, offs_r < R
@@ -159,21 +143,13 @@ def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, M, T, stride_qb, stride_qt, stride_q
                 mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_NOPE, BLOCK_R]
     if PDL:
         pdl_wait()
-    q_head = q_ptr + h * stride_qh + offs_n
-    ahead = ()                                             # the q rows of queries m .. m + AHEAD - 1
-    for j in tl.static_range(AHEAD):
-        ahead = ahead + (_query_load(q_head, j, T, stride_qb, stride_qt, mask_n & (j < M)),)
-    for m in range(M):                                     # a runtime loop: one query's code, whatever M
-        if AHEAD > 0:
-            q_raw = ahead[0]
-            ahead = ahead[1:] + (_query_load(q_head, m + AHEAD, T, stride_qb, stride_qt, mask_n & (m + AHEAD < M)),)
-        else:
-            q_raw = _query_load(q_head, m, T, stride_qb, stride_qt, mask_n)
-        q = q_raw.to(tl.float32)                                                       # [BLOCK_NOPE]
-        q_lat = tl.sum(q[:, None] * w, axis=0)                                         # [BLOCK_R]
-        tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
+    b, t = m // T, m % T
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
+                mask=mask_n, other=0.0).to(tl.float32)                                 # [BLOCK_NOPE]
     if PDL:
-        pdl_trigger()                                      # after the loop's last load
+        pdl_trigger()
+    q_lat = tl.sum(q[:, None] * w, axis=0)                                             # [BLOCK_R]
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
 
 
 @triton.jit
@@ -322,29 +298,13 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
 
 
 @triton.jit
-def _olat_load(olat_ptr, m, h, H: tl.constexpr, R: tl.constexpr, offs_r, mask):
-    """Query m's o_lat row of head h ([M, H, R] fp32); zeros where mask is off."""
-    return tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask, other=0.0)
-
-
-@triton.jit
-def _gate_load(g_head, m, T, stride_gb, stride_gt, mask, GATE: tl.constexpr):
-    """Query m's gate logit (0.0 where mask is off, or without GATE: nothing is loaded then)."""
-    if GATE:
-        return _query_load(g_head, m, T, stride_gb, stride_gt, mask)
-    else:
-        return 0.0
-
-
-@triton.jit
-def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, M, T, stride_w, stride_gb, stride_gt, stride_gh,
+def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, T, stride_w, stride_gb, stride_gt, stride_gh,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr, AHEAD: tl.constexpr,
-                     PDL: tl.constexpr):
-    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock) loads its
-    weight block once, then runs every query m in a loop (query m + AHEAD's o_lat row and gate load before query m's
-    sum). GATE (fuse_mla): then out * sigmoid(g[m, h]) with the gate kernel's arithmetic on the rounded output."""
+                     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr):
+    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m).
+    GATE (fuse_mla): then out * sigmoid(g[m, h]) with the gate kernel's arithmetic on the rounded output."""
     h = tl.program_id(0)
+    m = tl.program_id(2)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     mask_v, mask_r = offs_v < VD, offs_r < R
@@ -353,26 +313,17 @@ def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, M, T, stride_w, stride_gb,
                 mask=mask_v[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_V, BLOCK_R]
     if PDL:
         pdl_wait()
-    g_head = g_ptr + h * stride_gh
-    ahead = ()                                             # (o_lat row, gate) of queries m .. m + AHEAD - 1
-    for j in tl.static_range(AHEAD):
-        ahead = ahead + ((_olat_load(olat_ptr, j, h, H, R, offs_r, mask_r & (j < M)),
-                          _gate_load(g_head, j, T, stride_gb, stride_gt, j < M, GATE)),)
-    for m in range(M):                                     # a runtime loop: one query's code, whatever M
-        if AHEAD > 0:
-            o, g_raw = ahead[0]
-            ahead = ahead[1:] + ((_olat_load(olat_ptr, m + AHEAD, h, H, R, offs_r, mask_r & (m + AHEAD < M)),
-                                  _gate_load(g_head, m + AHEAD, T, stride_gb, stride_gt, m + AHEAD < M, GATE)),)
-        else:
-            o = _olat_load(olat_ptr, m, h, H, R, offs_r, mask_r)                       # [BLOCK_R] fp32
-            g_raw = _gate_load(g_head, m, T, stride_gb, stride_gt, True, GATE)
-        out = tl.sum(w * o[None, :], axis=1)                                           # [BLOCK_V]
-        if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
-            ty = out_ptr.dtype.element_ty
-            out = out.to(ty).to(tl.float32) * _head_gate(g_raw.to(tl.float32)).to(ty).to(tl.float32)
-        tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+    o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)   # [BLOCK_R] fp32
+    if GATE:
+        b, t = m // T, m % T
+        g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh).to(tl.float32)
     if PDL:
-        pdl_trigger()                                      # after the loop's last load
+        pdl_trigger()
+    out = tl.sum(w * o[None, :], axis=1)                                               # [BLOCK_V]
+    if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
+        ty = out_ptr.dtype.element_ty
+        out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 # --------------------------------------------------------------------------------- cache write, rope, gate
@@ -625,7 +576,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
                    gate: torch.Tensor | None = None, *, pdl: bool = False,
                    split_rows: int = SPLIT_ROWS, block_n: int | None = None, split_warps: int | None = None,
                    split_stages: int = SPLIT_STAGES, combine_block_s: int = CB_BLOCK_S,
-                   combine_block_r: int = CB_BLOCK_R, absorb_ahead: int = ABSORB_AHEAD) -> torch.Tensor:
+                   combine_block_r: int = CB_BLOCK_R) -> torch.Tensor:
     """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them)."""
     B, T, H, N, Rr, R, Vd = _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions)
     _want(gate is None or (tuple(gate.shape) == (B, T, H) and gate.is_floating_point()),
@@ -652,9 +603,9 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
     pdl, launch = _launch_opts(pdl, dev)
     head_rows = N + Vd
-    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R))](
-        q_nope, kv_b, q_lat, M, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
-        H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, AHEAD=absorb_ahead, PDL=pdl,
+    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), M)](
+        q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
+        H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl,
         num_warps=GEMV_WARPS, **launch)
     _split_kernel[(M, S)](
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,
@@ -670,10 +621,9 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
         num_warps=GEMV_WARPS, **launch)
     g, g_strides = (gate, gate.stride()) if gate is not None else (out, (0, 0, 0))   # out: a never-read stand-in
-    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V))](
-        o_lat, kv_b, out, g, M, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
-        BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, AHEAD=absorb_ahead, PDL=pdl,
-        num_warps=GEMV_WARPS, **launch)
+    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
+        o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
+        BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, num_warps=GEMV_WARPS, **launch)
     return out
 
 
