@@ -116,6 +116,8 @@ CB_BLOCK_R = 64          # latent columns per combine program (M*H x R/64 progra
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
+# q_absorb's early path (EARLY: under PDL, its q load and sum before the wait); LINGC_MLA_QABSORB_EARLY=0 turns it off
+QA_EARLY = os.environ.get("LINGC_MLA_QABSORB_EARLY", "1") == "1"
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
 # the split's pre-wait L2 prefetch: off by default (the H200 step measured slower with it and the MoE down-GEMM's on,
@@ -131,8 +133,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, stride_w,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                     BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m)."""
+                     BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m).
+    EARLY (under PDL): q is loaded (through L2) and the sum run before the wait. q_nope's writer, the q projection,
+    is two launches back (mla_prep or the cache write sits between; the pdl pass launches mla_attention without PDL
+    where the launch just before it produced or wrote q_nope, passes/pdl.py PREWAIT_INPUTS)."""
     h = tl.program_id(0)
     m = tl.program_id(2)
     offs_n = tl.arange(0, BLOCK_NOPE)
@@ -141,14 +146,16 @@ def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, 
     w_rows = (h * HEAD_ROWS + offs_n).to(tl.int64)
     w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
                 mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_NOPE, BLOCK_R]
-    if PDL:
+    if PDL and not EARLY:
         pdl_wait()
     b, t = m // T, m % T
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
-                mask=mask_n, other=0.0).to(tl.float32)                                 # [BLOCK_NOPE]
-    if PDL:
-        pdl_trigger()
+                mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)           # [BLOCK_NOPE]
     q_lat = tl.sum(q[:, None] * w, axis=0)                                             # [BLOCK_R]
+    if PDL:
+        if EARLY:     # the load and the sum ran before the wait; only the store (q_lat may reuse freed memory) after
+            pdl_wait()
+        pdl_trigger()
     tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
 
 
@@ -605,7 +612,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     head_rows = N + Vd
     _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), M)](
         q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
-        H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl,
+        H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
         num_warps=GEMV_WARPS, **launch)
     _split_kernel[(M, S)](
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,

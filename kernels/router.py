@@ -118,8 +118,9 @@ ROW_LANES = 32                 # "rows": experts of a group per lane chunk (L = 
 ROW_MAX_WARPS = 8
 ROW_ELEMENTS_PER_THREAD = 32   # "rows": tile cells per thread (E = 512, N = 16: 32 -> 245 registers); more spill
 ALIGN_VARIANTS = ("auto", "rows", "pairs", "split")
-ROWS_FROM = 2   # "auto": "rows" from this many rows up, "pairs" below (H200, 2026-11-30: N = 1 pairs 3.10 us vs
-                # rows 3.32; N = 6 with the shared expert rows 6.82 vs pairs 8.30 vs the two kernels 8.19; PDL on)
+ROWS_FROM = int(os.environ.get("LINGC_ROUTER_ROWS_FROM", "2"))   # "auto": "rows" from this many rows up, "pairs"
+                # below (H200, 2026-11-30: N = 1 pairs 3.10 us vs rows 3.32; N = 6 with the shared expert rows 6.82
+                # vs pairs 8.30 vs the two kernels 8.19; PDL on). LINGC_ROUTER_ROWS_FROM=1: "rows" at one row too
 SPLIT_FROM = int(os.environ.get("LINGC_ROUTER_SPLIT_FROM", "2"))   # "auto": "split" from this many rows up where
                 # N * (top_k + S) <= MAX_PAIRS (LINGC_ROUTER_SPLIT_FROM=99 turns it off for an A/B)
 ALIGN_COUNTERS = 1             # "split": one int32 ticket counter per launch (kernels/workspace.py)
