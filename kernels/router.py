@@ -33,7 +33,8 @@ else "rows" from ROWS_FROM rows up where it applies, else "pairs"):
   blocks); at N = 1 the tile's G axis spans 2 lanes x 4 repeats (TTGIR) and the tl.cumsum over G was the
   suspect. With the G and C prefix sums as comparison sums (253218f) the H200 run of 2f1b249 has rows == pairs,
   all outputs bit for bit, at N = 1 and 6, with and without the shared expert (bench/kernel_router.py).
-  "pairs" (one program; the default at N = 1; N * (k + S) <= MAX_PAIRS): routes the N rows side by side in a
+  "pairs" (one program; N * (k + S) <= MAX_PAIRS; the default at N = 1 until 2026-12-01, when "rows" measured
+  2.96 vs 3.87 us there, ROWS_FROM): routes the N rows side by side in a
   [R, G, GS] tile, stores ids, then after a barrier reloads them and aligns the NP pairs with pairwise
   [NP_BLOCK, NP_BLOCK] compares (`_align_pairs`, kernels/moe_align.py's pair axis), writing every cell with
   disjoint stores.
@@ -118,9 +119,12 @@ ROW_LANES = 32                 # "rows": experts of a group per lane chunk (L = 
 ROW_MAX_WARPS = 8
 ROW_ELEMENTS_PER_THREAD = 32   # "rows": tile cells per thread (E = 512, N = 16: 32 -> 245 registers); more spill
 ALIGN_VARIANTS = ("auto", "rows", "pairs", "split")
-ROWS_FROM = int(os.environ.get("LINGC_ROUTER_ROWS_FROM", "2"))   # "auto": "rows" from this many rows up, "pairs"
-                # below (H200, 2026-11-30: N = 1 pairs 3.10 us vs rows 3.32; N = 6 with the shared expert rows 6.82
-                # vs pairs 8.30 vs the two kernels 8.19; PDL on). LINGC_ROUTER_ROWS_FROM=1: "rows" at one row too
+ROWS_FROM = int(os.environ.get("LINGC_ROUTER_ROWS_FROM", "1"))   # "auto": "rows" from this many rows up (where
+                # "split" does not apply), "pairs" below. H200 2026-12-01 with the shared expert, PDL on: N = 1 rows
+                # 2.96 us vs pairs 3.87 (bench/results/kernels-router-warp-h200-20261201.json), and the decode step
+                # 1.295 vs 1.318 ms with rows at one row (step-ab-h200-20261201.json); N = 6 rows 7.07 vs split 7.17
+                # vs pairs 9.23. (2026-11-30 had measured N = 1 pairs 3.10 vs rows 3.32.) LINGC_ROUTER_ROWS_FROM=2:
+                # "pairs" at one row
 SPLIT_FROM = int(os.environ.get("LINGC_ROUTER_SPLIT_FROM", "2"))   # "auto": "split" from this many rows up where
                 # N * (top_k + S) <= MAX_PAIRS (LINGC_ROUTER_SPLIT_FROM=99 turns it off for an A/B)
 ALIGN_COUNTERS = 1             # "split": one int32 ticket counter per launch (kernels/workspace.py)

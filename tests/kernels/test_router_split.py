@@ -113,7 +113,7 @@ def test_split_fallbacks_and_pdl_on_cpu() -> None:
 
 
 # (N, E, n_group, topk_group, top_k, shared, kernel "auto" launches)
-AUTO = [(1, 128, 8, 4, 8, 1, "_router_align_kernel"), (SPLIT_FROM, 128, 8, 4, 8, 1, "_router_align_split_kernel"),
+AUTO = [(1, 128, 8, 4, 8, 1, "_router_align_rows_kernel"), (SPLIT_FROM, 128, 8, 4, 8, 1, "_router_align_split_kernel"),
         (6, 128, 8, 4, 8, 1, "_router_align_split_kernel"), (8, 16, 4, 2, 8, 1, "_router_align_rows_kernel")]
 
 
@@ -121,8 +121,8 @@ AUTO = [(1, 128, 8, 4, 8, 1, "_router_align_kernel"), (SPLIT_FROM, 128, 8, 4, 8,
                          ids=[f"{n}x{e}-k{k}+{s}" for n, e, _, _, k, s, _ in AUTO])
 def test_auto_picks_split_from_split_from(N: int, E: int, n_group: int, topk_group: int, top_k: int, shared: int,
                                           kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto" launches "split" from SPLIT_FROM rows up while N * (k + S) <= MAX_PAIRS ("rows" above it, "pairs" at
-    one row), with the bits of the explicit variants."""
+    """"auto" launches "split" from SPLIT_FROM rows up while N * (k + S) <= MAX_PAIRS ("rows" above it and at one
+    row, ROWS_FROM = 1), with the bits of the explicit variants."""
     x, bias = _inputs(N, E, n_group, topk_group, top_k, torch.float32, seed=N + E)
     args = (x, bias, n_group, topk_group, top_k, SCALE, E + shared, 16, shared)
     launched = []
