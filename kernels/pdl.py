@@ -20,6 +20,16 @@ the A/B in bench/results/pdl-trigger-h200-20261130.json ran the step without PDL
 note), so it says nothing either way. Every PDL-on step number of 2026-11-30's second session (decode 1.44 ms)
 ran with `early`.
 
+Loads before the wait. A PDL kernel's programs start only after every program of the kernel before it has passed
+its own wait, i.e. after the kernel two launches back has completed (under either trigger). So data written two or
+more launches back may be loaded (through L2, `.cg`: L1 is not coherent) before `pdl_wait()`; only what the kernel
+just before writes must wait. Three kernels do it (H200 decode step, same bits): kda's fused decode / verify (state
+slice, pool windows, slot), the down-GEMM at decode's pair counts (its align's outputs and its whole weight tile,
+into registers) and MLA's q_absorb (q and its sum). Where the launch just before one of them writes or produces
+those inputs, the pdl pass launches it without PDL (passes/pdl.py PREWAIT_INPUTS). What it does not buy: an L2
+prefetch of a static 31.5 MB weight during an idle window made the linear reading it only 9.5 -> 8.6 us (the linear
+reads L2 hardly faster than HBM here; bench/results/kernels-l2-prefetch-h200-20261201.json).
+
 `prefetch_l2(ptrs)` asks L2 for the lines at ptrs (inline PTX; PDL path only, the interpreter cannot run it): the
 pre-wait prologues use it for bytes no earlier kernel writes (weights), or, with the early trigger, for a tile
 chosen from outputs of the kernel two back (complete by the time this one runs, see kernels/moe.py). A prefetch is
