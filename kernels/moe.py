@@ -99,7 +99,9 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 # the up-GEMM runs. Only at <= PRELOAD_MAX_PAIRS pairs (a decode step's 9) and K <= PRELOAD_MAX_K: the H200 step
 # (bench/results/step-ab-h200-20261201.json) measured decode 1.328 vs 1.356 ms with it, but verify (54 pairs, ~2000
 # programs whose early-resident preloads crowd the up-GEMM) 2.727 vs 2.638. It never changes bits (same chunks, same
-# order of dots), so the pair count may choose it. LINGC_MOE_DOWN_PRELOAD=0 turns it off.
+# order of dots), so the pair count may choose it. PDL launches only: without PDL nothing overlaps the preload and
+# the unpipelined chunk loop is slower (8.8 vs 6.4 us a launch in the PDL-off attribution,
+# bench/results/launches-h200-20261201.json). LINGC_MOE_DOWN_PRELOAD=0 turns it off.
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
@@ -477,7 +479,7 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, bl
              config: GemmConfig | None = None) -> torch.Tensor:
     """Grouped down-GEMM, unweighted: act [NP, I], w2 [E, h, I] -> [NP, h] in act.dtype (pair p reads row p)."""
     return _grouped_gemm("moe_down", act, w2, sorted_pairs, block_expert, total, 1, block_m, 0.0,
-                         False, pdl, out, config or DOWN_CONFIG, prefetch=DOWN_PREFETCH, preload=DOWN_PRELOAD)
+                         False, pdl, out, config or DOWN_CONFIG, prefetch=DOWN_PREFETCH, preload=DOWN_PRELOAD and pdl)
 
 
 def silu_and_mul(h: torch.Tensor, limit: float, *, pdl: bool = False,

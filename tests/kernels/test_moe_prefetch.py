@@ -1,6 +1,6 @@
-"""The down-GEMM's pre-wait L2 prefetch (kernels/moe.py PREFETCH), compiled for sm_90 without a GPU: the prefetches
-come before `griddepcontrol.wait` and every load of the activations after it; without PREFETCH (the up-GEMM) no
-prefetch exists and nothing is loaded before the wait. In the interpreter (PDL off) the GEMMs are unchanged, which
+"""The down-GEMM's pre-wait L2 prefetch (kernels/moe.py PREFETCH) and register preload (K_CHUNKS), compiled for sm_90
+without a GPU: the prefetches / the weight tile's loads come before `griddepcontrol.wait` and every load of the
+activations after it; without either (the up-GEMM) no prefetch exists and nothing is loaded before the wait. In the interpreter (PDL off) the GEMMs are unchanged, which
 the other moe tests check."""
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import lingc.kernels.moe as K
 prefetch = sys.argv[1] == "1"
+chunks = int(sys.argv[2])
 sig = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
            total_ptr="*i32", num_pairs="i32", num_experts="i32", N="i32", K="i32", stride_am="i32", stride_we="i32",
            stride_wn="i32", stride_om="i32", limit="fp32")
 const = dict(TOP_K=1, BLOCK_M=16, TILE_M=16, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, SWIGLU=False, HAS_LIMIT=False,
-             IEEE_DOT=False, LIBDEVICE_EXP=True, PDL=True, PREFETCH=prefetch, K_LINES=8, LINE=64)
+             IEEE_DOT=False, LIBDEVICE_EXP=True, PDL=True, PREFETCH=prefetch, K_LINES=8, LINE=64, K_CHUNKS=chunks)
 sig.update({k: "constexpr" for k in const})
 ptx = triton.compile(ASTSource(fn=K._moe_gemm_kernel, signature=sig, constexprs=const),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
@@ -33,9 +34,10 @@ print(find("griddepcontrol.wait"), find("prefetch.global.L2"), find("ld.global")
 """
 
 
-def _probe(prefetch: bool) -> tuple[list[int], list[int], list[int]]:
+def _probe(prefetch: bool, chunks: int = 0) -> tuple[list[int], list[int], list[int]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, "1" if prefetch else "0"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _PROBE, "1" if prefetch else "0", str(chunks)], capture_output=True,
+                          text=True,
                           timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tuple(eval(part) for part in proc.stdout.strip().splitlines()[-1].split("|"))
@@ -51,3 +53,13 @@ def test_prefetch_precedes_the_wait(prefetch: bool) -> None:
         assert 1 <= len([i for i in loads if i < waits[0]]) <= 2
     else:
         assert not prefetches and not [i for i in loads if i < waits[0]]
+
+
+def test_preload_loads_the_weight_tile_before_the_wait() -> None:
+    """PRELOAD (K_CHUNKS = 4, the down-GEMM at decode): total, the block's expert and the 4 weight chunks before the
+    wait; the act rows (and nothing else) after it."""
+    waits, prefetches, loads = _probe(False, 4)
+    assert len(waits) == 1 and not prefetches
+    before, after = [i for i in loads if i < waits[0]], [i for i in loads if i > waits[0]]
+    assert len(before) >= 6, (before, waits)      # total, expert, then the chunks' (vectorised) loads
+    assert after, "the act rows load after the wait"
