@@ -117,6 +117,10 @@ PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 
 PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "16")))  # ...this many
                      # (at most; not past their slice), into L2, before gdc_wait: 16 covers every slice of the
                      # Ling shapes (K <= 1536 unsplit is 12 blocks); not A/B-measured with PDL on (kernels/pdl.py)
+# "fma" kind, unsplit, weight slice <= FMA_PRELOAD_ELEMENTS a program (the bf16 router: 4 x 1536): the slice goes
+# into registers before the PDL wait instead of an L2 prefetch (LINGC_LINEAR_FMA_PRELOAD=0 turns it off)
+FMA_PRELOAD = os.environ.get("LINGC_LINEAR_FMA_PRELOAD", "1") == "1"
+FMA_PRELOAD_ELEMENTS = 8192   # 64 bf16 a thread at 4 warps
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
 NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536
@@ -302,6 +306,28 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
     _finish(acc, y_ptrs, part_ptr, part_offs, count_ptr + pid_n, out_mask, pid_s, M * N, w_ptr, SPLIT_K)
 
 
+@triton.jit
+def _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               WRITE_NORMED: tl.constexpr, GATED: tl.constexpr, HEAD_D: tl.constexpr, PRECISE: tl.constexpr):
+    """One BK block of the fma kernel: its x block (or the norm's, written out by the programs of N tile 0) times the
+    [BN, BK] weight block w, added lane by lane to acc [R, BN, BK]."""
+    k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
+    if EVEN_K:
+        x_mask = r_ok[:, None]
+    else:
+        x_mask = r_ok[:, None] & k_ok[None, :]
+    if GATED:
+        xv = _gated_block(x_ptrs, res_ptrs, x_mask, nw_ptr + (tl.arange(0, BLOCK_K) % HEAD_D)[None, :], eps,
+                          1.0 / HEAD_D, 1, HEAD_D, PRECISE)              # [R, BK]
+    else:
+        xv = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[None, :], k_ok[None, :],
+                      rstd[:, None], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
+                      NORM, HAS_RESIDUAL, WRITE_NORMED)                   # [R, BK]
+    xf = xv.to(w.dtype).to(tl.float32)
+    return tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)     # per-lane sums, sequential in k
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
                        M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
@@ -309,9 +335,11 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                        LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
-                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr):
+                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr):
     """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
     then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
+    W_BLOCKS > 0 (small unsplit weights, FMA_PRELOAD): the program's whole weight slice, W_BLOCKS blocks, is loaded
+    into registers first, before the PDL wait, so after the wait only the activations are read.
     NORM, GATED: as in _linear_dot_kernel, for the program's R rows (NORM: the programs with n == 0 write the
     outputs)."""
     pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
@@ -323,37 +351,39 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     r_ok = offs_r < M
     n_ok = offs_n < N
+    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    w_pre = ()
+    for b in tl.static_range(W_BLOCKS):   # the whole weight slice into registers (weights: before any PDL wait)
+        w_pre = w_pre + (tl.load(w_ptrs + b * BLOCK_K, mask=n_ok[:, None] & (ks + b * BLOCK_K < K)[None, :],
+                                 other=0.0),)
     if PDL:
-        program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
-        _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
+        if W_BLOCKS == 0:
+            program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
+            _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
         pdl_wait()
     rstd = tl.zeros([ROWS], dtype=tl.float32)
     if NORM:
         rstd = _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps, ROWS, NORM_BLOCK,
                           HAS_RESIDUAL)
-    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
     x_ptrs = x_ptr + offs_r[:, None] * stride_xm + ks[None, :]            # [R, BK]
     res_ptrs = res_ptr + offs_r[:, None] * stride_rm + ks[None, :]        # [R, BK]
     out_offs = offs_r[:, None] * K + ks[None, :]                          # [R, BK] in residual_out / normed
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for b in tl.static_range(W_BLOCKS):   # the loop below on the preloaded blocks: same values, same order
+        acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
+                         k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
+                         BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE)
+    if W_BLOCKS > 0:
+        k_end = k_start                   # every block ran above
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)           # [BN, BK]
-            x_mask = r_ok[:, None]
         else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x_mask = r_ok[:, None] & k_ok[None, :]
-        if GATED:
-            xv = _gated_block(x_ptrs, res_ptrs, x_mask, nw_ptr + (tl.arange(0, BLOCK_K) % HEAD_D)[None, :], eps,
-                              1.0 / HEAD_D, 1, HEAD_D, PRECISE)          # [R, BK]
-        else:
-            xv = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[None, :], k_ok[None, :],
-                          rstd[:, None], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
-                          NORM, HAS_RESIDUAL, WRITE_NORMED)               # [R, BK]
-        xf = xv.to(w.dtype).to(tl.float32)
-        acc = tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)  # per-lane sums, sequential in k
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & ((k0 + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
+        acc = _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr,
+                         res_out_ptr, normed_ptr, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D,
+                         PRECISE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         res_ptrs += BLOCK_K
@@ -489,7 +519,10 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     tiles = triton.cdiv(n, cfg.block_n)
     if cfg.kind == "fma":
-        kernel, grid, extra = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k), {"ROWS": cfg.rows}
+        blocks = triton.cdiv(k, cfg.block_k)
+        preload = FMA_PRELOAD and cfg.split_k == 1 and blocks * cfg.block_n * cfg.block_k <= FMA_PRELOAD_ELEMENTS
+        kernel, grid = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k)
+        extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0}
     else:
         kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
     res = norm.residual if norm is not None and norm.residual is not None else gated.gate if gated else rows

@@ -313,3 +313,20 @@ def test_norm_linear_bad_shapes_are_named() -> None:
         rmsnorm_linear(x, norm_weight[:39], EPS, weight)
     with pytest.raises(ValueError, match=r"residual is \[3, 40\] torch.float32, x is \[3, 40\] torch.bfloat16"):
         add_rmsnorm_linear(residual.float(), x, norm_weight, EPS, weight)
+
+
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
+def test_fma_preload_gives_the_loop_bits(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FMA_PRELOAD (an unsplit fma program's weight slice in registers before the wait, the bf16 router's GEMV) runs
+    the loop's blocks in the same order on the same values: linear and add_rmsnorm_linear, every output bit for bit
+    with it off, including the K tails (EVEN_K off)."""
+    monkeypatch.setattr(linear_module, "NORM_BLOCK_K", 32)
+    act, w_dtype, out_dtype = NORM_DTYPES["bf16"]
+    residual, x, norm_weight, weight = _norm_inputs((1, 6), n, k, act, w_dtype, seed=n + k)
+    outs = {}
+    for preload in (True, False):
+        monkeypatch.setattr(linear_module, "FMA_PRELOAD", preload)
+        outs[preload] = (linear(x, weight, config=FMA),
+                         *add_rmsnorm_linear(residual, x, norm_weight, EPS, weight, out_dtype, True, config=FMA))
+    for got, want in zip(outs[True], outs[False]):
+        assert torch.equal(got, want)
