@@ -25,7 +25,8 @@ its own wait, i.e. after the kernel two launches back has completed (under eithe
 more launches back may be loaded (through L2, `.cg`: L1 is not coherent) before `pdl_wait()`; only what the kernel
 just before writes must wait. Three kernels do it (H200 decode step, same bits): kda's fused decode / verify (state
 slice, pool windows, slot), the down-GEMM at decode's pair counts (its align's outputs and its whole weight tile,
-into registers) and MLA's q_absorb (q and its sum). Where the launch just before one of them writes or produces
+into registers) and MLA's q_absorb (q and its sum). (Weights need no such argument: the small "fma" linears, the
+router GEMV, load their whole slice into registers before the wait, kernels/linear.py FMA_PRELOAD.) Where the launch just before one of them writes or produces
 those inputs, the pdl pass launches it without PDL (passes/pdl.py PREWAIT_INPUTS). What it does not buy: an L2
 prefetch of a static 31.5 MB weight during an idle window made the linear reading it only 9.5 -> 8.6 us (the linear
 reads L2 hardly faster than HBM here; bench/results/kernels-l2-prefetch-h200-20261201.json).
