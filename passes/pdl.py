@@ -109,9 +109,9 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
 
 # Kernels whose PDL path loads some inputs BEFORE gdc_wait: kernels/kda.py _kda_fused_kernel (the conv pools, the
 # state pool, the slots), kernels/moe.py's down-GEMM preload (sorted_pairs, block_expert, total: the align's
-# outputs) and kernels/mla.py's q_absorb (q_nope). Safe when the launch just before them neither writes nor produces any of those buffers, since a PDL
-# kernel's programs start only after the kernel two back has completed (kernels/pdl.py). Indices are the op's
-# positional arguments.
+# outputs) and kernels/mla.py's q_absorb (q_nope). Safe when the launch just before them neither writes nor
+# produces any of those buffers, since a PDL kernel's programs start only after the kernel two back has completed
+# (kernels/pdl.py). Indices are the op's positional arguments.
 PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14),
                   "moe_down": (2, 3, 4), "mla_attention": (0,)}
 
@@ -127,6 +127,19 @@ def _prewait_safe(graph: fx.Graph, node: fx.Node, short: str) -> bool:
     if written_buffers(prev) & {base_buffer(a) for a in early}:
         return False
     return all(not isinstance(a, fx.Node) or producer(a) is not prev for a in early)
+
+
+def drop_unsafe_prewait(graph: fx.Graph) -> list[str]:
+    """After every annotation (chains and solo): remove `lingc.pdl` from each PREWAIT_INPUTS kernel whose
+    predecessor writes or produces its early inputs, so it launches without PDL (stream-ordered loads). Returns
+    the names of the nodes it un-annotated."""
+    dropped = []
+    for short in PREWAIT_INPUTS:
+        for node in calls(graph, short):
+            if "lingc.pdl" in node.meta and not _prewait_safe(graph, node, short):
+                del node.meta["lingc.pdl"]
+                dropped.append(node.name)
+    return dropped
 
 
 def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.Node]], list[str]]:
@@ -192,14 +205,10 @@ class Pdl(Pass):
                         node.meta["lingc.pdl"] = {"chain": label, "index": i, "length": len(piece),
                                                   "early_launch": i > 0}
                     chains.append({"graph": gname, "chain": label, "nodes": [n.name for n in piece]})
-            for short in PREWAIT_INPUTS:
-                for node in calls(graph, short):
-                    if "lingc.pdl" in node.meta and not _prewait_safe(graph, node, short):
-                        del node.meta["lingc.pdl"]           # launched without PDL: its loads are stream-ordered
-                        unsafe.append(f"{gname}:{node.name}")
             if SOLO:
                 for node in graph.nodes:
                     if node.op == "call_function" and not is_free(node) and "lingc.pdl" not in node.meta:
                         node.meta["lingc.pdl"] = dict(SOLO_META)
                         solo[gname] = solo.get(gname, 0) + 1
+            unsafe += [f"{gname}:{name}" for name in drop_unsafe_prewait(graph)]
         return {"matches": len(chains), "chains": chains, "moved": moved_all, "solo": solo, "no_pdl": unsafe}

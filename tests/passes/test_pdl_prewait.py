@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.fuse_kda import FuseKda
-from lingc.passes.pdl import PREWAIT_INPUTS, Pdl, _prewait_safe
+from lingc.passes.pdl import PREWAIT_INPUTS, SOLO_META, Pdl, _prewait_safe, drop_unsafe_prewait
 from lingc.program import Program
 
 
@@ -65,3 +65,17 @@ def test_moe_down_right_after_its_align_is_unsafe():
     with g.inserting_before(down):
         g.call_function(OPS.linear, (x, w2))
     assert _prewait_safe(g, down, "moe_down")
+
+
+def test_an_unsafe_kernel_loses_its_annotation_for_good():
+    """The drop runs after the solo annotation (which would otherwise re-annotate it) and removes only that node."""
+    g, node = _verify_graph(between=False)
+    for n in g.nodes:
+        if n.op == "call_function":
+            n.meta["lingc.pdl"] = dict(SOLO_META)
+    assert drop_unsafe_prewait(g) == [node.name]
+    assert "lingc.pdl" not in node.meta
+    assert all("lingc.pdl" in n.meta for n in g.nodes if n.op == "call_function" and n is not node)
+    g, node = _verify_graph(between=True)
+    node.meta["lingc.pdl"] = dict(SOLO_META)
+    assert drop_unsafe_prewait(g) == [] and "lingc.pdl" in node.meta
