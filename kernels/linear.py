@@ -374,20 +374,19 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
         acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
                          k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
                          BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE)
-    if W_BLOCKS > 0:
-        k_end = k_start                   # every block ran above
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)           # [BN, BK]
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & ((k0 + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
-        acc = _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr,
-                         res_out_ptr, normed_ptr, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D,
-                         PRECISE)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        res_ptrs += BLOCK_K
-        out_offs += BLOCK_K
+    if W_BLOCKS == 0:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)       # [BN, BK]
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & ((k0 + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
+            acc = _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr,
+                             res_out_ptr, normed_ptr, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED,
+                             HEAD_D, PRECISE)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            res_ptrs += BLOCK_K
+            out_offs += BLOCK_K
     if PDL:
         pdl_trigger()
     total = tl.sum(acc, axis=2)                                           # [R, BN]

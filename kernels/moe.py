@@ -135,6 +135,14 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr, LIBDEVICE_EXP: tl.constexp
 
 
 @triton.jit
+def _acc_dot(a, w, acc, IEEE_DOT: tl.constexpr):
+    """acc + a @ w on tensor cores, or in full fp32 (IEEE_DOT: fp32 weights, the interpreter)."""
+    if IEEE_DOT:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
 def _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride_wn,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr):
     """PRELOAD: the program's whole weight tile as K_CHUNKS [BLOCK_K, BLOCK_N] chunks in registers, the values
@@ -175,10 +183,7 @@ def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     for c in tl.static_range(K_CHUNKS):                      # PRELOAD: every A chunk at once, then the dots
         a = tl.load(a_ptrs + c * BLOCK_K, mask=valid[:, None] & (c * BLOCK_K + offs_k < K)[None, :], other=0.0)
-        if IEEE_DOT:
-            acc = tl.dot(a.to(tl.float32), ws[c].to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, ws[c], acc)
+        acc = _acc_dot(a, ws[c], acc, IEEE_DOT)
     if K_CHUNKS == 0:
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
@@ -192,10 +197,7 @@ def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
             else:
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            if IEEE_DOT:
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+            acc = _acc_dot(a, w, acc, IEEE_DOT)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     h = acc.to(out_ptr.dtype.element_ty)  # the one rounding moe_up stores; the fused epilogue starts from it
