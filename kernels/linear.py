@@ -121,10 +121,10 @@ PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS"
 # into registers before the PDL wait instead of an L2 prefetch (LINGC_LINEAR_FMA_PRELOAD=0 turns it off)
 FMA_PRELOAD = os.environ.get("LINGC_LINEAR_FMA_PRELOAD", "1") == "1"
 FMA_PRELOAD_ELEMENTS = 8192   # 64 bf16 a thread at 4 warps
-# "dot" kind under PDL: a program whose whole weight slice fits DOT_PRELOAD_BYTES loads it into registers before the
-# wait (o_proj, MLA's dense / q_b / q_a: 32-64 KiB); 0 turns it off (LINGC_LINEAR_DOT_PRELOAD, bytes).
+# "dot" kind under PDL: each program loads the first blocks of its weight slice, up to DOT_PRELOAD_BYTES, into
+# registers before the wait (the rest still streams after it); 0 turns it off (LINGC_LINEAR_DOT_PRELOAD, bytes).
 # Only with PDL: without it nothing runs while the registers fill. DOT_PRELOAD_NEEDS_PDL is a test seam
-DOT_PRELOAD_BYTES = int(os.environ.get("LINGC_LINEAR_DOT_PRELOAD", "65536"))
+DOT_PRELOAD_BYTES = int(os.environ.get("LINGC_LINEAR_DOT_PRELOAD", "32768"))
 DOT_PRELOAD_NEEDS_PDL = True
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
@@ -447,14 +447,12 @@ def pick_config(n: int, k: int, weight_dtype: torch.dtype) -> LinearConfig:
 
 
 def dot_preload_blocks(cfg: LinearConfig, k: int, element_size: int, pdl: bool) -> int:
-    """Weight blocks a "dot" program loads into registers before the PDL wait: its whole slice where
-    DOT_PRELOAD_BYTES holds it, else none (0 without PDL). Never part of a slice: the streaming loop's first loads
-    would then be issued only after the preloaded blocks' dots, which wait on x (H200: 1.284 -> 1.326 ms decode
-    with the first 32 KiB of every slice preloaded, bench/results/step-ab-h200-20261201-c.json)."""
+    """Weight blocks a "dot" program loads into registers before the PDL wait: as many of its slice's blocks as
+    DOT_PRELOAD_BYTES holds (0 without PDL)."""
     if not pdl or cfg.kind != "dot":
         return 0
     per_slice = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-    return per_slice if per_slice * cfg.block_n * cfg.block_k * element_size <= DOT_PRELOAD_BYTES else 0
+    return min(per_slice, DOT_PRELOAD_BYTES // (cfg.block_n * cfg.block_k * element_size))
 
 
 def _auto_split(tiles: int, blocks: int) -> int:

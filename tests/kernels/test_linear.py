@@ -337,23 +337,24 @@ def test_fma_preload_gives_the_loop_bits(n: int, k: int, monkeypatch: pytest.Mon
 def test_dot_preload_gives_the_loop_bits(n: int, k: int, cfg: LinearConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """DOT_PRELOAD_BYTES (a "dot" program's first weight blocks in registers before the PDL wait; here forced on
     without PDL) feeds the same blocks to the same dots in the same order: linear and add_rmsnorm_linear bit for bit
-    with it off, the whole slice or nothing (split 4: the last slice is short), with the K tails (EVEN_K off)."""
+    with it off, for a preload of one block, of more blocks than a slice holds (split 4: the last slice is short),
+    and with the K tails (EVEN_K off)."""
     monkeypatch.setattr(linear_module, "NORM_BLOCK_K", 32)
     monkeypatch.setattr(linear_module, "DOT_PRELOAD_NEEDS_PDL", False)
     act, w_dtype, out_dtype = NORM_DTYPES["bf16"]
     residual, x, norm_weight, weight = _norm_inputs((1, 6), n, k, act, w_dtype, seed=n + k + 7)
     block = cfg.block_n * cfg.block_k * weight.element_size()
     outs = {}
-    fitted = linear_module._fit_split(cfg, k)
-    per_slice = -(-(-(-k // cfg.block_k)) // fitted.split_k)
-    for budget in (0, per_slice - 1, per_slice):
-        monkeypatch.setattr(linear_module, "DOT_PRELOAD_BYTES", budget * block)
-        assert linear_module.dot_preload_blocks(fitted, k, 2, True) == (per_slice if budget == per_slice else 0)
-        outs[budget] = (linear(x, weight, config=cfg),
+    for blocks in (0, 1, 3):
+        monkeypatch.setattr(linear_module, "DOT_PRELOAD_BYTES", blocks * block)
+        assert linear_module.dot_preload_blocks(linear_module._fit_split(cfg, k), k, 2, True) == min(
+            blocks, -(-(-(-k // cfg.block_k)) // linear_module._fit_split(cfg, k).split_k))
+        outs[blocks] = (linear(x, weight, config=cfg),
                         *add_rmsnorm_linear(residual, x, norm_weight, EPS, weight, out_dtype, True, config=cfg))
-    for got, want in zip(outs[per_slice], outs[0]):
-        assert torch.equal(got, want)
-    _check(outs[per_slice][0], x, weight, None)
+    for blocks in (1, 3):
+        for got, want in zip(outs[blocks], outs[0]):
+            assert torch.equal(got, want)
+    _check(outs[3][0], x, weight, None)
 
 
 def test_dot_preload_only_with_pdl() -> None:

@@ -96,7 +96,7 @@ def test_dot_preload_gives_the_same_bits(cfg: LinearConfig, monkeypatch: pytest.
     x, norm_weight, gate, weight = _inputs((1, 6), torch.bfloat16, seed=11)
     monkeypatch.setattr(linear_module, "DOT_PRELOAD_NEEDS_PDL", False)
     outs = []
-    for blocks in (0, 4):                 # K = 128: a slice of split 2 is at most 2 blocks
+    for blocks in (0, 2):
         monkeypatch.setattr(linear_module, "DOT_PRELOAD_BYTES", blocks * cfg.block_n * cfg.block_k * 2)
         outs.append(gated_rmsnorm_linear(x, norm_weight, gate, EPS, weight, config=cfg))
     assert torch.equal(outs[0], outs[1])
