@@ -121,11 +121,6 @@ PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS"
 # into registers before the PDL wait instead of an L2 prefetch (LINGC_LINEAR_FMA_PRELOAD=0 turns it off)
 FMA_PRELOAD = os.environ.get("LINGC_LINEAR_FMA_PRELOAD", "1") == "1"
 FMA_PRELOAD_ELEMENTS = 8192   # 64 bf16 a thread at 4 warps
-# "dot" kind under PDL: each program loads the first blocks of its weight slice, up to DOT_PRELOAD_BYTES, into
-# registers before the wait (the rest still streams after it); 0 turns it off (LINGC_LINEAR_DOT_PRELOAD, bytes).
-# Only with PDL: without it nothing runs while the registers fill. DOT_PRELOAD_NEEDS_PDL is a test seam
-DOT_PRELOAD_BYTES = int(os.environ.get("LINGC_LINEAR_DOT_PRELOAD", "32768"))
-DOT_PRELOAD_NEEDS_PDL = True
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
 NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536
@@ -248,28 +243,6 @@ def _gated_block(x_ptrs, g_ptrs, mask, nw_ptrs, eps, inv_d, K_AXIS: tl.constexpr
     return (xf * rstd * nw * _sigmoid(g, PRECISE)).to(x.dtype)
 
 
-@triton.jit
-def _dot_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, m_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-               HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr, GATED: tl.constexpr, HEAD_D: tl.constexpr,
-               PRECISE: tl.constexpr):
-    """One BK block of the dot kernel: its xT block [BK, BM] (x, the norm's, written out by the programs of N tile 0,
-    or the gated norm's) times the [BN, BK] weight block w, accumulated into acc [BN, BM] on the tensor cores."""
-    k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
-    if EVEN_K:
-        x_mask = m_ok[None, :]
-    else:
-        x_mask = k_ok[:, None] & m_ok[None, :]
-    if GATED:
-        xt = _gated_block(x_ptrs, res_ptrs, x_mask, nw_ptr + (tl.arange(0, BLOCK_K) % HEAD_D)[:, None], eps,
-                          1.0 / HEAD_D, 0, HEAD_D, PRECISE)              # [BK, BM]
-    else:
-        xt = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[:, None], k_ok[:, None],
-                      rstd[None, :], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
-                      NORM, HAS_RESIDUAL, WRITE_NORMED)                   # [BK, BM]
-    return tl.dot(w, xt.to(w.dtype), acc, input_precision="ieee" if IEEE else None)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
                        M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
@@ -277,14 +250,12 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                        LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
-                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, W_PRE: tl.constexpr):
+                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr):
     """Program (n, s): acc[BN, BM] = W[n-tile, slice s] @ xT[slice s, all rows], BM = 16 rows always.
     NORM: xT is rmsnorm(x [+ residual]) rebuilt block by block after a prologue over all of K (_norm_rstd);
     residual_out / normed [M, K] (row stride K) are written by the programs with n == 0.
     GATED: xT is gated_rmsnorm(x, nw, gate) with heads of HEAD_D, built block by block (_gated_block); the gate
-    comes in res_ptr (row stride stride_rm).
-    W_PRE > 0 (PRELOAD_BYTES): the slice's first W_PRE weight blocks are loaded into registers before the PDL wait
-    (no earlier kernel writes weights); after it they go through the same dot, in the same order, as the loop's."""
+    comes in res_ptr (row stride stride_rm)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
@@ -293,42 +264,36 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    w_pre = ()
-    for b in tl.static_range(W_PRE):      # the slice's first blocks into registers (a block past k_end: all masked)
-        w_pre = w_pre + (tl.load(w_ptrs + b * BLOCK_K, mask=n_ok[:, None] & (ks + b * BLOCK_K < k_end)[None, :],
-                                 other=0.0),)
-    k_loop = tl.minimum(k_start + W_PRE * BLOCK_K, k_end)                 # where the streaming loop starts
     if PDL:  # weights are written by no earlier kernel: start pulling them in before the wait
-        _prefetch_slice(w_ptr, offs_n, k_loop, k_end, N, K, stride_wn, pid_n + pid_s * tl.num_programs(0),
+        _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, pid_n + pid_s * tl.num_programs(0),
                         BLOCK_K, LINE)
         pdl_wait()
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
         rstd = _norm_rstd(x_ptr, res_ptr, offs_m, m_ok, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_BLOCK,
                           HAS_RESIDUAL)
+    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + ks[:, None]            # [BK, BM]
     res_ptrs = res_ptr + offs_m[None, :] * stride_rm + ks[:, None]        # [BK, BM]
     out_offs = offs_m[None, :] * K + ks[:, None]                          # [BK, BM] in residual_out / normed
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for b in tl.static_range(W_PRE):      # the preloaded blocks, then the loop from k_loop: one order
-        if k_start + b * BLOCK_K < k_end:
-            acc = _dot_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
-                             k_start + b * BLOCK_K, K, m_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
-                             BLOCK_K, EVEN_K, IEEE, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE)
-    w_ptrs += W_PRE * BLOCK_K
-    x_ptrs += W_PRE * BLOCK_K
-    res_ptrs += W_PRE * BLOCK_K
-    out_offs += W_PRE * BLOCK_K
-    for k0 in range(k_loop, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)           # [BN, BK]
+            x_mask = m_ok[None, :]
         else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & ((k0 + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
-        acc = _dot_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, m_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr,
-                         normed_ptr, BLOCK_K, EVEN_K, IEEE, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D,
-                         PRECISE)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x_mask = k_ok[:, None] & m_ok[None, :]
+        if GATED:
+            xt = _gated_block(x_ptrs, res_ptrs, x_mask, nw_ptr + (tl.arange(0, BLOCK_K) % HEAD_D)[:, None], eps,
+                              1.0 / HEAD_D, 0, HEAD_D, PRECISE)          # [BK, BM]
+        else:
+            xt = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[:, None], k_ok[:, None],
+                          rstd[None, :], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
+                          NORM, HAS_RESIDUAL, WRITE_NORMED)               # [BK, BM]
+        acc = tl.dot(w, xt.to(w.dtype), acc, input_precision="ieee" if IEEE else None)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         res_ptrs += BLOCK_K
@@ -446,15 +411,6 @@ def pick_config(n: int, k: int, weight_dtype: torch.dtype) -> LinearConfig:
     return cfg
 
 
-def dot_preload_blocks(cfg: LinearConfig, k: int, element_size: int, pdl: bool) -> int:
-    """Weight blocks a "dot" program loads into registers before the PDL wait: as many of its slice's blocks as
-    DOT_PRELOAD_BYTES holds (0 without PDL)."""
-    if not pdl or cfg.kind != "dot":
-        return 0
-    per_slice = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
-    return min(per_slice, DOT_PRELOAD_BYTES // (cfg.block_n * cfg.block_k * element_size))
-
-
 def _auto_split(tiles: int, blocks: int) -> int:
     """Largest power of two <= SPLIT_TARGET_PROGRAMS / tiles and <= blocks / MIN_SLICE_BLOCKS (at least 1)."""
     limit = min(SPLIT_TARGET_PROGRAMS // tiles, blocks // MIN_SLICE_BLOCKS)
@@ -567,8 +523,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
         kernel, grid = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k)
         extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0}
     else:
-        kernel, grid = _linear_dot_kernel, (tiles, cfg.split_k)
-        extra = {"W_PRE": dot_preload_blocks(cfg, k, weight.element_size(), pdl or not DOT_PRELOAD_NEEDS_PDL)}
+        kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
     res = norm.residual if norm is not None and norm.residual is not None else gated.gate if gated else rows
     res = res if res.stride(-1) == 1 else res.contiguous()
     norm_weight = norm.norm_weight if norm else gated.norm_weight if gated else rows

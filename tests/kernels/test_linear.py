@@ -330,35 +330,3 @@ def test_fma_preload_gives_the_loop_bits(n: int, k: int, monkeypatch: pytest.Mon
                          *add_rmsnorm_linear(residual, x, norm_weight, EPS, weight, out_dtype, True, config=FMA))
     for got, want in zip(outs[True], outs[False]):
         assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("cfg", [SPLIT, NO_SPLIT], ids=["dot-split4", "dot-nosplit"])
-@pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
-def test_dot_preload_gives_the_loop_bits(n: int, k: int, cfg: LinearConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DOT_PRELOAD_BYTES (a "dot" program's first weight blocks in registers before the PDL wait; here forced on
-    without PDL) feeds the same blocks to the same dots in the same order: linear and add_rmsnorm_linear bit for bit
-    with it off, for a preload of one block, of more blocks than a slice holds (split 4: the last slice is short),
-    and with the K tails (EVEN_K off)."""
-    monkeypatch.setattr(linear_module, "NORM_BLOCK_K", 32)
-    monkeypatch.setattr(linear_module, "DOT_PRELOAD_NEEDS_PDL", False)
-    act, w_dtype, out_dtype = NORM_DTYPES["bf16"]
-    residual, x, norm_weight, weight = _norm_inputs((1, 6), n, k, act, w_dtype, seed=n + k + 7)
-    block = cfg.block_n * cfg.block_k * weight.element_size()
-    outs = {}
-    for blocks in (0, 1, 3):
-        monkeypatch.setattr(linear_module, "DOT_PRELOAD_BYTES", blocks * block)
-        assert linear_module.dot_preload_blocks(linear_module._fit_split(cfg, k), k, 2, True) == min(
-            blocks, -(-(-(-k // cfg.block_k)) // linear_module._fit_split(cfg, k).split_k))
-        outs[blocks] = (linear(x, weight, config=cfg),
-                        *add_rmsnorm_linear(residual, x, norm_weight, EPS, weight, out_dtype, True, config=cfg))
-    for blocks in (1, 3):
-        for got, want in zip(outs[blocks], outs[0]):
-            assert torch.equal(got, want)
-    _check(outs[3][0], x, weight, None)
-
-
-def test_dot_preload_only_with_pdl() -> None:
-    """Without PDL nothing overlaps the register fill, so the launcher asks for no preload."""
-    cfg = pick_config(2048, 1536, torch.bfloat16)
-    assert linear_module.dot_preload_blocks(cfg, 1536, 2, False) == 0
-    assert linear_module.dot_preload_blocks(FMA, 1536, 2, True) == 0

@@ -86,17 +86,3 @@ def test_bad_shapes_are_named() -> None:
         gated_rmsnorm_linear(x, norm_weight, gate[..., :31], EPS, weight)
     with pytest.raises(ValueError, match=r"x has shape \[2, 128\] and weight has shape \[40, 96\]"):
         gated_rmsnorm_linear(x, norm_weight, gate, EPS, weight[:, :96])
-
-
-@pytest.mark.parametrize("cfg", [DOT_ONE_HEAD, DOT_TWO_HEADS], ids=["dot-BK=D", "dot-BK=2D"])
-def test_dot_preload_gives_the_same_bits(cfg: LinearConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dot kernel's register preload of the first weight blocks (kernels/linear.py DOT_PRELOAD_BYTES, forced on
-    here without PDL) leaves the gated GEMV's output bit for bit as it was."""
-    import lingc.kernels.linear as linear_module
-    x, norm_weight, gate, weight = _inputs((1, 6), torch.bfloat16, seed=11)
-    monkeypatch.setattr(linear_module, "DOT_PRELOAD_NEEDS_PDL", False)
-    outs = []
-    for blocks in (0, 2):
-        monkeypatch.setattr(linear_module, "DOT_PRELOAD_BYTES", blocks * cfg.block_n * cfg.block_k * 2)
-        outs.append(gated_rmsnorm_linear(x, norm_weight, gate, EPS, weight, config=cfg))
-    assert torch.equal(outs[0], outs[1])
