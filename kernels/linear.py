@@ -37,12 +37,16 @@ S > 1. At M = 1 it is the weight stream; bench/kernel_linear.py reports GB/s aga
 Rows M > 16 (prefill chunks) fall back to torch.nn.functional.linear in the weight dtype, then the cast:
 the reference's own batched path, which cuBLAS runs near its matrix peak.
 
-PDL (shared/docs/kernels.md section 1.5): with the constexpr PDL on, first-wave programs prefetch their weight
-slice into L2 (up to PREFETCH_BLOCKS blocks; no earlier kernel writes weights) before `gdc_wait()`; under the early
-trigger (kernels/pdl.py) that runs while the previous kernel does; x, the workspace and the
-counters are touched only after it; `gdc_launch_dependents()` follows the main loop (the last load of
-anything an earlier kernel wrote). With PDL off no GDC or prefetch instruction exists (the interpreter
-cannot run them).
+PDL (shared/docs/kernels.md section 1.5): with the constexpr PDL on, x, the workspace and the counters are touched
+only after `gdc_wait()`; `gdc_launch_dependents()` follows the main loop (the last load of anything an earlier kernel
+wrote). Weights are written by no earlier kernel, and two ways of reading them before the wait were measured in the
+H200 decode step (bench/results/step-ab-h200-20261201-c.json, same bits throughout):
+  - an L2 prefetch of the first PREFETCH_BLOCKS blocks of each first-wave program's slice (LINGC_LINEAR_PREFETCH_BLOCKS;
+    the default until 2026-12-01 was 16, every slice): off is faster, decode 1.281 -> 1.249 ms, verify 2.613 ->
+    2.584. So it is off (0); the knob stays for A/Bs.
+  - "dot" programs loading their slice's first blocks into registers (32 / 64 KiB, or only slices that fit whole):
+    1.281 -> 1.326-1.379 ms. Not kept. Only the small "fma" slices (FMA_PRELOAD, the router GEMV) preload.
+With PDL off no GDC or prefetch instruction exists (the interpreter cannot run them).
 
 NORM (constexpr; rmsnorm_linear / add_rmsnorm_linear, lingc/ops/norm_linear.py): the linear's x is
 rmsnorm(h) with h = x, or (HAS_RESIDUAL) h = residual + x added in fp32 and rounded once to the activation dtype,
@@ -114,9 +118,9 @@ CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
 SPLIT_TARGET_PROGRAMS = 128   # auto split: grow S (powers of two) until tiles * S reaches ~ one program per SM,
 MIN_SLICE_BLOCKS = 3          # keeping >= 3 BK blocks per slice (the ticket + partial pass costs ~0.4 us)
 PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 per SM) prefetch their first blocks...
-PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "16")))  # ...this many
-                     # (at most; not past their slice), into L2, before gdc_wait: 16 covers every slice of the
-                     # Ling shapes (K <= 1536 unsplit is 12 blocks); not A/B-measured with PDL on (kernels/pdl.py)
+PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "0")))  # ...this many
+                     # (at most; not past their slice), into L2, before gdc_wait. 0 (off): the H200 decode step is
+                     # 32 us faster without it (module docstring); 16 covers every slice of the Ling shapes
 # "fma" kind, unsplit, weight slice <= FMA_PRELOAD_ELEMENTS a program (the bf16 router: 4 x 1536): the slice goes
 # into registers before the PDL wait instead of an L2 prefetch (LINGC_LINEAR_FMA_PRELOAD=0 turns it off)
 FMA_PRELOAD = os.environ.get("LINGC_LINEAR_FMA_PRELOAD", "1") == "1"

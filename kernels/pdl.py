@@ -9,7 +9,7 @@ it is part of every kernel's compile key):
 
     early (default)  `pdl_wait()` triggers right after the wait. The next kernel's programs are scheduled as soon
                      as every program of this one has passed its wait (the kernel before it has completed), and
-                     its pre-wait prologue (weights into registers, the linear's L2 prefetch of its weight slice)
+                     its pre-wait prologue (weights into registers, kda's state slice)
                      overlaps this kernel's whole run. Only one kernel runs ahead: it in turn triggers only after
                      its own wait returns. `pdl_trigger()` is then a no-op.
     late             the trigger after the last dependent load (`pdl_trigger()`), as Inductor places it.
@@ -29,10 +29,13 @@ into registers) and MLA's q_absorb (q and its sum). (Weights need no such argume
 router GEMV, load their whole slice into registers before the wait, kernels/linear.py FMA_PRELOAD.) Where the launch just before one of them writes or produces
 those inputs, the pdl pass launches it without PDL (passes/pdl.py PREWAIT_INPUTS). What it does not buy: an L2
 prefetch of a static 31.5 MB weight during an idle window made the linear reading it only 9.5 -> 8.6 us (the linear
-reads L2 hardly faster than HBM here; bench/results/kernels-l2-prefetch-h200-20261201.json).
+reads L2 hardly faster than HBM here; bench/results/kernels-l2-prefetch-h200-20261201.json), and in the step the
+linear's pre-wait L2 prefetch of its weight slice made decode slower (1.281 ms with it, 1.249 without), and so did
+the "dot" linears loading their first weight blocks into registers (1.33-1.38 against 1.28; kernels/linear.py).
 
 `prefetch_l2(ptrs)` asks L2 for the lines at ptrs (inline PTX; PDL path only, the interpreter cannot run it): the
-pre-wait prologues use it for bytes no earlier kernel writes (weights), or, with the early trigger, for a tile
+pre-wait prologues (all opt-in now: LINGC_LINEAR_PREFETCH_BLOCKS, LINGC_MOE_DOWN_PREFETCH, LINGC_MLA_PREFETCH) use it
+for bytes no earlier kernel writes (weights), or, with the early trigger, for a tile
 chosen from outputs of the kernel two back (complete by the time this one runs, see kernels/moe.py). A prefetch is
 a hint: nothing reads its result, so a stale address costs bandwidth, never correctness.
 """
