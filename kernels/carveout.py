@@ -1,0 +1,62 @@
+"""One shared-memory carveout for every Triton kernel lingc loads (LINGC_SMEM_CARVEOUT), so PDL neighbours can share
+an SM.
+
+An SM splits its 256 KiB of L1 / shared memory by a carveout, and a kernel's CTAs run only on an SM whose current
+split suits them; changing the split needs the SM drained. Triton's loader gives kernels that use more than 48 KiB
+of shared memory (the pipelined GEMVs and GEMMs) `CU_FUNC_CACHE_PREFER_SHARED`, and leaves the rest (norms, router,
+kda, sampling) to the driver's default, which favours L1. In a batch-1 step the two kinds alternate, and under PDL a
+kernel's CTAs are meant to start on SMs still running the kernel before it. With LINGC_SMEM_CARVEOUT=P (percent of
+the maximum shared memory, 0-100) every kernel gets CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = P when it
+is loaded (Triton's `kernel_load_end_hook`), so neighbours ask for the same split. Unset (the default): no change.
+A carveout is a hint to the driver and never changes a value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import triton
+
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9   # CUfunction_attribute (cuda.h)
+ENV = "LINGC_SMEM_CARVEOUT"
+
+
+def carveout_percent() -> int | None:
+    """LINGC_SMEM_CARVEOUT as an int in [0, 100], or None when unset or empty."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) > 100:
+        raise ValueError(f"{ENV}={raw!r}: want an integer percent of the maximum shared memory, 0-100")
+    return int(raw)
+
+
+def _set_carveout(percent: int):
+    cuda = []                                 # libcuda, opened at the first kernel load (there is none on CPU)
+
+    def hook(module, function, name, metadata_group, hash_) -> None:
+        if not cuda:
+            cuda.append(ctypes.CDLL("libcuda.so.1"))
+        err = cuda[0].cuFuncSetAttribute(ctypes.c_void_p(function), CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                      ctypes.c_int(percent))
+        if err != 0:
+            raise RuntimeError(f"{ENV}: cuFuncSetAttribute(carveout={percent}) on Triton kernel {name} failed "
+                               f"with CUresult {err}")
+    return hook
+
+
+def install() -> bool:
+    """Chain the carveout hook onto Triton's kernel_load_end_hook when LINGC_SMEM_CARVEOUT is set; True if set."""
+    percent = carveout_percent()
+    if percent is None:
+        return False
+    hook = _set_carveout(percent)
+    previous = triton.knobs.runtime.kernel_load_end_hook
+
+    def chained(*args) -> None:
+        if previous is not None:
+            previous(*args)
+        hook(*args)
+    triton.knobs.runtime.kernel_load_end_hook = chained
+    return True

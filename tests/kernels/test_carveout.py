@@ -1,0 +1,35 @@
+"""kernels/carveout.py: LINGC_SMEM_CARVEOUT is parsed strictly, and when set its hook is chained onto Triton's
+kernel_load_end_hook (the attribute call itself needs a GPU; bench/device_step.py A/Bs it on the H200)."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+
+from lingc.kernels import carveout
+
+
+@pytest.mark.parametrize("raw,want", [("", None), ("0", 0), ("100", 100), (" 50 ", 50)])
+def test_percent_parses(raw: str, want: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(carveout.ENV, raw)
+    assert carveout.carveout_percent() == want
+
+
+@pytest.mark.parametrize("raw", ["101", "-1", "max", "1.5"])
+def test_bad_percent_names_the_variable(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(carveout.ENV, raw)
+    with pytest.raises(ValueError, match=f"LINGC_SMEM_CARVEOUT={raw!r}"):
+        carveout.carveout_percent()
+
+
+def test_install_chains_the_load_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "kernel_load_end_hook", lambda *args: seen.append(args[2]))
+    monkeypatch.delenv(carveout.ENV, raising=False)
+    assert not carveout.install()
+    monkeypatch.setenv(carveout.ENV, "100")
+    calls = []
+    monkeypatch.setattr(carveout, "_set_carveout", lambda percent: lambda *args: calls.append((percent, args[2])))
+    assert carveout.install()
+    triton.knobs.runtime.kernel_load_end_hook(None, 0, "k", None, "h")
+    assert seen == ["k"] and calls == [(100, "k")]
