@@ -7,7 +7,10 @@ of shared memory (the pipelined GEMVs and GEMMs) `CU_FUNC_CACHE_PREFER_SHARED`, 
 kda, sampling) to the driver's default, which favours L1. In a batch-1 step the two kinds alternate, and under PDL a
 kernel's CTAs are meant to start on SMs still running the kernel before it. With LINGC_SMEM_CARVEOUT=P (percent of
 the maximum shared memory, 0-100) every kernel gets CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = P when it
-is loaded (Triton's `kernel_load_end_hook`), so neighbours ask for the same split. Unset (the default): no change.
+is loaded (Triton's `kernel_load_end_hook`), so neighbours ask for the same split. The default is 100 (the most
+shared memory, what Triton already asks for its big-smem kernels); LINGC_SMEM_CARVEOUT=none leaves every kernel to
+Triton and the driver. H200, one call (bench/results/step-ab-h200-20261201-c.json, call 58): decode step 1.256 /
+1.263 ms without (two runs) against 1.231 with 100; verify (2.583 / 2.589 against 2.584) and NEXTN unchanged.
 A carveout is a hint to the driver and never changes a value.
 """
 
@@ -22,13 +25,18 @@ CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9   # CUfunction_attribute 
 ENV = "LINGC_SMEM_CARVEOUT"
 
 
+DEFAULT_PERCENT = 100
+
+
 def carveout_percent() -> int | None:
-    """LINGC_SMEM_CARVEOUT as an int in [0, 100], or None when unset or empty."""
+    """LINGC_SMEM_CARVEOUT as an int in [0, 100] (DEFAULT_PERCENT when unset or empty), or None for "none"."""
     raw = os.environ.get(ENV, "").strip()
     if not raw:
+        return DEFAULT_PERCENT
+    if raw.lower() == "none":
         return None
     if not raw.isdigit() or int(raw) > 100:
-        raise ValueError(f"{ENV}={raw!r}: want an integer percent of the maximum shared memory, 0-100")
+        raise ValueError(f"{ENV}={raw!r}: want an integer percent of the maximum shared memory, 0-100, or none")
     return int(raw)
 
 
@@ -47,7 +55,7 @@ def _set_carveout(percent: int):
 
 
 def install() -> bool:
-    """Chain the carveout hook onto Triton's kernel_load_end_hook when LINGC_SMEM_CARVEOUT is set; True if set."""
+    """Chain the carveout hook onto Triton's kernel_load_end_hook unless LINGC_SMEM_CARVEOUT=none; True if chained."""
     percent = carveout_percent()
     if percent is None:
         return False
