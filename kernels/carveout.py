@@ -11,7 +11,8 @@ is loaded (Triton's `kernel_load_end_hook`), so neighbours ask for the same spli
 shared memory, what Triton already asks for its big-smem kernels); LINGC_SMEM_CARVEOUT=none leaves every kernel to
 Triton and the driver. H200, one call (bench/results/step-ab-h200-20261201-c.json, call 58): decode step 1.256 /
 1.263 ms without (two runs) against 1.231 with 100; verify (2.583 / 2.589 against 2.584) and NEXTN unchanged.
-A carveout is a hint to the driver and never changes a value.
+A carveout is a hint to the driver and never changes a value. It applies to every Triton kernel the process loads
+after lingc.kernels is imported, Inductor's included.
 """
 
 from __future__ import annotations
