@@ -11,7 +11,12 @@ its launch. The table groups launches by op and weight (layer index replaced by 
 MB moved, kernel time in the graph, GB/s, its floor (bytes / HBM bandwidth) and the excess (time - floor); the
 launch gaps (graph replay time - busy time) come last. This says where a step's time over its floor goes.
 
-    python3 bench/device_launches.py --json $OUT/launches.json [--passes all] [--graphs step,verify]
+--pdl captures the graphs with PDL launches on, as the step runs. Kernels then overlap (a kernel's programs start,
+and load what they may, while its predecessor runs), so a kernel's duration is no longer its cost; each kernel is
+charged its exposed time instead, end_i - end_(i-1) (the first kernel its duration): how much later the chain ends
+because of it. The exposed times sum to the busy span, so the table shows where the PDL step's time goes.
+
+    python3 bench/device_launches.py --json $OUT/launches.json [--passes all] [--graphs step,verify] [--pdl]
 """
 
 from __future__ import annotations
@@ -124,8 +129,21 @@ def graph_kernels(graphs, exe, name: str, replays: int) -> list[list[dict]]:
     return [kernels[i * per:(i + 1) * per] for i in range(replays)]
 
 
-def attribute(launches, eager_names, owner, reps, bandwidth_gbps: float, replay_us: float) -> dict:
-    """Per-group table: launches, MB, graph kernel time (median over replays), GB/s, floor, excess."""
+def exposed_us(kernels: list[dict]) -> list[float]:
+    """Each kernel's exposed time in one replay, in start order: end_i - max(end_j, j < i) (the first kernel: its
+    duration). A kernel ending before the chain's end so far (it overlapped entirely) is charged 0."""
+    out, chain_end = [], None
+    for k in kernels:
+        end = k["ts"] + k["dur"]
+        out.append(k["dur"] if chain_end is None else max(0.0, end - chain_end))
+        chain_end = end if chain_end is None else max(chain_end, end)
+    return out
+
+
+def attribute(launches, eager_names, owner, reps, bandwidth_gbps: float, replay_us: float,
+              exposed: bool = False) -> dict:
+    """Per-group table: launches, MB, graph kernel time (median over replays; `exposed`: each kernel's exposed time,
+    see exposed_us), GB/s, floor, excess."""
     graph_names = [k["name"] for k in reps[0]] if reps else []
     if graph_names != eager_names:
         i = _first_difference(graph_names, eager_names)
@@ -133,7 +151,8 @@ def attribute(launches, eager_names, owner, reps, bandwidth_gbps: float, replay_
                          f"from kernel {i} on: cannot attribute",
                 "graph_kernel": graph_names[i] if i < len(graph_names) else None,
                 "eager_kernel": eager_names[i] if i < len(eager_names) else None}
-    durations = [statistics.median(r[i]["dur"] for r in reps) for i in range(len(eager_names))]
+    times = [exposed_us(r) if exposed else [k["dur"] for k in r] for r in reps]
+    durations = [statistics.median(t[i] for t in times) for i in range(len(eager_names))]
     per_launch: dict[int, float] = collections.defaultdict(float)
     kernels_of: collections.Counter = collections.Counter(owner)
     for i, d in enumerate(durations):
@@ -155,7 +174,8 @@ def attribute(launches, eager_names, owner, reps, bandwidth_gbps: float, replay_
         g["us_per_launch"] = g["us"] / g["launches"]
     busy = statistics.median(busy_us(r) for r in reps)
     table = sorted(groups.values(), key=lambda g: -g["excess_us"])
-    return {"replay_us": replay_us, "kernel_sum_us": sum(durations), "busy_us": busy,
+    return {"time_basis": "exposed" if exposed else "duration", "replay_us": replay_us,
+            "kernel_sum_us": sum(durations), "busy_us": busy,
             "gaps_us": replay_us - busy, "floor_us": sum(g["floor_us"] for g in table),
             "kernels": len(durations), "unattributed_us": per_launch.get(-1, 0.0), "groups": table}
 
@@ -167,6 +187,8 @@ def main() -> None:
     ap.add_argument("--graphs", default="step,verify", help="graphs to attribute (step, draft, verify, extend)")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="capture with PDL launches on and charge each kernel its exposed time (module docstring)")
     args = ap.parse_args()
     import lingc  # noqa: F401
     from lingc.init import random_model
@@ -184,7 +206,7 @@ def main() -> None:
                            draft_tokens=DRAFT_TOKENS)
     passes = args.passes.split(",")
     program = PassManager(passes).run(trace(model, ["step", "nextn"], options)).program
-    exe = Executor(program, "cuda", "triton", pdl=False)     # PDL off: every kernel's duration is its own
+    exe = Executor(program, "cuda", "triton", pdl=args.pdl)  # PDL off (default): each kernel's duration is its own
     fill_context(exe, config)
     wanted = args.graphs.split(",")
     for name in ("step",) + NEXTN_GRAPHS:                    # warm-up: Triton compiles, workspaces allocated
@@ -196,12 +218,12 @@ def main() -> None:
     replay = time_graphs(graphs, ("step",)) | time_graphs(graphs, NEXTN_GRAPHS)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "python": platform.python_version(), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
-                    "command": " ".join(sys.argv), "passes": passes, "context": CONTEXT, "pdl_launches": False,
+                    "command": " ".join(sys.argv), "passes": passes, "context": CONTEXT, "pdl_launches": args.pdl,
                     "hbm_bandwidth_gbps": bandwidth, "graphs": {}}
     for name in wanted:
         launches, names, owner = eager[name]
         reps = graph_kernels(graphs, exe, name, args.replays)
-        row = attribute(launches, names, owner, reps, bandwidth, replay[name] * 1e3)
+        row = attribute(launches, names, owner, reps, bandwidth, replay[name] * 1e3, exposed=args.pdl)
         result["graphs"][name] = row
         if "error" in row:
             print(name, row["error"], flush=True)

@@ -47,3 +47,24 @@ def test_attribute_refuses_a_different_kernel_sequence():
     reps = [[{"name": "other", "ts": 0.0, "dur": 1.0}]]
     out = attribute(launches, ["k1"], [0], reps, 4.0, 5.0)
     assert "error" in out and out["graph_kernel"] == "other" and out["eager_kernel"] == "k1"
+
+
+def test_exposed_time_charges_each_kernel_what_it_adds_to_the_chain():
+    """--pdl: overlapping kernels are charged end_i - (the chain's end so far); the first its duration; one that ends
+    inside its predecessor 0. The charges sum to the busy span."""
+    from device_launches import exposed_us
+    kernels = [{"ts": 0.0, "dur": 5.0},      # ends 5
+               {"ts": 2.0, "dur": 6.0},      # started early (pre-wait prologue), ends 8: +3
+               {"ts": 3.0, "dur": 4.0},      # ends 7, inside the chain: 0
+               {"ts": 9.0, "dur": 1.0}]      # a gap, then ends 10: +2
+    assert exposed_us(kernels) == [5.0, 3.0, 0.0, 2.0]
+    assert sum(exposed_us(kernels)) == 10.0
+
+
+def test_attribute_with_exposed_times():
+    launches = [_launch("linear a", 4000), _launch("norm", 0)]
+    reps = [[{"name": "k1", "ts": 0.0 + r, "dur": 4.0}, {"name": "k2", "ts": 1.0 + r, "dur": 5.0}] for r in (0, 50)]
+    out = attribute(launches, ["k1", "k2"], [0, 1], reps, bandwidth_gbps=4.0, replay_us=7.0, exposed=True)
+    by = {g["group"]: g for g in out["groups"]}
+    assert out["time_basis"] == "exposed" and out["kernel_sum_us"] == 6.0
+    assert by["linear a"]["us"] == 4.0 and by["norm"]["us"] == 2.0       # k2 ends at 6: 2 us after k1
