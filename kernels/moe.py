@@ -182,7 +182,11 @@ def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     for c in tl.static_range(K_CHUNKS):                      # PRELOAD: every A chunk at once, then the dots
-        a = tl.load(a_ptrs + c * BLOCK_K, mask=valid[:, None] & (c * BLOCK_K + offs_k < K)[None, :], other=0.0)
+        a_mask = valid[:, None] & (c * BLOCK_K + offs_k < K)[None, :]
+        if A_CG:
+            a = tl.load(a_ptrs + c * BLOCK_K, mask=a_mask, other=0.0, cache_modifier=".cg")
+        else:
+            a = tl.load(a_ptrs + c * BLOCK_K, mask=a_mask, other=0.0)
         acc = _acc_dot(a, ws[c], acc, IEEE_DOT)
     if K_CHUNKS == 0:
         for k0 in range(0, K, BLOCK_K):

@@ -22,6 +22,13 @@ so every program is resident at once: programs wait on each other). Tiles are de
      strip j's columns.
   3. a final acq_rel ticket on `done`: the last program out zeroes the counters for the next launch (or graph
      replay). The counters live in a per-device workspace, zeroed once (like kernels/linear.py's split-K).
+DOWN_PRELOAD (LINGC_MOE_FUSED_PRELOAD, on by default; where K = I fits PRELOAD_MAX_K): a down tile's weights depend
+only on its block's expert, known after the kernel's wait, so the program loads the whole [I, 32] weight tile into
+registers (moe.py's `_preload_tile`: the same chunks, the same order of dots, the same bits) BEFORE it spins on its
+block's up tiles, and the down tiles are dealt from the last program backwards (tile t to program P - 1 - t mod P).
+At decode (9 blocks: 288 up tiles, 432 down tiles, P = 4 programs per SM = 528) the 240 programs that have no up
+tile then stream their down tiles while the up tiles stream, instead of after them. Without it the down weights
+(14 MB of the layer's 42) streamed only once the up tiles were done.
 Every tile runs the unfused kernels' tile code with their tile shapes (UP_CONFIG / DOWN_CONFIG, the same warps),
 and the combine is elementwise per column, so the output has the unfused chain's bits (tests: interpreter; the
 bench: the H200). Under the Triton interpreter programs run one after another, so P = 1 there (one program does
@@ -38,17 +45,20 @@ PDL: nothing is loaded before `pdl_wait()` (the experts come from block_expert);
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, SEQUENTIAL, UP_CONFIG,
-                               _check_align, _combine_row, _float_dtype, _gemm_tile, _interpreting, _out)
+from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, PRELOAD_MAX_K, SEQUENTIAL,
+                               UP_CONFIG, _check_align, _combine_row, _float_dtype, _gemm_tile, _interpreting, _out,
+                               _preload_tile)
 from lingc.kernels import workspace
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 
 CTAS_PER_SM = 4               # programs per SM at most (the weight stream wants several tiles in flight per SM)
+DOWN_PRELOAD = os.environ.get("LINGC_MOE_FUSED_PRELOAD", "1") == "1"   # module docstring; 0 for the A/B
 WORKSPACE_COUNTERS = 1 << 14  # int32 counters per device: up_count[blocks] + down_count[h strips] + done
 
 
@@ -61,7 +71,7 @@ def _moe_fused_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, down_ptr, out_ptr, tw_ptr
                       UP_BN: tl.constexpr, UP_BK: tl.constexpr, DOWN_BN: tl.constexpr, DOWN_BK: tl.constexpr,
                       EVEN_UP: tl.constexpr, EVEN_DOWN: tl.constexpr, HAS_LIMIT: tl.constexpr,
                       IEEE_DOT: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, ORDER: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr, DOWN_CHUNKS: tl.constexpr = 0):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     if PDL:
@@ -76,14 +86,19 @@ def _moe_fused_kernel(x_ptr, w13_ptr, w2_ptr, act_ptr, down_ptr, out_ptr, tw_ptr
                    EVEN_UP, True, HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, False, (), 0)
         tl.debug_barrier()                                    # every thread's act stores precede the release
         tl.atomic_add(up_count_ptr + b, 1, sem="release", scope="gpu")
-    for t in range(pid, blocks * down_strips, progs):
+    first_down = pid if DOWN_CHUNKS == 0 else progs - 1 - pid     # DOWN_PRELOAD: dealt from the last program back
+    for t in range(first_down, blocks * down_strips, progs):
         b = t // down_strips
         j = t % down_strips
+        ws = ()
+        if DOWN_CHUNKS > 0:   # the weight tile needs only the block's expert: load it before waiting on the up tiles
+            ws = _preload_tile(w2_ptr, block_expert_ptr, b, j, H, K_DOWN, stride_w2e, stride_w2n, DOWN_BN, DOWN_BK,
+                               DOWN_CHUNKS)
         while tl.atomic_add(up_count_ptr + b, 0, sem="acquire", scope="gpu") < up_strips:
             pass
         _gemm_tile(act_ptr, w2_ptr, down_ptr, sorted_ptr, block_expert_ptr, b, j, num_pairs, H, K_DOWN,
                    stride_act, stride_w2e, stride_w2n, stride_down, 0.0, 1, BLOCK_M, TILE_M, DOWN_BN, DOWN_BK,
-                   EVEN_DOWN, False, False, IEEE_DOT, LIBDEVICE_EXP, True, (), 0)
+                   EVEN_DOWN, False, False, IEEE_DOT, LIBDEVICE_EXP, True, ws, DOWN_CHUNKS)
         tl.debug_barrier()
         ticket = tl.atomic_add(down_count_ptr + j, 1, sem="acq_rel", scope="gpu")
         if ticket == blocks - 1:                              # strip j of every block is stored: combine it
@@ -128,9 +143,10 @@ def _resident_programs(device: torch.device, n_regs: int, shared: int, num_warps
 def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int,
               limit: float, shared_out: torch.Tensor | None = None, *, pdl: bool = False,
-              programs: int | None = None, per_sm: int = CTAS_PER_SM) -> torch.Tensor:
+              programs: int | None = None, per_sm: int = CTAS_PER_SM, preload: bool | None = None) -> torch.Tensor:
     """moe_up_act -> moe_down -> moe_combine in one persistent launch, bit-identical to the three (module doc).
 
+    `preload` (default DOWN_PRELOAD): the down tiles' weights into registers before their wait (module doc).
     `programs` overrides the persistent grid size (tests; on the GPU it must not exceed what is resident at once);
     `per_sm` caps the programs per SM (bench sweeps; the occupancy of the compiled kernel caps it too).
     """
@@ -165,6 +181,7 @@ def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, 
         if w.stride(2) != 1:
             raise ValueError(f"{op}: {name} must be contiguous along K (stride {w.stride()})")
     up, down = UP_CONFIG, DOWN_CONFIG
+    preload = DOWN_PRELOAD if preload is None else preload
     if up.num_warps != down.num_warps:
         raise ValueError(f"{op}: UP_CONFIG and DOWN_CONFIG must share num_warps to run in one kernel")
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
@@ -186,6 +203,7 @@ def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, 
                 EVEN_UP=k_up % up.block_k == 0, EVEN_DOWN=inter % down.block_k == 0, HAS_LIMIT=limit > 0,
                 IEEE_DOT=interpret or x.dtype == torch.float32, LIBDEVICE_EXP=x.is_cuda and not interpret,
                 ORDER=COMBINE_ORDER.get(x.device.type, SEQUENTIAL), HAS_SHARED=shared_out is not None, PDL=pdl,
+                DOWN_CHUNKS=triton.cdiv(inter, down.block_k) if preload and inter <= PRELOAD_MAX_K else 0,
                 num_warps=up.num_warps, num_stages=up.num_stages, **FP_OPTIONS)
     launch = {"launch_pdl": True} if pdl else {}
     if programs is None:

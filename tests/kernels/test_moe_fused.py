@@ -35,9 +35,10 @@ def test_matches_the_three_kernels(case: tuple, dtype: torch.dtype) -> None:
     k = K + shared
     act = moe_up_act(x, w13i, sp, be, tot, k, 16, 0.05)                 # a clamp that binds on these scales
     want = moe_combine(moe_down(act, w2, sp, be, tot, 16), w, shared_out)
-    with poisoned_empty():                                             # act / down workspaces start as garbage
-        got = moe_fused(x, w13i, w2, w, sp, be, tot, k, 16, 0.05, shared_out)
-    assert torch.equal(got, want)
+    for preload in (True, False):      # the down tiles' weight preload (DOWN_PRELOAD) and the loop: same bits
+        with poisoned_empty():                                         # act / down workspaces start as garbage
+            got = moe_fused(x, w13i, w2, w, sp, be, tot, k, 16, 0.05, shared_out, preload=preload)
+        assert torch.equal(got, want)
     assert not device_counters("cpu").any(), "the last program leaves every counter zero"
     ref = moe_fused_ref(x, w13i, w2, w, sp, be, tot, k, 16, 0.05, shared_out)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
