@@ -22,13 +22,17 @@ so every program is resident at once: programs wait on each other). Tiles are de
      strip j's columns.
   3. a final acq_rel ticket on `done`: the last program out zeroes the counters for the next launch (or graph
      replay). The counters live in a per-device workspace, zeroed once (like kernels/linear.py's split-K).
-DOWN_PRELOAD (LINGC_MOE_FUSED_PRELOAD, on by default; where K = I fits PRELOAD_MAX_K): a down tile's weights depend
+DOWN_PRELOAD (LINGC_MOE_FUSED_PRELOAD, on by default; where K = I fits PRELOAD_MAX_K and there are at most
+PRELOAD_MAX_PAIRS pairs, as for moe.py's down-GEMM): a down tile's weights depend
 only on its block's expert, known after the kernel's wait, so the program loads the whole [I, 32] weight tile into
 registers (moe.py's `_preload_tile`: the same chunks, the same order of dots, the same bits) BEFORE it spins on its
 block's up tiles, and the down tiles are dealt from the last program backwards (tile t to program P - 1 - t mod P).
 At decode (9 blocks: 288 up tiles, 432 down tiles, P = 4 programs per SM = 528) the 240 programs that have no up
 tile then stream their down tiles while the up tiles stream, instead of after them. Without it the down weights
-(14 MB of the layer's 42) streamed only once the up tiles were done.
+(14 MB of the layer's 42) streamed only once the up tiles were done. H200, one call (bench/results/
+step-ab-h200-20261201-c.json, call 61): the decode step with fuse_moe 1.293 -> 1.277 ms, but verify (54 pairs)
+2.782 -> 2.800, hence the pair limit; the three kernels (fuse_moe off, the default) ran 1.233 / 2.582 in that call,
+so fuse_moe stays opt-in. Same bits as the three kernels with and without the preload, at 1 and 6 tokens.
 Every tile runs the unfused kernels' tile code with their tile shapes (UP_CONFIG / DOWN_CONFIG, the same warps),
 and the combine is elementwise per column, so the output has the unfused chain's bits (tests: interpreter; the
 bench: the H200). Under the Triton interpreter programs run one after another, so P = 1 there (one program does
@@ -51,8 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, PRELOAD_MAX_K, SEQUENTIAL,
-                               UP_CONFIG, _check_align, _combine_row, _float_dtype, _gemm_tile, _interpreting, _out,
+from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, PRELOAD_MAX_K,
+                               PRELOAD_MAX_PAIRS, SEQUENTIAL, UP_CONFIG, _check_align, _combine_row, _float_dtype, _gemm_tile, _interpreting, _out,
                                _preload_tile)
 from lingc.kernels import workspace
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
@@ -146,7 +150,8 @@ def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, 
               programs: int | None = None, per_sm: int = CTAS_PER_SM, preload: bool | None = None) -> torch.Tensor:
     """moe_up_act -> moe_down -> moe_combine in one persistent launch, bit-identical to the three (module doc).
 
-    `preload` (default DOWN_PRELOAD): the down tiles' weights into registers before their wait (module doc).
+    `preload` (default DOWN_PRELOAD): the down tiles' weights into registers before their wait, at <= PRELOAD_MAX_PAIRS
+    pairs (module doc).
     `programs` overrides the persistent grid size (tests; on the GPU it must not exceed what is resident at once);
     `per_sm` caps the programs per SM (bench sweeps; the occupancy of the compiled kernel caps it too).
     """
@@ -203,7 +208,8 @@ def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, 
                 EVEN_UP=k_up % up.block_k == 0, EVEN_DOWN=inter % down.block_k == 0, HAS_LIMIT=limit > 0,
                 IEEE_DOT=interpret or x.dtype == torch.float32, LIBDEVICE_EXP=x.is_cuda and not interpret,
                 ORDER=COMBINE_ORDER.get(x.device.type, SEQUENTIAL), HAS_SHARED=shared_out is not None, PDL=pdl,
-                DOWN_CHUNKS=triton.cdiv(inter, down.block_k) if preload and inter <= PRELOAD_MAX_K else 0,
+                DOWN_CHUNKS=(triton.cdiv(inter, down.block_k)
+                             if preload and inter <= PRELOAD_MAX_K and num_pairs <= PRELOAD_MAX_PAIRS else 0),
                 num_warps=up.num_warps, num_stages=up.num_stages, **FP_OPTIONS)
     launch = {"launch_pdl": True} if pdl else {}
     if programs is None:
