@@ -11,16 +11,19 @@ is loaded (Triton's `kernel_load_end_hook`), so neighbours ask for the same spli
 shared memory, what Triton already asks for its big-smem kernels); LINGC_SMEM_CARVEOUT=none leaves every kernel to
 Triton and the driver. H200, one call (bench/results/step-ab-h200-20261201-c.json, call 58): decode step 1.256 /
 1.263 ms without (two runs) against 1.231 with 100; verify (2.583 / 2.589 against 2.584) and NEXTN unchanged.
-A carveout is a hint to the driver and never changes a value. It applies to every Triton kernel the process loads
-after lingc.kernels is imported, Inductor's included.
+A carveout is a hint to the driver and never changes a value. Only lingc's own kernels get it (a kernel whose name
+is a `triton.jit` function of a lingc.kernels module); other Triton kernels in the process (Inductor's) keep theirs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 import triton
+from triton.runtime.jit import KernelInterface   # a triton.jit function (JITFunction; InterpretedFunction under the
+                                                 # interpreter)
 
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9   # CUfunction_attribute (cuda.h)
 ENV = "LINGC_SMEM_CARVEOUT"
@@ -41,10 +44,22 @@ def carveout_percent() -> int | None:
     return int(raw)
 
 
+def lingc_kernel_names() -> set[str]:
+    """Names of the triton.jit functions of every lingc.kernels module imported so far (name = the compiled kernel's)."""
+    return {getattr(value, "__name__", None) for mod_name, mod in list(sys.modules.items())
+            if mod_name.startswith("lingc.kernels.") and mod is not None
+            for value in vars(mod).values() if isinstance(value, KernelInterface)} - {None}
+
+
 def _set_carveout(percent: int):
     cuda = []                                 # libcuda, opened at the first kernel load (there is none on CPU)
+    names: set[str] = set()
 
     def hook(module, function, name, metadata_group, hash_) -> None:
+        if name not in names:
+            names.update(lingc_kernel_names())  # modules imported since the last kernel load
+            if name not in names:
+                return                          # not a lingc kernel: left as Triton loaded it
         if not cuda:
             cuda.append(ctypes.CDLL("libcuda.so.1"))
         err = cuda[0].cuFuncSetAttribute(ctypes.c_void_p(function), CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,

@@ -1,5 +1,6 @@
 """kernels/carveout.py: LINGC_SMEM_CARVEOUT is parsed strictly (default 100), and unless it is "none" its hook is
-chained onto Triton's kernel_load_end_hook (the attribute call itself needs a GPU; bench/device_step.py A/Bs it on the H200)."""
+chained onto Triton's kernel_load_end_hook for lingc's own kernels only (the attribute call itself needs a GPU; bench/device_step.py A/Bs it
+on the H200)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,18 @@ def test_install_chains_the_load_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     assert carveout.install()
     triton.knobs.runtime.kernel_load_end_hook(None, 0, "k", None, "h")
     assert seen == ["k"] and calls == [(100, "k")]
+
+
+def test_only_lingc_kernels_are_named() -> None:
+    """The hook acts on lingc's kernels only: their names come from the triton.jit functions of lingc.kernels."""
+    import lingc.kernels.linear  # noqa: F401
+    import lingc.kernels.rmsnorm  # noqa: F401
+    names = carveout.lingc_kernel_names()
+    assert {"_linear_dot_kernel", "_linear_fma_kernel"} <= names
+    assert not any(n.startswith("triton_") for n in names)      # Inductor's kernels are named triton_*
+
+
+def test_hook_skips_other_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that is not lingc's is never handed to the driver call (which would need libcuda, absent here)."""
+    hook = carveout._set_carveout(100)
+    hook(None, 0, "triton_poi_fused_add_0", None, "h")           # returns before opening libcuda
