@@ -12,11 +12,18 @@ and the fused residual is not bit-identical to torch's `residual + x`.
 
 It also keeps bf16 as raw uint16 inside `tl.dot` and would multiply the bit patterns; `_bf16_dots` widens bf16
 operands to fp32 first, which is what the GPU's bf16 MMA does (exact products, fp32 accumulation).
+
+Speed only: the interpreter re-patches triton.language (`inspect.getmembers` over tl, tl.tensor and tl.math, ~1 ms)
+at every call of a nested @triton.jit helper, although the launch has already patched the same modules with the same
+builder and restores them when it ends. `_patch_lang_once_per_launch` skips a nested re-patch that the running
+launch's patch already covers; every value stays the same (the same members, patched once instead of again).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import threading
 from collections.abc import Callable
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -83,3 +90,34 @@ def _bf16_dots(monkeypatch: pytest.MonkeyPatch) -> None:
         return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+class _LaunchScope:
+    """The launch's patch scope; restoring it also ends the launch for `_patch_lang_once_per_launch`."""
+
+    def __init__(self, scope, active: list) -> None:
+        self.scope, self.active = scope, active
+
+    def restore(self) -> None:
+        self.active.pop()
+        self.scope.restore()
+
+
+@pytest.fixture(autouse=True)
+def _patch_lang_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = interpreter._patch_lang
+    local = threading.local()          # per thread: the language modules its running launch has patched
+
+    def patch_lang(fn):
+        active = local.__dict__.setdefault("active", [])
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if not active:                 # a launch (kernels do not nest): patch; its restore ends the launch
+            scope = original(fn)
+            active.append(langs)
+            return _LaunchScope(scope, active)
+        if langs <= active[-1]:
+            return None                # a nested helper call (its caller ignores the scope): already patched
+        active[-1] |= langs
+        return original(fn)            # a helper that sees other language modules: patched as before
+
+    monkeypatch.setattr(interpreter, "_patch_lang", patch_lang)
