@@ -92,32 +92,28 @@ def _bf16_dots(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
-class _LaunchScope:
-    """The launch's patch scope; restoring it also ends the launch for `_patch_lang_once_per_launch`."""
-
-    def __init__(self, scope, active: list) -> None:
-        self.scope, self.active = scope, active
-
-    def restore(self) -> None:
-        self.active.pop()
-        self.scope.restore()
-
-
 @pytest.fixture(autouse=True)
 def _patch_lang_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = interpreter._patch_lang
-    local = threading.local()          # per thread: the language modules its running launch has patched
+    original_patch, original_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    local = threading.local()          # per thread: the language modules the running launch has patched
+
+    def launch(self, *args, **kwargs):
+        outer = getattr(local, "langs", None)
+        local.langs = set()            # filled by the launch's own _patch_lang call, restored by the launch itself
+        try:
+            return original_launch(self, *args, **kwargs)
+        finally:
+            local.langs = outer
 
     def patch_lang(fn):
-        active = local.__dict__.setdefault("active", [])
+        current = getattr(local, "langs", None)
+        if current is None:
+            return original_patch(fn)  # not inside a launch: as Triton does
         langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
-        if not active:                 # a launch (kernels do not nest): patch; its restore ends the launch
-            scope = original(fn)
-            active.append(langs)
-            return _LaunchScope(scope, active)
-        if langs <= active[-1]:
+        if current and langs <= current:
             return None                # a nested helper call (its caller ignores the scope): already patched
-        active[-1] |= langs
-        return original(fn)            # a helper that sees other language modules: patched as before
+        current |= langs               # the launch's own patch, or a helper that sees other language modules
+        return original_patch(fn)
 
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch)
     monkeypatch.setattr(interpreter, "_patch_lang", patch_lang)
