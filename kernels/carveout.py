@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import warnings
 
 import triton
 from triton.runtime.jit import KernelInterface   # a triton.jit function (JITFunction; InterpretedFunction under the
@@ -45,7 +46,7 @@ def carveout_percent() -> int | None:
 
 
 def lingc_kernel_names() -> set[str]:
-    """Names of the triton.jit functions of every lingc.kernels module imported so far (name = the compiled kernel's)."""
+    """Names of the triton.jit functions of every lingc.kernels module imported so far (= the compiled kernels')."""
     return {getattr(value, "__name__", None) for mod_name, mod in list(sys.modules.items())
             if mod_name.startswith("lingc.kernels.") and mod is not None
             for value in vars(mod).values() if isinstance(value, KernelInterface)} - {None}
@@ -54,6 +55,7 @@ def lingc_kernel_names() -> set[str]:
 def _set_carveout(percent: int):
     cuda = []                                 # libcuda, opened at the first kernel load (there is none on CPU)
     names: set[str] = set()
+    failed: list[str] = []
 
     def hook(module, function, name, metadata_group, hash_) -> None:
         if name not in names:
@@ -63,10 +65,12 @@ def _set_carveout(percent: int):
         if not cuda:
             cuda.append(ctypes.CDLL("libcuda.so.1"))
         err = cuda[0].cuFuncSetAttribute(ctypes.c_void_p(function), CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                      ctypes.c_int(percent))
-        if err != 0:
-            raise RuntimeError(f"{ENV}: cuFuncSetAttribute(carveout={percent}) on Triton kernel {name} failed "
-                               f"with CUresult {err}")
+                                         ctypes.c_int(percent))
+        if err != 0 and not failed:      # a hint: the kernel runs either way, so say it once and go on
+            failed.append(name)
+            warnings.warn(f"{ENV}={percent}: cuFuncSetAttribute on Triton kernel {name} failed with CUresult {err}; "
+                          f"kernels keep the driver's carveout (set {ENV}=none to skip the attempt)", RuntimeWarning,
+                          stacklevel=2)
     return hook
 
 

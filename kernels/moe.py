@@ -411,6 +411,13 @@ def _out(op: str, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.
     return out
 
 
+def preload_chunks(preload: bool, k: int, block_k: int, num_pairs: int) -> int:
+    """K chunks of a weight tile preloaded into registers (K_CHUNKS): all of them where `preload` is asked for,
+    K <= PRELOAD_MAX_K and there are at most PRELOAD_MAX_PAIRS pairs; else 0 (the pipelined loop). Shared by the
+    down-GEMM and kernels/moe_fused.py's down tiles."""
+    return triton.cdiv(k, block_k) if preload and k <= PRELOAD_MAX_K and num_pairs <= PRELOAD_MAX_PAIRS else 0
+
+
 def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
                   swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
@@ -451,8 +458,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
-        K_CHUNKS=triton.cdiv(k, config.block_k) if preload and k <= PRELOAD_MAX_K and num_pairs <= PRELOAD_MAX_PAIRS
-        else 0,
+        K_CHUNKS=preload_chunks(preload, k, config.block_k, num_pairs),
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 

@@ -55,9 +55,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, PRELOAD_MAX_K,
-                               PRELOAD_MAX_PAIRS, SEQUENTIAL, UP_CONFIG, _check_align, _combine_row, _float_dtype, _gemm_tile, _interpreting, _out,
-                               _preload_tile)
+from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, SEQUENTIAL, UP_CONFIG, _check_align,
+                               _combine_row, _float_dtype, _gemm_tile, _interpreting, _out, _preload_tile,
+                               preload_chunks)
 from lingc.kernels import workspace
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 
@@ -208,8 +208,7 @@ def moe_fused(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, 
                 EVEN_UP=k_up % up.block_k == 0, EVEN_DOWN=inter % down.block_k == 0, HAS_LIMIT=limit > 0,
                 IEEE_DOT=interpret or x.dtype == torch.float32, LIBDEVICE_EXP=x.is_cuda and not interpret,
                 ORDER=COMBINE_ORDER.get(x.device.type, SEQUENTIAL), HAS_SHARED=shared_out is not None, PDL=pdl,
-                DOWN_CHUNKS=(triton.cdiv(inter, down.block_k)
-                             if preload and inter <= PRELOAD_MAX_K and num_pairs <= PRELOAD_MAX_PAIRS else 0),
+                DOWN_CHUNKS=preload_chunks(preload, inter, down.block_k, num_pairs),
                 num_warps=up.num_warps, num_stages=up.num_stages, **FP_OPTIONS)
     launch = {"launch_pdl": True} if pdl else {}
     if programs is None:

@@ -116,7 +116,7 @@ PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8
                   "moe_down": (2, 3, 4), "mla_attention": (0,)}
 
 
-def _prewait_safe(graph: fx.Graph, node: fx.Node, short: str) -> bool:
+def _prewait_safe(node: fx.Node, short: str) -> bool:
     """False if the launch before `node` writes or produces a buffer `node` may read before its PDL wait."""
     prev = node.prev
     while prev.op != "root" and (prev.op != "call_function" or is_free(prev)):
@@ -136,7 +136,7 @@ def drop_unsafe_prewait(graph: fx.Graph) -> list[str]:
     dropped = []
     for short in PREWAIT_INPUTS:
         for node in calls(graph, short):
-            if "lingc.pdl" in node.meta and not _prewait_safe(graph, node, short):
+            if "lingc.pdl" in node.meta and not _prewait_safe(node, short):
                 del node.meta["lingc.pdl"]
                 dropped.append(node.name)
     return dropped

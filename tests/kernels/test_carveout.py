@@ -49,3 +49,21 @@ def test_hook_skips_other_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that is not lingc's is never handed to the driver call (which would need libcuda, absent here)."""
     hook = carveout._set_carveout(100)
     hook(None, 0, "triton_poi_fused_add_0", None, "h")           # returns before opening libcuda
+
+
+def test_a_failed_driver_call_warns_once_and_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The carveout is a hint: a driver error on a lingc kernel is one RuntimeWarning, never an exception."""
+    import lingc.kernels.linear  # noqa: F401
+
+    class FakeCuda:
+        def cuFuncSetAttribute(self, *args) -> int:
+            return 1                                               # CUDA_ERROR_INVALID_VALUE
+
+    monkeypatch.setattr(carveout.ctypes, "CDLL", lambda name: FakeCuda())
+    hook = carveout._set_carveout(100)
+    with pytest.warns(RuntimeWarning, match="_linear_dot_kernel failed with CUresult 1"):
+        hook(None, 0, "_linear_dot_kernel", None, "h")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hook(None, 0, "_linear_fma_kernel", None, "h")             # once only

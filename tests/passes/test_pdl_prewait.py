@@ -39,9 +39,9 @@ def test_prewait_indices_name_the_early_inputs():
 
 def test_a_pool_writer_just_before_makes_it_unsafe():
     g, node = _verify_graph(between=False)
-    assert not _prewait_safe(g, node, "kda_fused_verify")
+    assert not _prewait_safe(node, "kda_fused_verify")
     g, node = _verify_graph(between=True)
-    assert _prewait_safe(g, node, "kda_fused_verify")
+    assert _prewait_safe(node, "kda_fused_verify")
 
 
 def test_pdl_keeps_every_early_loading_kernel_in_lingc_graphs(tiny_partitioned: Program):
@@ -61,10 +61,10 @@ def test_moe_down_right_after_its_align_is_unsafe():
     parts = [g.call_function(__import__("operator").getitem, (align, i)) for i in range(3)]
     down = g.call_function(OPS.moe_down, (act, w2, *parts, 16))
     g.output(down)
-    assert not _prewait_safe(g, down, "moe_down")
+    assert not _prewait_safe(down, "moe_down")
     with g.inserting_before(down):
         g.call_function(OPS.linear, (x, w2))
-    assert _prewait_safe(g, down, "moe_down")
+    assert _prewait_safe(down, "moe_down")
 
 
 def test_an_unsafe_kernel_loses_its_annotation_for_good():
