@@ -10,15 +10,25 @@ the same process. Peers run in the same process on the same model: the reference
 under torch.compile(mode="max-autotune") and transformers' BailingHybridForCausalLM eager.
 
     python3 bench/device_step.py --json $OUT/step.json [--peers] [--e2e] [--only all]
+        [--variant 'NAME:lingc.kernels.moe.UP_CONFIG={"block_n": 16}' ...] [--no-parity]
+
+A `--variant` re-runs the "all" row in the same process (weights, trace and compiled kernels shared, ~10-20 s a
+row) with kernel tunables overridden, then restores them; its row is named "all@NAME". Each assignment is
+`module.ATTR[i][j]...=VALUE`, VALUE a Python literal (ast.literal_eval, never eval); a dict literal replaces fields
+of a dataclass / NamedTuple value. Only tunables read at launch time take effect (not default arguments).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import gc
+import importlib
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -185,6 +195,42 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     return row
 
 
+def _replace_value(old, value):
+    """VALUE for an attribute, or, with a dict VALUE, old with those fields replaced (dataclass / NamedTuple)."""
+    if isinstance(value, dict) and dataclasses.is_dataclass(old):
+        return dataclasses.replace(old, **value)
+    if isinstance(value, dict) and hasattr(old, "_replace"):
+        return old._replace(**value)
+    return value
+
+
+def _set_path(old, path: list[int], value):
+    """old with old[path[0]][path[1]]... replaced (tuples rebuilt, lists copied)."""
+    if not path:
+        return _replace_value(old, value)
+    items = list(old)
+    items[path[0]] = _set_path(items[path[0]], path[1:], value)
+    return type(old)(items) if not hasattr(old, "_replace") else type(old)(*items)
+
+
+def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
+    """'NAME:mod.ATTR[i]=VALUE;...' -> (NAME, [(module, ATTR, new value)]), checked against the live modules."""
+    name, _, body = spec.partition(":")
+    sets = []
+    for item in filter(None, (x.strip() for x in body.split(";"))):
+        target, _, literal = item.partition("=")
+        m = re.fullmatch(r"([\w.]+)\.(\w+)((?:\[\d+\])*)", target.strip())
+        if not m or not literal:
+            raise SystemExit(f"--variant {spec!r}: expected module.ATTR[i]...=VALUE, got {item!r}")
+        module = importlib.import_module(m.group(1))
+        if not hasattr(module, m.group(2)):
+            raise SystemExit(f"--variant {spec!r}: {m.group(1)} has no attribute {m.group(2)}")
+        path = [int(i) for i in re.findall(r"\[(\d+)\]", m.group(3))]
+        new = _set_path(getattr(module, m.group(2)), path, ast.literal_eval(literal.strip()))
+        sets.append((module, m.group(2), new))
+    return name, sets
+
+
 def greedy_parity(model, traced, passes: list[str], tokens: int = 48) -> dict:
     """Greedy NEXTN == plain decode == reference (the same artifact, Triton kernels, CUDA graphs)."""
     from lingc.passes.manager import PassManager
@@ -235,6 +281,9 @@ def main() -> None:
                     help="count the floor bytes with an eager run of the timed executor before capture (old order)")
     ap.add_argument("--pdl-scope", choices=("all", "chains"), default="all",
                     help="A/B: 'chains' makes the pdl pass annotate its chains only (passes/pdl.py SOLO = False)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:mod.ATTR=VALUE[;...]",
+                    help="also run the 'all' row with these tunables overridden (module docstring); repeatable")
+    ap.add_argument("--no-parity", action="store_true", help="skip the greedy parity run (A/B calls)")
     ap.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens of the end-to-end run")
     ap.add_argument("--merge-peers", nargs="*", default=None, metavar="NAME=FILE",
                     help="no GPU work: add peer results (bench/peers.py JSON) to the --json file and re-summarize")
@@ -256,6 +305,7 @@ def main() -> None:
         return
     import lingc  # noqa: F401
     import lingc.passes.pdl
+    variants = [parse_variant(spec) for spec in args.variant]   # bad specs fail before any GPU work
     from lingc.init import random_model
     lingc.passes.pdl.SOLO = args.pdl_scope == "all"
     from lingc.presets import preset
@@ -289,11 +339,14 @@ def main() -> None:
     sets.append(("all", ["all"]))
     sets += [("all:pdl-chains", ["all"]), ("all+fuse_moe", ["all", "fuse_moe"])]
     only = set(filter(None, args.only.split(",")))
-    for name, passes in sets:
-        if only and name not in only:
-            continue
+    sets = [(name, passes, []) for name, passes in sets if not only or name in only]
+    sets += [(f"all@{vname}", ["all"], assignments) for vname, assignments in variants]
+    for name, passes, assignments in sets:
         lingc.passes.pdl.SOLO = args.pdl_scope == "all" and name != "all:pdl-chains"
+        saved = [(module, attr, getattr(module, attr)) for module, attr, _ in assignments]
         try:
+            for module, attr, value in assignments:
+                setattr(module, attr, value)
             row = measure_config(model, traced, passes, bandwidth, with_floor=name in ("none", "partition", "all"),
                                  floor_first=args.floor_first)
         except Exception as e:  # noqa: BLE001  (one failing config must not lose the others)
@@ -301,10 +354,19 @@ def main() -> None:
             row = {"passes": passes, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
             gc.collect()
             torch.cuda.empty_cache()
+        finally:
+            for module, attr, value in saved:
+                setattr(module, attr, value)
+        if assignments:
+            row["variant"] = {f"{m.__name__}.{a}": repr(v) for m, a, v in assignments}
         row["name"] = name
         rows.append(row)
-        print(json.dumps({k: row.get(k) for k in ("name", "step", "nextn", "error", "compile_capture_s")},
-                         default=str)[:1500], flush=True)
+        ms = {key: row.get(key, {}).get("ms") for key in ("step", "nextn")}
+        print(json.dumps({"name": name, "ms": ms, "error": row.get("error"),
+                          "compile_capture_s": row.get("compile_capture_s")}, default=str)[:600], flush=True)
+        result["ablation"] = rows
+        with open(args.json, "w") as f:     # after every row: a call that runs out of time keeps what it measured
+            json.dump(result, f, indent=1, default=str)
     result["ablation"] = rows
 
     from lingc.passes.manager import PassManager
@@ -312,6 +374,8 @@ def main() -> None:
     full = trace(model, ["prefill", "decode", "mtp_prefill", "mtp_decode", "step", "nextn"], options)
     result["trace_all_programs_s"] = time.perf_counter() - t0
     try:
+        if args.no_parity:
+            raise RuntimeError("skipped (--no-parity)")
         result["greedy_parity"] = greedy_parity(model, full, ["all"])
     except Exception as e:  # noqa: BLE001
         result["greedy_parity"] = {"error": f"{type(e).__name__}: {e}"}

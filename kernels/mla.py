@@ -581,10 +581,15 @@ def _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions
 def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
                    page_rows: torch.Tensor, positions: torch.Tensor, scale: float,
                    gate: torch.Tensor | None = None, *, pdl: bool = False,
-                   split_rows: int = SPLIT_ROWS, block_n: int | None = None, split_warps: int | None = None,
-                   split_stages: int = SPLIT_STAGES, combine_block_s: int = CB_BLOCK_S,
-                   combine_block_r: int = CB_BLOCK_R) -> torch.Tensor:
-    """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them)."""
+                   split_rows: int | None = None, block_n: int | None = None, split_warps: int | None = None,
+                   split_stages: int | None = None, combine_block_s: int | None = None,
+                   combine_block_r: int | None = None) -> torch.Tensor:
+    """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them). A tunable
+    left None is the module's value at call time (bench/device_step.py --variant overrides those)."""
+    split_rows = SPLIT_ROWS if split_rows is None else split_rows
+    split_stages = SPLIT_STAGES if split_stages is None else split_stages
+    combine_block_s = CB_BLOCK_S if combine_block_s is None else combine_block_s
+    combine_block_r = CB_BLOCK_R if combine_block_r is None else combine_block_r
     B, T, H, N, Rr, R, Vd = _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions)
     _want(gate is None or (tuple(gate.shape) == (B, T, H) and gate.is_floating_point()),
           f"mla_attention: gate is {None if gate is None else list(gate.shape)} "
