@@ -45,7 +45,7 @@ DRAFT_TOKENS = 6
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
             "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_combine_norm",
-            "fuse_mla", "fuse_relay")
+            "fuse_mla", "fuse_relay", "fuse_router_moe")
 # "all" adds fuse_index_chains; then two A/B rows: "all:pdl-chains" (the pdl pass annotating its chains only, as
 # before 2026-11-30's second session) and "all+fuse_moe" (the opt-in pass)
 
@@ -213,6 +213,20 @@ def _set_path(old, path: list[int], value):
     return type(old)(items) if not hasattr(old, "_replace") else type(old)(*items)
 
 
+def _owner(dotted: str):
+    """The module named `dotted`, or an attribute path inside the longest importable prefix of it; None if neither."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name, None)
+        return obj
+    return None
+
+
 def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
     """'NAME:mod.ATTR[i]=VALUE;...' -> (NAME, [(module, ATTR, new value)]), checked against the live modules."""
     name, _, body = spec.partition(":")
@@ -222,8 +236,8 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
         m = re.fullmatch(r"([\w.]+)\.(\w+)((?:\[\d+\])*)", target.strip())
         if not m or not literal:
             raise SystemExit(f"--variant {spec!r}: expected module.ATTR[i]...=VALUE, got {item!r}")
-        module = importlib.import_module(m.group(1))
-        if not hasattr(module, m.group(2)):
+        module = _owner(m.group(1))           # a module, or a class in one (module.Class.ATTR)
+        if module is None or not hasattr(module, m.group(2)):
             raise SystemExit(f"--variant {spec!r}: {m.group(1)} has no attribute {m.group(2)}")
         path = [int(i) for i in re.findall(r"\[(\d+)\]", m.group(3))]
         new = _set_path(getattr(module, m.group(2)), path, ast.literal_eval(literal.strip()))
@@ -358,7 +372,8 @@ def main() -> None:
             for module, attr, value in saved:
                 setattr(module, attr, value)
         if assignments:
-            row["variant"] = {f"{m.__name__}.{a}": repr(v) for m, a, v in assignments}
+            row["variant"] = {f"{getattr(m, '__module__', '')}.{m.__name__}.{a}".lstrip("."): repr(v)
+                              for m, a, v in assignments}
         row["name"] = name
         rows.append(row)
         ms = {key: row.get(key, {}).get("ms") for key in ("step", "nextn")}

@@ -150,10 +150,11 @@ def _order_key(x, eid, NO_ID: tl.constexpr):
 @triton.jit
 def _route_rows(logits_ptr, stride_row, rows, n_rows, bias, GS, n_group, topk_group, scale,
                 R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                K_BLOCK: tl.constexpr, NO_ID: tl.constexpr):
+                K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CACHE: tl.constexpr = ""):
     """(weights [R_BLOCK, K_BLOCK] fp32, ids [R_BLOCK, K_BLOCK] int32) of rows [R_BLOCK] (valid: rows < n_rows).
 
     The rows are routed side by side in a [R_BLOCK, G_BLOCK, GS_BLOCK] tile; bias is [1, G_BLOCK, GS_BLOCK].
+    CACHE is the logits loads' cache modifier (".cg" where they run before a PDL wait, kernels/moe_routed.py).
     """
     g = tl.arange(0, G_BLOCK)
     j = tl.arange(0, GS_BLOCK)
@@ -163,7 +164,7 @@ def _route_rows(logits_ptr, stride_row, rows, n_rows, bias, GS, n_group, topk_gr
     eid = g[:, None] * GS + j[None, :]                                            # [G_BLOCK, GS_BLOCK]
     eid3 = tl.where(valid, eid[None, :, :], NO_ID)                               # [R_BLOCK, G_BLOCK, GS_BLOCK]
     row_ptrs = logits_ptr + rows.to(tl.int64) * stride_row                        # [R_BLOCK]
-    x = tl.load(row_ptrs[:, None, None] + eid3, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(row_ptrs[:, None, None] + eid3, mask=valid, other=0.0, cache_modifier=CACHE).to(tl.float32)
     biased = tl.where(valid, tl.sigmoid(x) + bias, float("-inf"))
     key = tl.where(valid, _order_key(biased, eid3, NO_ID), -(2**63))
     # group score: the best biased score plus the best of the others (the best's lane, lowest id first, excluded)
@@ -187,7 +188,7 @@ def _route_rows(logits_ptr, stride_row, rows, n_rows, bias, GS, n_group, topk_gr
     for i in tl.static_range(TOP_K):
         best = tl.max(tl.max(key, axis=2), axis=1)                               # [R_BLOCK]
         e = NO_ID - (best & 0xFFFFFFFF).to(tl.int32)
-        s = tl.sigmoid(tl.load(row_ptrs + e, mask=rvalid, other=0.0).to(tl.float32))
+        s = tl.sigmoid(tl.load(row_ptrs + e, mask=rvalid, other=0.0, cache_modifier=CACHE).to(tl.float32))
         total = total + s                                                         # in pick order, one by one
         weights = tl.where(kk == i, s[:, None], weights)
         ids = tl.where(kk == i, e[:, None], ids)
