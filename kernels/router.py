@@ -150,7 +150,7 @@ def _order_key(x, eid, NO_ID: tl.constexpr):
 @triton.jit
 def _route_rows(logits_ptr, stride_row, rows, n_rows, bias, GS, n_group, topk_group, scale,
                 R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CACHE: tl.constexpr = ""):
+                K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CACHE: tl.constexpr):
     """(weights [R_BLOCK, K_BLOCK] fp32, ids [R_BLOCK, K_BLOCK] int32) of rows [R_BLOCK] (valid: rows < n_rows).
 
     The rows are routed side by side in a [R_BLOCK, G_BLOCK, GS_BLOCK] tile; bias is [1, G_BLOCK, GS_BLOCK].
@@ -232,7 +232,7 @@ def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_row, GS,
     if PDL:
         pdl_wait()
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
-                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
+                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID, "")
     if PDL:
         pdl_trigger()
     if SHARED > 0:
@@ -252,7 +252,7 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
     if PDL:
         pdl_wait()
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
-                               R_BLOCK, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
+                               R_BLOCK, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID, "")
     if PDL:
         pdl_trigger()
     if SHARED > 0:
@@ -320,7 +320,7 @@ def _router_align_split_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr,
     if PDL:
         pdl_wait()          # also orders the ticket after the previous launch's counter reset (it has completed)
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
-                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
+                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID, "")
     if PDL:
         pdl_trigger()       # after the last read of an earlier kernel's output (the logits): the ids reload below
                             # reads this launch's stores, and dependents gdc_wait for the whole grid anyway
