@@ -12,8 +12,8 @@ S shared ones), one pair per expert. So every program routes the row itself, fro
                     routed_scaling_factor, num_experts, block_m, fused_shared) -> [k+S, h]
 
 == router_align(...) then moe_up_act / moe_down on its outputs, bit for bit (lingc/ops/moe.py composes them so):
-  * the routing is kernels/router.py's `_route_rows` and `_append_shared`, whose bits do not depend on the tile, the
-    warps or the other rows (router.py's contract: router_topk and every router_align variant agree);
+  * the routing is router_align's "rows" kernel's (kernels/router.py `_row_picks`, the variant that routes one row at
+    decode), and router.py's contract makes every variant agree bit for bit whatever the tile, warps or other rows;
   * the GEMM tile is kernels/moe.py's `_gemm_rows` with the same configs (UP_CONFIG / DOWN_CONFIG), TILE_M = 16 and
     the pair's row alone valid, as an align block of BM rows holding one pair gives it (a row's bits do not depend on
     its place in a block).
@@ -27,8 +27,12 @@ launches back (GEMV -> up -> down; a launch's programs start only after the laun
 the GEMV has completed, kernels/pdl.py). The pdl pass launches a moe_down_routed without PDL where the launch just
 before it wrote its logits (passes/pdl.py PREWAIT_INPUTS). With PDL off everything is stream-ordered anyway.
 
-Cost: every program repeats the routing (~E elements: the group ranking and k picks, each a CTA-wide max over
-4 warps) on its critical path, in place of the align launch and the up-GEMM's read of the align's outputs.
+Cost: every program repeats the routing on its critical path, in place of the align launch and the up-GEMM's read
+of the align's outputs. It runs in the "rows" tile [L, R, G, C] with the R axis filled by replicas of the token,
+R = num_warps * 32 / L, so that each warp routes a replica alone: the group ranking and the k picks are in-register
+maxima and lane shuffles, never a CTA barrier (a first version routed in _route_rows' [1, G, GS] tile, whose maxima
+cross the 4 warps through shared memory: the H200 decode step measured no gain, 1.229-1.237 ms with it against
+1.231-1.237 without, bench/results/step-ab-h200-20261201-e.json).
 """
 
 from __future__ import annotations
@@ -40,52 +44,71 @@ import triton.language as tl
 from lingc.kernels.moe import (DOWN_CONFIG, DOWN_PRELOAD, FP_OPTIONS, MIN_TILE_M, UP_CONFIG, _float_dtype, _gemm_rows,
                                _interpreting, _out, _preload_expert_tile, preload_chunks)
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
-from lingc.kernels.router import _append_shared, _check, _check_shared, _load_bias, _route_rows, _tile
+from lingc.kernels.router import _NO_ID, ROW_LANES, _check, _check_shared, _row_picks
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 
 @triton.jit
-def _route_pair(logits_ptr, bias, pair, GS, n_group, topk_group, scale, G_BLOCK: tl.constexpr,
-                GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, K_BLOCK: tl.constexpr,
-                NO_ID: tl.constexpr, CACHE: tl.constexpr):
-    """(weights [1, K_BLOCK], ids [1, K_BLOCK], expert of pair `pair` as int64) of the one-token row."""
-    rows = tl.arange(0, 1)
-    weights, ids = _route_rows(logits_ptr, 0, rows, 1, bias, GS, n_group, topk_group, scale,
-                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID, CACHE)
-    if SHARED > 0:
-        weights, ids = _append_shared(weights, ids, GS * n_group, TOP_K, SHARED, K_BLOCK)
-    kk = tl.arange(0, K_BLOCK)[None, :]
-    expert = tl.sum(tl.sum(tl.where(kk == pair, ids, 0), axis=1), axis=0).to(tl.int64)
-    return weights, ids, expert
+def _route_pair(logits_ptr, bias_ptr, pair, GS: tl.constexpr, n_group, topk_group, scale, R_BLOCK: tl.constexpr,
+                G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, L_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CACHE: tl.constexpr):
+    """(weights [K, R, 1, 1], ids [K, R, 1, 1], expert of pair `pair` as int64) of the one-token row, routed as
+    router_align's "rows" kernel routes (kernels/router.py `_row_picks`: same keys, same order, same bits) in its
+    [L, R, G, C] tile, whose R axis the warps split: every row of the tile is a replica of the token, so each warp
+    routes it alone (warp shuffles, no CTA barrier) and only the pair's expert crosses warps (one sum)."""
+    l = tl.arange(0, L_BLOCK)[:, None, None, None]                                # [L, 1, 1, 1]
+    r = tl.arange(0, R_BLOCK)[None, :, None, None]                                # [1, R, 1, 1] replicas
+    g = tl.arange(0, G_BLOCK)[None, None, :, None]                                # [1, 1, G, 1]
+    c = tl.arange(0, C_BLOCK)[None, None, None, :]                                # [1, 1, 1, C]
+    kk = tl.arange(0, K_BLOCK)[:, None, None, None]                               # [K, 1, 1, 1]
+    j = c * L_BLOCK + l
+    valid = (r < R_BLOCK) & (g < n_group) & (j < GS)                              # [L, R, G, C]
+    eid = g * GS + j
+    cell = tl.where(valid, eid, 0)              # (a select: no axis looks contiguous, kernels/router.py "rows")
+    bias = tl.load(bias_ptr + cell, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + cell, mask=valid, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    eid = tl.where(valid, eid, NO_ID)
+    score = tl.sigmoid(x)
+    biased = tl.where(valid, score + bias, float("-inf"))
+    scores, total, ids, picks = _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK, G_BLOCK,
+                                           C_BLOCK, L_BLOCK, TOP_K, K_BLOCK, NO_ID)
+    weights = scores / (total + 1e-20) * scale
+    shared = (kk >= TOP_K) & (kk < TOP_K + SHARED)                                # [K, 1, 1, 1]
+    weights = tl.where(shared, 1.0, weights)
+    ids = tl.where(shared, GS * n_group + kk - TOP_K, ids)                        # [K, R, 1, 1]
+    mine = (kk == pair) & (r == 0)
+    expert = tl.sum(tl.sum(tl.sum(tl.sum(tl.where(mine, ids, 0), axis=3), axis=2), axis=1), axis=0)
+    return weights, ids, expert.to(tl.int64)
 
 
 @triton.jit
 def _moe_routed_kernel(a_ptr, w_ptr, out_ptr, logits_ptr, bias_ptr, rw_ptr, rid_ptr,
                        num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
-                       GS, n_group, topk_group, scale,
-                       G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-                       K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, A_TOPK: tl.constexpr, TILE_M: tl.constexpr,
+                       n_group, topk_group, scale, GS: tl.constexpr, R_BLOCK: tl.constexpr,
+                       G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, L_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                       SHARED: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, A_TOPK: tl.constexpr,
+                       TILE_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
                        HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                        PDL: tl.constexpr, DOWN: tl.constexpr, K_CHUNKS: tl.constexpr):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
-    bias = _load_bias(bias_ptr, GS, n_group, G_BLOCK, GS_BLOCK)      # a weight: before the wait
     ws = ()
     if DOWN:      # the logits are two launches back (module docstring): route and fill the weight tile first
-        weights, ids, expert = _route_pair(logits_ptr, bias, pair, GS, n_group, topk_group, scale, G_BLOCK,
-                                           GS_BLOCK, TOP_K, SHARED, K_BLOCK, NO_ID, ".cg")
+        weights, ids, expert = _route_pair(logits_ptr, bias_ptr, pair, GS, n_group, topk_group, scale, R_BLOCK,
+                                           G_BLOCK, C_BLOCK, L_BLOCK, TOP_K, SHARED, K_BLOCK, NO_ID, ".cg")
         if K_CHUNKS > 0:
             ws = _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K, K_CHUNKS)
     if PDL:
         pdl_wait()
     if not DOWN:
-        weights, ids, expert = _route_pair(logits_ptr, bias, pair, GS, n_group, topk_group, scale, G_BLOCK,
-                                           GS_BLOCK, TOP_K, SHARED, K_BLOCK, NO_ID, "")
+        weights, ids, expert = _route_pair(logits_ptr, bias_ptr, pair, GS, n_group, topk_group, scale, R_BLOCK,
+                                           G_BLOCK, C_BLOCK, L_BLOCK, TOP_K, SHARED, K_BLOCK, NO_ID, "")
         if (pid_n == 0) & (pair == 0):
-            kk = tl.arange(0, K_BLOCK)[None, :]
-            tl.store(rw_ptr + kk, weights, mask=kk < TOP_K + SHARED)
-            tl.store(rid_ptr + kk, ids, mask=kk < TOP_K + SHARED)
+            kk = tl.arange(0, K_BLOCK)[:, None, None, None]
+            first = (kk < TOP_K + SHARED) & (tl.arange(0, R_BLOCK)[None, :, None, None] == 0)
+            tl.store(rw_ptr + kk + 0 * ids, weights, mask=first)
+            tl.store(rid_ptr + kk + 0 * ids, ids, mask=first)
     offs_m = tl.arange(0, TILE_M)
     pairs = tl.where(offs_m == 0, pair, num_pairs)                   # one valid row: the pair's own
     _gemm_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
@@ -93,6 +116,16 @@ def _moe_routed_kernel(a_ptr, w_ptr, out_ptr, logits_ptr, bias_ptr, rw_ptr, rid_
                LIBDEVICE_EXP, False, ws, K_CHUNKS)
     if PDL:
         pdl_trigger()
+
+
+def _route_tile(n_group: int, group_size: int, top_k: int, fused_shared: int, warps: int) -> dict:
+    """Constexprs of the replicated "rows" tile: L experts of a group per lane chunk, 32 / L rows a warp, so
+    R = warps * 32 / L replicas put one replica set per warp (kernels/router.py `_rows_launch`)."""
+    gs_block = triton.next_power_of_2(group_size)
+    lanes = min(ROW_LANES, gs_block)
+    return dict(GS=group_size, R_BLOCK=warps * max(1, 32 // lanes), G_BLOCK=triton.next_power_of_2(n_group),
+                C_BLOCK=gs_block // lanes, L_BLOCK=lanes, TOP_K=top_k, SHARED=fused_shared, NO_ID=_NO_ID,
+                K_BLOCK=max(lanes, triton.next_power_of_2(top_k + fused_shared)))
 
 
 def _check_route(op: str, logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int,
@@ -127,8 +160,9 @@ def _launch(op: str, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, logits
     a = a if a.stride(1) == 1 else a.contiguous()
     _moe_routed_kernel[(triton.cdiv(n, config.block_n), num_pairs)](
         a, w, out, logits, expert_bias, rw, rid, num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), float(limit), group_size, n_group, topk_group, float(scale),
-        **_tile(n_group, group_size, top_k, fused_shared), A_TOPK=1 if down else num_pairs, TILE_M=MIN_TILE_M,
+        out.stride(0), float(limit), n_group, topk_group, float(scale),
+        **_route_tile(n_group, group_size, top_k, fused_shared, config.num_warps), A_TOPK=1 if down else num_pairs,
+        TILE_M=MIN_TILE_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SWIGLU=not down,
         HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32, LIBDEVICE_EXP=a.is_cuda and not interpret,
         PDL=pdl, DOWN=down, K_CHUNKS=preload_chunks(down and preload, k, config.block_k, num_pairs),
