@@ -4,8 +4,7 @@ One eager run of the graph with an observer (`Executor.run(observe=...)`) sees e
 arguments, and counts what each must read or write at least once:
     weights    every program weight a launch reads (a fused weight counts once, as it is read once; a
                fuse_norm_linear op's norm weight and linear weight both, as the two launches it replaces read them);
-               expert stacks count only the experts the router actually chose (distinct blocks of moe_align;
-               the k + S distinct picks of the one-token routed GEMMs, kernels/moe_routed.py);
+               expert stacks count only the experts the router actually chose (distinct blocks of moe_align);
                the embedding table only the rows looked up
     kda_state  the recurrent state read (and written back, or staged per chain position), conv windows
     mla_cache  the latent rows each MLA attention reads (positions <= the query's), once per call
@@ -52,10 +51,6 @@ def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Cou
         block_expert, total = tensors[-2], tensors[-1]                # (..., sorted_pairs, block_expert, total)
         block_m = args[-1] if op == "moe_down" else args[-2] if op == "moe_up" else args[-3]
         counts["experts"] += _distinct_experts(block_expert, total, block_m) * _size(stack[0])
-        return counts
-    if op in ("moe_up_act_routed", "moe_down_routed"):                  # one token: k + S distinct experts
-        stack, top_k, fused_shared = args[1], args[6], args[10]
-        counts["experts"] += (top_k + fused_shared) * _size(stack[0])
         return counts
     if op == "embedding":
         ids, table = args

@@ -12,8 +12,8 @@ from functools import lru_cache
 from typing import Callable
 
 # every kernel family module of lingc.kernels that exports LOWERINGS
-FAMILIES = ("rmsnorm", "moe_align", "linear", "router", "sample", "filtered_probs", "moe", "moe_fused", "moe_routed",
-            "kda", "mla", "meta", "ep", "allreduce")
+FAMILIES = ("rmsnorm", "moe_align", "linear", "router", "sample", "filtered_probs", "moe", "moe_fused", "kda", "mla",
+            "meta", "ep", "allreduce")
 
 
 @lru_cache(maxsize=None)

@@ -149,13 +149,6 @@ def _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride
     _gemm_tile's loop loads (zeros past K and N). block_expert through L2 (.cg): under PDL this runs before the
     wait, and its writer (the align) is two kernels back (module docstring)."""
     expert = tl.load(block_expert_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
-    return _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K, K_CHUNKS)
-
-
-@triton.jit
-def _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr):
-    """_preload_tile of a known expert (int64): kernels/moe_routed.py routes before it preloads."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -180,18 +173,6 @@ def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = tl.arange(0, TILE_M)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs)  # [TILE_M]
-    _gemm_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
-               stride_om, limit, TOP_K, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT,
-               LIBDEVICE_EXP, A_CG, ws, K_CHUNKS)
-
-
-@triton.jit
-def _gemm_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
-               stride_om, limit, TOP_K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-               IEEE_DOT: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr, ws, K_CHUNKS: tl.constexpr):
-    """_gemm_tile's body for a known expert (int64) and pair rows [TILE_M] (>= num_pairs: masked). Also
-    kernels/moe_routed.py's, which routes instead of reading an align: one tile code, one set of bits."""
     valid = pairs < num_pairs
     rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -150,11 +150,10 @@ def _order_key(x, eid, NO_ID: tl.constexpr):
 @triton.jit
 def _route_rows(logits_ptr, stride_row, rows, n_rows, bias, GS, n_group, topk_group, scale,
                 R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CACHE: tl.constexpr):
+                K_BLOCK: tl.constexpr, NO_ID: tl.constexpr):
     """(weights [R_BLOCK, K_BLOCK] fp32, ids [R_BLOCK, K_BLOCK] int32) of rows [R_BLOCK] (valid: rows < n_rows).
 
     The rows are routed side by side in a [R_BLOCK, G_BLOCK, GS_BLOCK] tile; bias is [1, G_BLOCK, GS_BLOCK].
-    CACHE is the logits loads' cache modifier (".cg" where they run before a PDL wait, kernels/moe_routed.py).
     """
     g = tl.arange(0, G_BLOCK)
     j = tl.arange(0, GS_BLOCK)
@@ -164,7 +163,7 @@ def _route_rows(logits_ptr, stride_row, rows, n_rows, bias, GS, n_group, topk_gr
     eid = g[:, None] * GS + j[None, :]                                            # [G_BLOCK, GS_BLOCK]
     eid3 = tl.where(valid, eid[None, :, :], NO_ID)                               # [R_BLOCK, G_BLOCK, GS_BLOCK]
     row_ptrs = logits_ptr + rows.to(tl.int64) * stride_row                        # [R_BLOCK]
-    x = tl.load(row_ptrs[:, None, None] + eid3, mask=valid, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    x = tl.load(row_ptrs[:, None, None] + eid3, mask=valid, other=0.0).to(tl.float32)
     biased = tl.where(valid, tl.sigmoid(x) + bias, float("-inf"))
     key = tl.where(valid, _order_key(biased, eid3, NO_ID), -(2**63))
     # group score: the best biased score plus the best of the others (the best's lane, lowest id first, excluded)
@@ -188,7 +187,7 @@ def _route_rows(logits_ptr, stride_row, rows, n_rows, bias, GS, n_group, topk_gr
     for i in tl.static_range(TOP_K):
         best = tl.max(tl.max(key, axis=2), axis=1)                               # [R_BLOCK]
         e = NO_ID - (best & 0xFFFFFFFF).to(tl.int32)
-        s = tl.sigmoid(tl.load(row_ptrs + e, mask=rvalid, other=0.0, cache_modifier=CACHE).to(tl.float32))
+        s = tl.sigmoid(tl.load(row_ptrs + e, mask=rvalid, other=0.0).to(tl.float32))
         total = total + s                                                         # in pick order, one by one
         weights = tl.where(kk == i, s[:, None], weights)
         ids = tl.where(kk == i, e[:, None], ids)
@@ -232,7 +231,7 @@ def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, N, stride_row, GS,
     if PDL:
         pdl_wait()
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
-                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID, "")
+                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
     if PDL:
         pdl_trigger()
     if SHARED > 0:
@@ -252,7 +251,7 @@ def _router_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block
     if PDL:
         pdl_wait()
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
-                               R_BLOCK, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID, "")
+                               R_BLOCK, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
     if PDL:
         pdl_trigger()
     if SHARED > 0:
@@ -320,7 +319,7 @@ def _router_align_split_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr,
     if PDL:
         pdl_wait()          # also orders the ticket after the previous launch's counter reset (it has completed)
     weights, ids = _route_rows(logits_ptr, stride_row, rows, N, bias, GS, n_group, topk_group, scale,
-                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID, "")
+                               1, G_BLOCK, GS_BLOCK, TOP_K, K_BLOCK, NO_ID)
     if PDL:
         pdl_trigger()       # after the last read of an earlier kernel's output (the logits): the ids reload below
                             # reads this launch's stores, and dependents gdc_wait for the whole grid anyway

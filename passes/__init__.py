@@ -14,7 +14,6 @@ from lingc.passes.fuse_moe_align import FuseMoeAlign
 from lingc.passes.fuse_norm_linear import FuseNormLinear
 from lingc.passes.fuse_projections import FuseProjections
 from lingc.passes.fuse_relay import FuseRelay
-from lingc.passes.fuse_router_moe import FuseRouterMoe
 from lingc.passes.fuse_shared_expert import FuseSharedExpert
 from lingc.passes.fuse_swiglu import FuseSwiglu
 from lingc.passes.partition import Partition
@@ -24,7 +23,7 @@ from lingc.passes.tp import TensorParallel
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, FuseIndexChains, CaptureMetadata, Bf16Router,
                                                      FuseProjections, FuseAddNorm, FuseMoeAlign, FuseSharedExpert,
                                                      FuseMoe, FuseKda, FuseNormLinear, FuseCombineNorm, FuseMla,
-                                                     FuseRelay, FuseRouterMoe, Pdl)}
+                                                     FuseRelay, Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

@@ -109,11 +109,11 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
 
 # Kernels whose PDL path loads some inputs BEFORE gdc_wait: kernels/kda.py _kda_fused_kernel (the conv pools, the
 # state pool, the slots), kernels/moe.py's down-GEMM preload (sorted_pairs, block_expert, total: the align's
-# outputs), kernels/moe_routed.py's down-GEMM (the logits it routes from) and kernels/mla.py's q_absorb (q_nope). Safe when the launch just before them neither writes nor
+# outputs) and kernels/mla.py's q_absorb (q_nope). Safe when the launch just before them neither writes nor
 # produces any of those buffers, since a PDL kernel's programs start only after the kernel two back has completed
 # (kernels/pdl.py). Indices are the op's positional arguments.
 PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14),
-                  "moe_down": (2, 3, 4), "moe_down_routed": (2,), "mla_attention": (0,)}
+                  "moe_down": (2, 3, 4), "mla_attention": (0,)}
 
 
 def _prewait_safe(node: fx.Node, short: str) -> bool:
@@ -172,7 +172,7 @@ class Pdl(Pass):
     summary = "annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
-             "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_router_moe")
+             "fuse_combine_norm", "fuse_relay", "fuse_mla")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:

@@ -259,51 +259,6 @@ def _(act, w2, sorted_pairs, block_expert, total, block_m):
 register("moe_down")
 
 
-@torch.library.custom_op("lingc::moe_up_act_routed", mutates_args=())
-def moe_up_act_routed(x: torch.Tensor, w13_interleaved: torch.Tensor, logits: torch.Tensor, expert_bias: torch.Tensor,
-                      n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float, num_experts: int,
-                      block_m: int, fused_shared: int, limit: float,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """router_align + moe_up_act of ONE token (fuse_router_moe): (act [k+S, I], weights f32 [1, k+S], ids i32
-    [1, k+S]), exactly what the two ops give (pair j = the j-th pick: at one token the align does not reorder)."""
-    weights, ids, sorted_pairs, block_expert, total = router_align(
-        logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, num_experts, block_m, fused_shared)
-    act = moe_up_act(x, w13_interleaved, sorted_pairs, block_expert, total, top_k + fused_shared, block_m, limit)
-    return act, weights, ids
-
-
-@moe_up_act_routed.register_fake
-def _(x, w13_interleaved, logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, num_experts,
-      block_m, fused_shared, limit):
-    width = top_k + fused_shared
-    return (x.new_empty((x.shape[0] * width, w13_interleaved.shape[1] // 2)),
-            logits.new_empty((logits.shape[0], width), dtype=torch.float32),
-            logits.new_empty((logits.shape[0], width), dtype=torch.int32))
-
-
-register("moe_up_act_routed")
-
-
-@torch.library.custom_op("lingc::moe_down_routed", mutates_args=())
-def moe_down_routed(act: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, expert_bias: torch.Tensor,
-                    n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float, num_experts: int,
-                    block_m: int, fused_shared: int) -> torch.Tensor:
-    """moe_down of ONE token's pairs, routed again from the logits (fuse_router_moe): [k+S, h], exactly router_align
-    then moe_down."""
-    _, _, sorted_pairs, block_expert, total = router_align(
-        logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, num_experts, block_m, fused_shared)
-    return moe_down(act, w2, sorted_pairs, block_expert, total, block_m)
-
-
-@moe_down_routed.register_fake
-def _(act, w2, logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, num_experts, block_m,
-      fused_shared):
-    return act.new_empty((act.shape[0], w2.shape[1]))
-
-
-register("moe_down_routed")
-
-
 @torch.library.custom_op("lingc::moe_combine", mutates_args=())
 def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
                 shared_out: torch.Tensor | None = None) -> torch.Tensor:
