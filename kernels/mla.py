@@ -41,8 +41,8 @@ IEEE dots), exp2 with log2(e) folded into the scale. Measured in the interpreter
 
 Bytes per call (Ling-3.0-tiny, bf16): the visible cache rows (pos+1) * L * 2 per query, 9.4 MB at 8192 rows
 (T > 1 queries of one request re-read the same rows, mostly from L2: their programs are adjacent in the grid),
-kv_b 4 MB, partials M * S_visible * H * R * 4 written and read once (2 MB per query at 8192 rows and
-SPLIT_ROWS=64, L2-resident).
+kv_b 4 MB, partials M * S_visible * H * R * 4 written and read once (2.1 MB per query at 8192 rows and
+SPLIT_ROWS=128, L2-resident).
 
 `mla_cache_write` scatters the M latent rows into their flat cache rows (one program per row). `rope` and
 `sigmoid_gate` are one-program-per-token elementwise kernels replacing ~10 and ~4 small torch launches; their
@@ -88,10 +88,15 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 
 # Tunables. SPLIT_ROWS and BLOCK_N (cache rows per MMA step) and CB_BLOCK_S shape the arithmetic of a query;
 # none of them may depend on T, B or the positions. SPLIT_ROWS must be a multiple of BLOCK_N.
-SPLIT_ROWS = 64          # cache rows per split: 8192 rows -> 128 splits, about one per SM at T = 1
+SPLIT_ROWS = 128         # cache rows per split: 8192 rows -> 64 splits at T = 1, 384 programs at T = 6
 SPLIT_STAGES = 2
-# Occupancy: the split program's registers (182 with the latent chunks below, 211 before) fit 2 CTAs an SM, so a
-# 6-query verify's 768 split programs run ~3 waves. A ptxas register cap of 168 (3 CTAs, 112 bytes of spills) measured
+# SPLIT_ROWS / BLOCK_N / CB_BLOCK_R were 64 / 32 / 64 (a split per SM at T = 1) until 2026-12-01's session 8. The H200
+# step with 128 / 64 / 128 (bench/results/step-ab-h200-20261201-f.json, one process, baseline first and last):
+# verify 2.586 / 2.587 -> 2.518 ms, NEXTN 3.689 / 3.700 -> 3.608, decode 1.258 / 1.277 -> 1.263 (noise). A numerics
+# change (other split boundaries and MMA steps: another fp32 summation order; a query's bits still do not depend on T).
+# 256-row splits: verify 2.507 but decode 1.283; 128 / 128 / 64: 2.533 / 1.252.
+# Occupancy (measured with the earlier 64 / 32 shape): the split program's registers (182 with the latent chunks below,
+# 211 before) fit 2 CTAs an SM, so a 6-query verify's 768 split programs ran ~3 waves. A ptxas register cap of 168 (3 CTAs, 112 bytes of spills) measured
 # no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5;
 # bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
 # Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
@@ -100,7 +105,7 @@ SPLIT_STAGES = 2
 # specialisation of the pointers and strides, the cache loads are not vectorised and the count is misleading);
 # H=32 (Flash) needs 8 warps (150 registers, before the chunks); fp32 (IEEE dots, test models) spills at 32 rows, so
 # 16 rows and 8 warps (91 registers).
-BLOCK_N = 32
+BLOCK_N = 64
 BLOCK_N_FP32 = 16
 # The split program loads its latent columns (q_lat and the cache's c_kv) as SPLIT_CHUNKS column chunks of R / 4 and
 # runs the scores MMA chunk by chunk on one accumulator, in the unchunked order (so the bits are those of one
@@ -111,8 +116,8 @@ SPLIT_CHUNKS = 4
 SMALL_ACC = 16 * 512     # BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
-CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 8192 rows in one step
-CB_BLOCK_R = 64          # latent columns per combine program (M*H x R/64 programs: 128 at T = 1)
+CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 16384 rows in one step
+CB_BLOCK_R = 128         # latent columns per combine program (M*H x R/128 programs: 64 at T = 1)
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
