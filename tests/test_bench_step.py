@@ -1,5 +1,6 @@
 """bench/device_step.py's launches_pdl: the step benchmark launches with PDL exactly when the pdl pass runs, also
-when it comes in through `all` (the bug it replaced tested `"pdl" in passes`, so every `all` row ran without PDL)."""
+when it comes in through `all` (the bug it replaced tested `"pdl" in passes`, so every `all` row ran without PDL);
+and its `--variant` parser: the values it builds, and bad specs refused before any GPU work."""
 
 from __future__ import annotations
 
@@ -7,9 +8,33 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from device_step import launches_pdl  # noqa: E402
+import pytest  # noqa: E402
+
+from device_step import launches_pdl, parse_variant  # noqa: E402
 
 
 def test_pdl_through_all_and_by_name():
     assert launches_pdl(["all"]) and launches_pdl(["all", "fuse_moe"]) and launches_pdl(["partition", "pdl"])
     assert not launches_pdl([]) and not launches_pdl(["partition", "fuse_swiglu", "capture_metadata"])
+
+
+def test_variant_values():
+    import lingc.kernels.linear as linear
+    import lingc.kernels.mla as mla
+    import lingc.kernels.moe as moe
+    from lingc.passes.fuse_moe import FuseMoe
+    name, sets = parse_variant('v:lingc.kernels.moe.UP_CONFIG={"block_n": 16};lingc.kernels.mla.SPLIT_ROWS=256')
+    assert name == "v" and [(m, a) for m, a, _ in sets] == [(moe, "UP_CONFIG"), (mla, "SPLIT_ROWS")]
+    assert sets[0][2] == moe.UP_CONFIG._replace(block_n=16) and sets[1][2] == 256
+    (_, attr, table), = parse_variant('t:lingc.kernels.linear.CONFIG_TABLE[1][2]={"num_stages": 6}')[1]
+    assert attr == "CONFIG_TABLE" and table[1][2].num_stages == 6 and table[0] == linear.CONFIG_TABLE[0]
+    assert type(table[1][2]) is type(linear.CONFIG_TABLE[1][2]) and linear.CONFIG_TABLE[1][2].num_stages != 6
+    assert parse_variant("c:lingc.passes.fuse_moe.FuseMoe.in_all=True")[1] == [(FuseMoe, "in_all", True)]
+    assert parse_variant("base:") == ("base", [])
+
+
+@pytest.mark.parametrize("spec", ["x:lingc.kernels.moe.NOT_A_TUNABLE=1", "x:lingc.kernels.moe.UP_CONFIG",
+                                  "x:nonexistent_module.ATTR=1", "x:lingc.kernels.mla.SPLIT_ROWS=__import__('os')"])
+def test_variant_refuses_bad_specs(spec):
+    with pytest.raises((SystemExit, ValueError)):
+        parse_variant(spec)
