@@ -45,7 +45,15 @@ H200 decode step (bench/results/step-ab-h200-20261201-c.json, same bits througho
     the default until 2026-12-01 was 16, every slice): off is faster, decode 1.281 -> 1.249 ms, verify 2.613 ->
     2.584. So it is off (0); the knob stays for A/Bs.
   - "dot" programs loading their slice's first blocks into registers (32 / 64 KiB, or only slices that fit whole):
-    1.281 -> 1.326-1.379 ms. Not kept. Only the small "fma" slices (FMA_PRELOAD, the router GEMV) preload.
+    1.281 -> 1.326-1.379 ms. Not kept. Only the small "fma" slices (FMA_PRELOAD, the router GEMV) preload. Why, from
+    the reverted kernel's sm_90 SASS (9e7b19b, o_proj's shape, compiled offline with the launch's divisibility
+    hints): the preload is 32 vectorised LDG.E.128 per thread issued before ACQBULK (griddepcontrol.wait), as meant,
+    but after the wait each preloaded block goes registers -> shared memory (STS, MEMBAR.ALL.CTA, BAR.SYNC) before
+    its wgmma, one block at a time with a wait on each wgmma, where the loop feeds wgmma from cp.async (LDGSTS)
+    stages that overlap the MMAs. A register preload so pays only where the kernel before runs long enough to land
+    it (the MoE down-GEMM's, behind the 12 us up-GEMM); o_proj follows a ~1 us gated_rmsnorm. A preload worth trying
+    would land the weight slice in shared memory before the wait (cp.async or TMA, which Triton's pipeliner does not
+    place before gdc_wait; Gluon could).
 With PDL off no GDC or prefetch instruction exists (the interpreter cannot run them).
 
 NORM (constexpr; rmsnorm_linear / add_rmsnorm_linear, lingc/ops/norm_linear.py): the linear's x is
