@@ -57,7 +57,8 @@ class FuseSwiglu(Pass):
                 with graph.inserting_before(up):
                     fused = graph.call_function(OPS.moe_up_act, (x, w_node, sorted_pairs, block_expert, total,
                                                                  top_k, block_m, act.args[1]))
-                fused.meta = {"lingc.scope": up.meta.get("lingc.scope", ""), "lingc.layout": LAYOUT}
+                fused.meta = {"lingc.scope": up.meta.get("lingc.scope", ""), "lingc.layout": LAYOUT,
+                              **{k: up.meta[k] for k in ("lingc.stage",) if k in up.meta}}   # NEXTN stage kept
                 fused._rename(up.name.replace("moe_up", "moe_up_act"))
                 act.replace_all_uses_with(fused)
                 graph.erase_node(act)

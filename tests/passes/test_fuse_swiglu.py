@@ -184,3 +184,15 @@ def test_moe_up_act_matches_moe_up_then_silu_and_mul_bitwise(dtype, limit, shape
         assert got.shape == want.shape == (N * k, inter) and got.dtype == want.dtype
         differ = int((bits(got) != bits(want)).sum())
         assert differ == 0, f"scale {scale}: {differ} of {want.numel()} values differ in their bits"
+
+
+def test_nextn_stage_is_kept(tiny_partitioned):
+    """After partition every moe_up carries its NEXTN stage (draft / verify / extend); moe_up_act keeps it (until
+    2026-12-01 it dropped it, and stage-matching passes had to skip the fused node)."""
+    after, _ = FuseSwiglu().run(tiny_partitioned)
+    for gname in ("draft", "verify", "extend"):
+        ups = [n for n in tiny_partitioned.graphs[gname].nodes if n.target is OPS.moe_up]
+        acts = [n for n in after.graphs[gname].nodes if n.target is OPS.moe_up_act]
+        assert len(acts) == len(ups) > 0
+        assert [a.meta.get("lingc.stage") for a in acts] == [u.meta.get("lingc.stage") for u in ups]
+        assert all(a.meta.get("lingc.stage") == gname for a in acts)
