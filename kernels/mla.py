@@ -93,12 +93,13 @@ SPLIT_STAGES = 2
 # SPLIT_ROWS / BLOCK_N / CB_BLOCK_R were 64 / 32 / 64 (a split per SM at T = 1) until 2026-12-01's session 8. The H200
 # step with 128 / 64 / 128 (bench/results/step-ab-h200-20261201-f.json, one process, baseline first and last):
 # verify 2.586 / 2.587 -> 2.518 ms, NEXTN 3.689 / 3.700 -> 3.608, decode 1.258 / 1.277 -> 1.263 (noise). A numerics
-# change (other split boundaries and MMA steps: another fp32 summation order; a query's bits still do not depend on T).
+# change (other split boundaries and MMA steps: another fp32 summation order; a query's bits still do not depend on
+# T).
 # 256-row splits: verify 2.507 but decode 1.283; 128 / 128 / 64: 2.533 / 1.252.
-# Occupancy (measured with the earlier 64 / 32 shape): the split program's registers (182 with the latent chunks below,
-# 211 before) fit 2 CTAs an SM, so a 6-query verify's 768 split programs ran ~3 waves. A ptxas register cap of 168 (3 CTAs, 112 bytes of spills) measured
-# no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5;
-# bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
+# Occupancy (measured with the earlier 64 / 32 shape): the split program's registers (182 with the latent chunks
+# below, 211 before) fit 2 CTAs an SM, so a 6-query verify's 768 split programs ran ~3 waves. A ptxas register cap of
+# 168 (3 CTAs, 112 bytes of spills) measured no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs
+# 18.5; bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
 # Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
 # rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked with ptxas for sm_90: bf16 H=16 R=512 at
 # 4 warps: 182 registers, no spills (the H200's Triton cache; compiled offline without the launch's divisibility-by-16
