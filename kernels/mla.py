@@ -99,7 +99,9 @@ SPLIT_STAGES = 2
 # Occupancy (measured with the earlier 64 / 32 shape): the split program's registers (182 with the latent chunks
 # below, 211 before) fit 2 CTAs an SM, so a 6-query verify's 768 split programs ran ~3 waves. A ptxas register cap of
 # 168 (3 CTAs, 112 bytes of spills) measured no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs
-# 18.5; bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
+# 18.5; bench/results/kernels-mla-cap-h200-20261130.json) and was removed. The 128 / 64 shape, compiled offline for
+# sm_90 at Ling-3.0-tiny's shapes with the launch's divisibility hints: 212 registers, no spills, 94 KB of shared
+# memory (64 / 32: 182, 56 KB), still 2 CTAs an SM, so a 6-query verify's 384 split programs run ~1.5 waves.
 # Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
 # rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked with ptxas for sm_90: bf16 H=16 R=512 at
 # 4 warps: 182 registers, no spills (the H200's Triton cache; compiled offline without the launch's divisibility-by-16
