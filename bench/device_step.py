@@ -13,9 +13,11 @@ under torch.compile(mode="max-autotune") and transformers' BailingHybridForCausa
         [--variant 'NAME:lingc.kernels.moe.UP_CONFIG={"block_n": 16}' ...] [--no-parity]
 
 A `--variant` re-runs the "all" row in the same process (weights, trace and compiled kernels shared, ~10-20 s a
-row) with kernel tunables overridden, then restores them; its row is named "all@NAME". Each assignment is
-`module.ATTR[i][j]...=VALUE`, VALUE a Python literal (ast.literal_eval, never eval); a dict literal replaces fields
-of a dataclass / NamedTuple value. Only tunables read at launch time take effect (not default arguments).
+row once compiled) with tunables overridden, then restores them; its row is named "all@NAME". Assignments are
+joined by ";", each `module.ATTR[i][j]...=VALUE` or `module.Class.ATTR=VALUE` (a pass's `in_all`), VALUE a Python
+literal (ast.literal_eval, never eval); a dict literal replaces fields of a dataclass / NamedTuple value. Only
+tunables read at launch or compile time take effect (not default arguments bound at import). "NAME:" alone is a
+baseline row.
 """
 
 from __future__ import annotations
