@@ -345,7 +345,6 @@ def main() -> None:
     traced = trace(model, ["step", "nextn"], options)
     result["trace_s"] = time.perf_counter() - t0
 
-    rows = []
     sets = [("none", [])]
     acc = ["partition"]
     sets.append(("partition", list(acc)))
@@ -357,6 +356,7 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     sets = [(name, passes, []) for name, passes in sets if not only or name in only]
     sets += [(f"all@{vname}", ["all"], assignments) for vname, assignments in variants]
+    result["ablation"] = rows = []                 # written out after every row
     for name, passes, assignments in sets:
         lingc.passes.pdl.SOLO = args.pdl_scope == "all" and name != "all:pdl-chains"
         saved = [(module, attr, getattr(module, attr)) for module, attr, _ in assignments]
@@ -381,10 +381,8 @@ def main() -> None:
         ms = {key: row.get(key, {}).get("ms") for key in ("step", "nextn")}
         print(json.dumps({"name": name, "ms": ms, "error": row.get("error"),
                           "compile_capture_s": row.get("compile_capture_s")}, default=str)[:600], flush=True)
-        result["ablation"] = rows
         with open(args.json, "w") as f:     # after every row: a call that runs out of time keeps what it measured
             json.dump(result, f, indent=1, default=str)
-    result["ablation"] = rows
 
     from lingc.passes.manager import PassManager
     t0 = time.perf_counter()

@@ -90,24 +90,20 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 # none of them may depend on T, B or the positions. SPLIT_ROWS must be a multiple of BLOCK_N.
 SPLIT_ROWS = 128         # cache rows per split: 8192 rows -> 64 splits at T = 1, 384 programs at T = 6
 SPLIT_STAGES = 2
-# SPLIT_ROWS / BLOCK_N / CB_BLOCK_R were 64 / 32 / 64 (a split per SM at T = 1) until 2026-12-01's session 8. The H200
+# SPLIT_ROWS / BLOCK_N / CB_BLOCK_R were 64 / 32 / 64 (a split per SM at T = 1) until f1d7132 (2026-12-01). The H200
 # step with 128 / 64 / 128 (bench/results/step-ab-h200-20261201-f.json, one process, baseline first and last):
 # verify 2.586 / 2.587 -> 2.518 ms, NEXTN 3.689 / 3.700 -> 3.608, decode 1.258 / 1.277 -> 1.263 (noise). A numerics
 # change (other split boundaries and MMA steps: another fp32 summation order; a query's bits still do not depend on
-# T).
-# 256-row splits: verify 2.507 but decode 1.283; 128 / 128 / 64: 2.533 / 1.252.
-# Occupancy (measured with the earlier 64 / 32 shape): the split program's registers (182 with the latent chunks
-# below, 211 before) fit 2 CTAs an SM, so a 6-query verify's 768 split programs ran ~3 waves. A ptxas register cap of
-# 168 (3 CTAs, 112 bytes of spills) measured no faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs
-# 18.5; bench/results/kernels-mla-cap-h200-20261130.json) and was removed. The 128 / 64 shape, compiled offline for
-# sm_90 at Ling-3.0-tiny's shapes with the launch's divisibility hints: 212 registers, no spills, 94 KB of shared
-# memory (64 / 32: 182, 56 KB), still 2 CTAs an SM, so a 6-query verify's 384 split programs run ~1.5 waves.
-# Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache
-# rows per step (the K dim of the P @ C_kv MMA, >= 16) and warps. Checked with ptxas for sm_90: bf16 H=16 R=512 at
-# 4 warps: 182 registers, no spills (the H200's Triton cache; compiled offline without the launch's divisibility-by-16
-# specialisation of the pointers and strides, the cache loads are not vectorised and the count is misleading);
-# H=32 (Flash) needs 8 warps (150 registers, before the chunks); fp32 (IEEE dots, test models) spills at 32 rows, so
-# 16 rows and 8 warps (91 registers).
+# T). 256-row splits: verify 2.507 but decode 1.283; 128 / 128 / 64: 2.533 / 1.252.
+# Split program shape by cache dtype and accumulator size (fixed per model, so row invariance holds): cache rows per
+# MMA step (BLOCK_N, the K dim of the P @ C_kv MMA, >= 16) and warps. ptxas for sm_90, bf16 H=16 R=512 at 4 warps,
+# compiled with the launch's divisibility hints (without them the cache loads are not vectorised and the counts
+# mislead): 128 / 64 takes 212 registers, 94 KB of shared memory, no spills (64 / 32: 182, 56 KB): 2 CTAs an SM
+# either way, so a 6-query verify's 384 split programs run ~1.5 waves (768, ~3 waves, before). H=32 (Flash) needs
+# 8 warps (150 registers at 64 / 32, before the chunks); fp32 (IEEE dots, test models) spills at 32 rows, so 16 rows
+# and 8 warps (91 registers). A ptxas register cap of 168 (3 CTAs, 112 bytes of spills; at 64 / 32) measured no
+# faster on the H200 (6 queries 46.5 vs 46.5-46.9 us, 1 query 22.0 vs 18.5;
+# bench/results/kernels-mla-cap-h200-20261130.json) and was removed.
 BLOCK_N = 64
 BLOCK_N_FP32 = 16
 # The split program loads its latent columns (q_lat and the cache's c_kv) as SPLIT_CHUNKS column chunks of R / 4 and

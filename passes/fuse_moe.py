@@ -50,7 +50,7 @@ def _group(combine: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         return None
     if tuple(up.args[2:5]) != tuple(down.args[2:5]) or up.args[6] != down.args[5]:
         return None                                     # not the same align outputs / block size
-    stages = {n.meta.get("lingc.stage") for n in (up, down, combine)} - {None}   # (fuse_swiglu kept none until 2026-12-01)
+    stages = {n.meta.get("lingc.stage") for n in (up, down, combine)} - {None}   # graphs before partition: none
     return (up, down) if len(stages) <= 1 else None
 
 
