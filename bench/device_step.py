@@ -242,8 +242,14 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
         if module is None or not hasattr(module, m.group(2)):
             raise SystemExit(f"--variant {spec!r}: {m.group(1)} has no attribute {m.group(2)}")
         path = [int(i) for i in re.findall(r"\[(\d+)\]", m.group(3))]
-        new = _set_path(getattr(module, m.group(2)), path, ast.literal_eval(literal.strip()))
-        sets.append((module, m.group(2), new))
+        # a second item on the same attribute edits the first one's result, not the live value
+        earlier = [i for i, (mod, attr, _) in enumerate(sets) if mod is module and attr == m.group(2)]
+        base = sets[earlier[-1]][2] if earlier else getattr(module, m.group(2))
+        new = _set_path(base, path, ast.literal_eval(literal.strip()))
+        if earlier:
+            sets[earlier[-1]] = (module, m.group(2), new)
+        else:
+            sets.append((module, m.group(2), new))
     return name, sets
 
 

@@ -117,8 +117,13 @@ class LinearConfig:
 # "dot" costs the same at M = 1 and M = 6; "fma" (one row per program) is faster at M = 1 but re-reads the
 # weight (from L2) once per row, so it only pays where the weight is small. The fp32 lm_head is the exception
 # (no fast fp32 dot): ~cuBLAS at M = 1, ~2x cuBLAS at M = 6 (rows=4 would trade: 1.2x at M = 1, 1x at M = 6).
+# bf16 weights up to this size (o_proj, MLA dense: 6 MiB) as "fma" with 8 rows a program (one program row group
+# for a verify chain) and the slice preloaded before the PDL wait; 0: off (the dot kernel)
+FMA_MID_MAX_BYTES = 0
 CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
     (2, 1 << 20, LinearConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=3, kind="fma")),
+    (2, FMA_MID_MAX_BYTES, LinearConfig(block_n=4, block_k=256, split_k=1, num_warps=4, num_stages=3, kind="fma",
+                                        rows=8)),
     (2, 1 << 62, LinearConfig(block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4, kind="dot")),
     (4, 4 << 20, LinearConfig(block_n=4, block_k=256, split_k=4, num_warps=4, num_stages=3, kind="fma")),
     (4, 1 << 62, LinearConfig(block_n=8, block_k=256, split_k=1, num_warps=4, num_stages=3, kind="fma")),

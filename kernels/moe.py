@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.pdl import pdl_entry, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import align_sizes
@@ -103,6 +103,9 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 # the unpipelined chunk loop is slower (8.8 vs 6.4 us a launch in the PDL-off attribution,
 # bench/results/launches-h200-20261201.json). LINGC_MOE_DOWN_PRELOAD=0 turns it off.
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
+# combine_add_rmsnorm under PDL: trigger the next launch at kernel entry (kernels/pdl.py pdl_entry); a speed choice,
+# safe while the launch after it (a projection linear, lm_head) loads nothing but weights before its wait
+COMBINE_NORM_ENTRY_TRIGGER = False
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
@@ -363,12 +366,14 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
 def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, H, stride_e, stride_w,
                                 stride_res, stride_out, stride_res_out, eps,
                                 TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr,
-                                MUL_RN: tl.constexpr, PDL: tl.constexpr):
+                                MUL_RN: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr = False):
     """combine_add_rmsnorm of token n: the combine's row (as _combine_row, cast to the activation dtype), then
     kernels/rmsnorm.py's add + norm row code on it; one program per token holds the whole row."""
     n = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
+    if PDL and ENTRY_TRIGGER:
+        pdl_entry()
     nw = tl.load(nw_ptr + cols, mask=mask, other=0.0)
     if PDL:
         pdl_wait()
@@ -581,7 +586,8 @@ def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_w
         e2, topk_weights, res2, weight, out.view(n, h), residual_out.view(n, h), h, e2.stride(0),
         topk_weights.stride(0), res2.stride(0), h, h, eps,
         TOP_K=topk_weights.shape[1], BLOCK_H=block, ORDER=order,
-        MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, num_warps=_norm_warps(block),
+        MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, ENTRY_TRIGGER=COMBINE_NORM_ENTRY_TRIGGER,
+        num_warps=_norm_warps(block),
         enable_reflect_ftz=False, **launch)   # fusion on, as the add_rmsnorm kernel; mul_rn without FTZ, as the combine
     return out, residual_out
 

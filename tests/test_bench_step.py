@@ -29,6 +29,9 @@ def test_variant_values():
     (_, attr, table), = parse_variant('t:lingc.kernels.linear.CONFIG_TABLE[1][2]={"num_stages": 6}')[1]
     assert attr == "CONFIG_TABLE" and table[1][2].num_stages == 6 and table[0] == linear.CONFIG_TABLE[0]
     assert type(table[1][2]) is type(linear.CONFIG_TABLE[1][2]) and linear.CONFIG_TABLE[1][2].num_stages != 6
+    (_, _, both), = parse_variant('b:lingc.kernels.linear.CONFIG_TABLE[1][1]=8;'
+                                  'lingc.kernels.linear.CONFIG_TABLE[1][2]={"rows": 1}')[1]   # items on one attribute compose
+    assert both[1][1] == 8 and both[1][2].rows == 1 and linear.CONFIG_TABLE[1][1] != 8
     assert parse_variant("c:lingc.passes.fuse_moe.FuseMoe.in_all=True")[1] == [(FuseMoe, "in_all", True)]
     assert parse_variant("base:") == ("base", [])
 
