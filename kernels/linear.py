@@ -106,6 +106,7 @@ class LinearConfig:
     num_stages: int
     kind: str = "dot"
     rows: int = 1
+    row_loop: bool = False     # fma with a preloaded slice: one program per N tile loops over the row groups
 
 
 # Config table by shape class, from the H200 sweep in bench/results/kernel-linear-sweep-h200-20261130.json
@@ -122,8 +123,8 @@ class LinearConfig:
 FMA_MID_MAX_BYTES = 0
 CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
     (2, 1 << 20, LinearConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=3, kind="fma")),
-    (2, FMA_MID_MAX_BYTES, LinearConfig(block_n=4, block_k=256, split_k=1, num_warps=4, num_stages=3, kind="fma",
-                                        rows=8)),
+    (2, FMA_MID_MAX_BYTES, LinearConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=3, kind="fma",
+                                        row_loop=True)),
     (2, 1 << 62, LinearConfig(block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4, kind="dot")),
     (4, 4 << 20, LinearConfig(block_n=4, block_k=256, split_k=4, num_warps=4, num_stages=3, kind="fma")),
     (4, 1 << 62, LinearConfig(block_n=8, block_k=256, split_k=1, num_warps=4, num_stages=3, kind="fma")),
@@ -345,23 +346,16 @@ def _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rst
     return tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)     # per-lane sums, sequential in k
 
 
-@triton.jit(do_not_specialize=["M"])
-def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
-                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                       LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
-                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr):
-    """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
-    then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
-    W_BLOCKS > 0 (small unsplit weights, FMA_PRELOAD): the program's whole weight slice, W_BLOCKS blocks, is loaded
-    into registers first, before the PDL wait, so after the wait only the activations are read.
-    NORM, GATED: as in _linear_dot_kernel, for the program's R rows (NORM: the programs with n == 0 write the
-    outputs)."""
-    pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
+@triton.jit
+def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, pid_g, pid_n,
+              pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              EVEN_K: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, HEAD_D: tl.constexpr,
+              PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr, TRIGGER: tl.constexpr):
+    """Row group pid_g of the fma kernel, after the PDL wait: acc[R, BN, BK] over the slice's blocks (the preloaded
+    w_pre, or streamed), one sum over BK, stored (through the split-K tickets when SPLIT_K > 1). TRIGGER: call
+    pdl_trigger() after the group's last load."""
     offs_r = pid_g * ROWS + tl.arange(0, ROWS)                           # [R]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
     k_start = pid_s * K_PER_SPLIT
@@ -370,15 +364,6 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
     n_ok = offs_n < N
     ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    w_pre = ()
-    for b in tl.static_range(W_BLOCKS):   # the whole weight slice into registers (weights: before any PDL wait)
-        w_pre = w_pre + (tl.load(w_ptrs + b * BLOCK_K, mask=n_ok[:, None] & (ks + b * BLOCK_K < K)[None, :],
-                                 other=0.0),)
-    if PDL:
-        if W_BLOCKS == 0:
-            program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
-            _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
-        pdl_wait()
     rstd = tl.zeros([ROWS], dtype=tl.float32)
     if NORM:
         rstd = _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps, ROWS, NORM_BLOCK,
@@ -404,7 +389,7 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
             x_ptrs += BLOCK_K
             res_ptrs += BLOCK_K
             out_offs += BLOCK_K
-    if PDL:
+    if TRIGGER:
         pdl_trigger()
     total = tl.sum(acc, axis=2)                                           # [R, BN]
     out_mask = r_ok[:, None] & n_ok[None, :]
@@ -412,6 +397,57 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
     part_offs = offs_r[:, None] * N + offs_n[None, :]
     _finish(total, y_ptrs, part_ptr, part_offs, count_ptr + pid_n * BLOCK_M + pid_g, out_mask, pid_s,
             M * N, w_ptr, SPLIT_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
+                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                       LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
+                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr,
+                       ROW_LOOP: tl.constexpr = False):
+    """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
+    then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
+    W_BLOCKS > 0 (small unsplit weights, FMA_PRELOAD): the program's whole weight slice, W_BLOCKS blocks, is loaded
+    into registers first, before the PDL wait, so after the wait only the activations are read.
+    ROW_LOOP (with W_BLOCKS > 0, SPLIT_K == 1, one program per N tile): the program runs every row group in turn on
+    its one preloaded slice, the same code per group, so a row's bits are those of a one-group launch while the
+    weight is read once whatever M.
+    NORM, GATED: as in _linear_dot_kernel, for the program's R rows (NORM: the programs with n == 0 write the
+    outputs)."""
+    pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    n_ok = offs_n < N
+    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    w_pre = ()
+    for b in tl.static_range(W_BLOCKS):   # the whole weight slice into registers (weights: before any PDL wait)
+        w_pre = w_pre + (tl.load(w_ptrs + b * BLOCK_K, mask=n_ok[:, None] & (ks + b * BLOCK_K < K)[None, :],
+                                 other=0.0),)
+    if PDL:
+        if W_BLOCKS == 0:
+            program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
+            _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
+        pdl_wait()
+    if ROW_LOOP:
+        for g in range(0, tl.cdiv(M, ROWS)):
+            _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, g,
+                      pid_n, pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps, BLOCK_M,
+                      BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, PDL, NORM, HAS_RESIDUAL, WRITE_NORMED, NORM_BLOCK, GATED,
+                      HEAD_D, PRECISE, ROWS, W_BLOCKS, False)
+        if PDL:
+            pdl_trigger()
+    else:
+        _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, pid_g,
+                  pid_n, pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps, BLOCK_M,
+                  BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, PDL, NORM, HAS_RESIDUAL, WRITE_NORMED, NORM_BLOCK, GATED,
+                  HEAD_D, PRECISE, ROWS, W_BLOCKS, PDL)
 
 
 def pick_config(n: int, k: int, weight_dtype: torch.dtype) -> LinearConfig:
@@ -537,8 +573,9 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
     if cfg.kind == "fma":
         blocks = triton.cdiv(k, cfg.block_k)
         preload = FMA_PRELOAD and cfg.split_k == 1 and blocks * cfg.block_n * cfg.block_k <= FMA_PRELOAD_ELEMENTS
-        kernel, grid = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k)
-        extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0}
+        row_loop = cfg.row_loop and preload
+        kernel, grid = _linear_fma_kernel, (1 if row_loop else triton.cdiv(m, cfg.rows), tiles, cfg.split_k)
+        extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0, "ROW_LOOP": row_loop}
     else:
         kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
     res = norm.residual if norm is not None and norm.residual is not None else gated.gate if gated else rows
