@@ -121,7 +121,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lingc.kernels import workspace
-from lingc.kernels.pdl import pdl_entry, pdl_supported, pdl_trigger, pdl_wait
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. Recurrence: V columns of S per program and its warps (the same for decode and verify: they set
@@ -137,10 +137,6 @@ COMMIT_BLOCK = 2048     # elements per commit program (1 MiB recurrent state -> 
 COMMIT_WARPS = 4
 NORM_ROWS = 4           # gated RMSNorm rows per program (sets the layout: constant, never a function of T)
 NORM_WARPS = 4
-# gated RMSNorm under PDL: trigger the next launch at kernel entry, before the wait (kernels/pdl.py pdl_entry), so
-# the o_proj linear after it becomes resident while kda's mixer still runs and loads its weight slice early. A
-# speed choice only; safe while the launch after it loads nothing but weights before its own wait
-GATED_NORM_ENTRY_TRIGGER = False
 L2NORM_EPS = tl.constexpr(1e-6)  # fla's l2norm: eps inside the root (lingc.ops.norm.l2norm)
 
 
@@ -570,7 +566,7 @@ def _kda_commit_multi_kernel(slots_ptr, accept_ptr, p0_ptr, st0_ptr, p1_ptr, st1
 @triton.jit
 def _gated_rmsnorm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, R, N, s_xm, s_xh, s_gm, s_gh, inv_n, eps,
                           HR: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
-                          PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr = False):
+                          PDL: tl.constexpr):
     # HR (heads per token) is a constexpr: the row split below is then shifts and masks, not a 64-bit division
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)               # row = m * HR + h
     cols = tl.arange(0, BLOCK_N)
@@ -578,8 +574,6 @@ def _gated_rmsnorm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, R, N, s_xm, s_xh, s_gm, 
     m = (rows < R)[:, None] & cm[None, :]
     x_off = (rows // HR) * s_xm + (rows % HR) * s_xh
     g_off = (rows // HR) * s_gm + (rows % HR) * s_gh
-    if PDL and ENTRY_TRIGGER:
-        pdl_entry()
     w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     if PDL:
         pdl_wait()
@@ -843,7 +837,7 @@ def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps
     _gated_rmsnorm_kernel[(triton.cdiv(R, NORM_ROWS),)](
         x3, weight, g3, out, R, N, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), 1.0 / N, eps,
         HR=x3.shape[1], ROWS=NORM_ROWS, BLOCK_N=triton.next_power_of_2(N), PRECISE=_precise(x.device), PDL=pdl,
-        ENTRY_TRIGGER=GATED_NORM_ENTRY_TRIGGER, **_launch_opts(pdl, NORM_WARPS))
+        **_launch_opts(pdl, NORM_WARPS))
     return out
 
 

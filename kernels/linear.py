@@ -106,7 +106,6 @@ class LinearConfig:
     num_stages: int
     kind: str = "dot"
     rows: int = 1
-    row_loop: bool = False     # fma with a preloaded slice: one program per N tile loops over the row groups
 
 
 # Config table by shape class, from the H200 sweep in bench/results/kernel-linear-sweep-h200-20261130.json
@@ -118,13 +117,8 @@ class LinearConfig:
 # "dot" costs the same at M = 1 and M = 6; "fma" (one row per program) is faster at M = 1 but re-reads the
 # weight (from L2) once per row, so it only pays where the weight is small. The fp32 lm_head is the exception
 # (no fast fp32 dot): ~cuBLAS at M = 1, ~2x cuBLAS at M = 6 (rows=4 would trade: 1.2x at M = 1, 1x at M = 6).
-# bf16 weights up to this size (o_proj, MLA dense: 6 MiB) as "fma" with 8 rows a program (one program row group
-# for a verify chain) and the slice preloaded before the PDL wait; 0: off (the dot kernel)
-FMA_MID_MAX_BYTES = 0
 CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
     (2, 1 << 20, LinearConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=3, kind="fma")),
-    (2, FMA_MID_MAX_BYTES, LinearConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=3, kind="fma",
-                                        row_loop=True)),
     (2, 1 << 62, LinearConfig(block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4, kind="dot")),
     (4, 4 << 20, LinearConfig(block_n=4, block_k=256, split_k=4, num_warps=4, num_stages=3, kind="fma")),
     (4, 1 << 62, LinearConfig(block_n=8, block_k=256, split_k=1, num_warps=4, num_stages=3, kind="fma")),
@@ -141,6 +135,9 @@ FMA_PRELOAD = os.environ.get("LINGC_LINEAR_FMA_PRELOAD", "1") == "1"
 FMA_PRELOAD_ELEMENTS = 8192   # 64 bf16 a thread at 4 warps
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
+# the fma kernel keeps the norm prologue's h blocks for its main loop where it can (_held_rstd; False: load twice,
+# the old code, for an A/B; same bits either way)
+HOLD_NORM_INPUT = True
 NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536
                               # is 3 steps; the [16, 512] fp32 lane sums of a "dot" program are 64 registers a thread)
 
@@ -210,15 +207,38 @@ def _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps,
 
 
 @triton.jit
+def _held_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps,
+               ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCKS: tl.constexpr):
+    """_norm_rstd unrolled over the BLOCKS blocks of K (every block's loads issued at once, one L2 round trip), the
+    same sums in the same order, also returning the h blocks for the main loop (the fma kernel's HOLD_H)."""
+    sq = tl.zeros([ROWS, NORM_BLOCK], dtype=tl.float32)
+    hs = ()
+    for b in tl.static_range(BLOCKS):
+        cols = b * NORM_BLOCK + tl.arange(0, NORM_BLOCK)                     # [NB]
+        mask = r_ok[:, None] & (cols < K)[None, :]
+        hs = hs + (_residual_sum(x_ptr + offs_r[:, None] * stride_xm + cols[None, :],
+                                 res_ptr + offs_r[:, None] * stride_rm + cols[None, :], mask, HAS_RESIDUAL),)
+    for b in tl.static_range(BLOCKS):
+        hf = hs[b].to(tl.float32)
+        sq += hf * hf
+    return tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps), hs                  # [R], BLOCKS x [R, NB]
+
+
+@triton.jit
 def _x_block(x_ptrs, res_ptrs, mask, nw_ptrs, nw_mask, rstd, res_out_ptrs, normed_ptrs, store_mask,
-             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr):
+             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr, h_held=None,
+             HELD: tl.constexpr = False):
     """One block of the linear's input in the activation dtype: x itself, or (NORM) the norm's output rebuilt
     from x (+ residual) with the rmsnorm reference's roundings: h * rstd in fp32 rounded to the activation dtype,
     times the norm weight in fp32 (exact for two bf16 factors), rounded again. With NORM, where store_mask holds
     (the programs of the first N tile) the new residual and the normed block are written too. rstd and the
-    norm weight pointers come shaped to broadcast against the block (rows on either axis)."""
+    norm weight pointers come shaped to broadcast against the block (rows on either axis). HELD: h is h_held, the
+    block _held_rstd loaded (the same values), not loaded again."""
     if NORM:
-        h = _residual_sum(x_ptrs, res_ptrs, mask, HAS_RESIDUAL)
+        if HELD:
+            h = h_held
+        else:
+            h = _residual_sum(x_ptrs, res_ptrs, mask, HAS_RESIDUAL)
         nw = tl.load(nw_ptrs, mask=nw_mask, other=0.0)
         normed = (h.to(tl.float32) * rstd).to(h.dtype)
         xb = (nw.to(tl.float32) * normed.to(tl.float32)).to(h.dtype)
@@ -327,7 +347,8 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
 @triton.jit
 def _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               WRITE_NORMED: tl.constexpr, GATED: tl.constexpr, HEAD_D: tl.constexpr, PRECISE: tl.constexpr):
+               WRITE_NORMED: tl.constexpr, GATED: tl.constexpr, HEAD_D: tl.constexpr, PRECISE: tl.constexpr,
+               h_held=None, HELD: tl.constexpr = False):
     """One BK block of the fma kernel: its x block (or the norm's, written out by the programs of N tile 0) times the
     [BN, BK] weight block w, added lane by lane to acc [R, BN, BK]."""
     k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
@@ -341,7 +362,7 @@ def _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rst
     else:
         xv = _x_block(x_ptrs, res_ptrs, x_mask, nw_ptr + k0 + tl.arange(0, BLOCK_K)[None, :], k_ok[None, :],
                       rstd[:, None], res_out_ptr + out_offs, normed_ptr + out_offs, x_mask & (pid_n == 0),
-                      NORM, HAS_RESIDUAL, WRITE_NORMED)                   # [R, BK]
+                      NORM, HAS_RESIDUAL, WRITE_NORMED, h_held, HELD)     # [R, BK]
     xf = xv.to(w.dtype).to(tl.float32)
     return tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)     # per-lane sums, sequential in k
 
@@ -352,7 +373,8 @@ def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
               EVEN_K: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, HEAD_D: tl.constexpr,
-              PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr, TRIGGER: tl.constexpr):
+              PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr, TRIGGER: tl.constexpr,
+              HOLD_NORM: tl.constexpr):
     """Row group pid_g of the fma kernel, after the PDL wait: acc[R, BN, BK] over the slice's blocks (the preloaded
     w_pre, or streamed), one sum over BK, stored (through the split-K tickets when SPLIT_K > 1). TRIGGER: call
     pdl_trigger() after the group's last load."""
@@ -364,8 +386,15 @@ def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out
     n_ok = offs_n < N
     ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    # HOLD_H: a preloaded unsplit slice covers all of K in blocks of the norm's width, so the norm's h blocks are
+    # the main loop's: loaded once, all at once
+    HOLD_H: tl.constexpr = NORM and W_BLOCKS > 0 and SPLIT_K == 1 and NORM_BLOCK == BLOCK_K and HOLD_NORM
     rstd = tl.zeros([ROWS], dtype=tl.float32)
-    if NORM:
+    hs = ()
+    if HOLD_H:
+        rstd, hs = _held_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps, ROWS, NORM_BLOCK,
+                              HAS_RESIDUAL, W_BLOCKS)
+    elif NORM:
         rstd = _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps, ROWS, NORM_BLOCK,
                           HAS_RESIDUAL)
     x_ptrs = x_ptr + offs_r[:, None] * stride_xm + ks[None, :]            # [R, BK]
@@ -373,9 +402,15 @@ def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out
     out_offs = offs_r[:, None] * K + ks[None, :]                          # [R, BK] in residual_out / normed
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for b in tl.static_range(W_BLOCKS):   # the loop below on the preloaded blocks: same values, same order
-        acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
-                         k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
-                         BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE)
+        if HOLD_H:
+            acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
+                             k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr,
+                             normed_ptr, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE,
+                             hs[b], True)
+        else:
+            acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
+                             k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr,
+                             normed_ptr, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE)
     if W_BLOCKS == 0:
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
@@ -407,14 +442,12 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
                        LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
                        HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr,
-                       ROW_LOOP: tl.constexpr = False):
+                       HOLD_NORM: tl.constexpr = False):
     """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
     then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
     W_BLOCKS > 0 (small unsplit weights, FMA_PRELOAD): the program's whole weight slice, W_BLOCKS blocks, is loaded
     into registers first, before the PDL wait, so after the wait only the activations are read.
-    ROW_LOOP (with W_BLOCKS > 0, SPLIT_K == 1, one program per N tile): the program runs every row group in turn on
-    its one preloaded slice, the same code per group, so a row's bits are those of a one-group launch while the
-    weight is read once whatever M.
+    HOLD_NORM (NORM with a preloaded unsplit slice): the norm prologue's h blocks feed the main loop (_held_rstd).
     NORM, GATED: as in _linear_dot_kernel, for the program's R rows (NORM: the programs with n == 0 write the
     outputs)."""
     pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
@@ -435,19 +468,10 @@ def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr
             program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
             _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
         pdl_wait()
-    if ROW_LOOP:
-        for g in range(0, tl.cdiv(M, ROWS)):
-            _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, g,
-                      pid_n, pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps, BLOCK_M,
-                      BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, PDL, NORM, HAS_RESIDUAL, WRITE_NORMED, NORM_BLOCK, GATED,
-                      HEAD_D, PRECISE, ROWS, W_BLOCKS, False)
-        if PDL:
-            pdl_trigger()
-    else:
-        _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, pid_g,
-                  pid_n, pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps, BLOCK_M,
-                  BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, PDL, NORM, HAS_RESIDUAL, WRITE_NORMED, NORM_BLOCK, GATED,
-                  HEAD_D, PRECISE, ROWS, W_BLOCKS, PDL)
+    _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, pid_g, pid_n,
+              pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps, BLOCK_M, BLOCK_N,
+              BLOCK_K, SPLIT_K, EVEN_K, PDL, NORM, HAS_RESIDUAL, WRITE_NORMED, NORM_BLOCK, GATED, HEAD_D, PRECISE,
+              ROWS, W_BLOCKS, PDL, HOLD_NORM)
 
 
 def pick_config(n: int, k: int, weight_dtype: torch.dtype) -> LinearConfig:
@@ -573,9 +597,8 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
     if cfg.kind == "fma":
         blocks = triton.cdiv(k, cfg.block_k)
         preload = FMA_PRELOAD and cfg.split_k == 1 and blocks * cfg.block_n * cfg.block_k <= FMA_PRELOAD_ELEMENTS
-        row_loop = cfg.row_loop and preload
-        kernel, grid = _linear_fma_kernel, (1 if row_loop else triton.cdiv(m, cfg.rows), tiles, cfg.split_k)
-        extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0, "ROW_LOOP": row_loop}
+        kernel, grid = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k)
+        extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0, "HOLD_NORM": HOLD_NORM_INPUT}
     else:
         kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
     res = norm.residual if norm is not None and norm.residual is not None else gated.gate if gated else rows

@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_entry, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import align_sizes
@@ -103,9 +103,9 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 # the unpipelined chunk loop is slower (8.8 vs 6.4 us a launch in the PDL-off attribution,
 # bench/results/launches-h200-20261201.json). LINGC_MOE_DOWN_PRELOAD=0 turns it off.
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
-# combine_add_rmsnorm under PDL: trigger the next launch at kernel entry (kernels/pdl.py pdl_entry); a speed choice,
-# safe while the launch after it (a projection linear, lm_head) loads nothing but weights before its wait
-COMBINE_NORM_ENTRY_TRIGGER = False
+# the grouped GEMMs load a block's expert and pairs with `total` (and the preloading down-GEMM before its wait)
+# instead of after the total check: one L2 round trip fewer after the wait (False: the old order, for an A/B)
+ROWS_EARLY = True
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
@@ -163,6 +163,23 @@ def _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride
 
 
 @triton.jit
+def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+                CG: tl.constexpr = False):
+    """Block pid_m's expert and its TILE_M pair indices (num_pairs past BLOCK_M); in range for every block of
+    the grid, in use or not, so a kernel may load them together with `total` (one L2 round trip, not two).
+    CG: through L2 only (.cg), for the down-GEMM's PRELOAD before its PDL wait (module docstring)."""
+    offs_m = tl.arange(0, TILE_M)
+    if CG:
+        expert = tl.load(block_expert_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs,
+                        cache_modifier=".cg")                                                          # [TILE_M]
+    else:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs)  # [TILE_M]
+    return expert, pairs
+
+
+@triton.jit
 def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
@@ -173,9 +190,20 @@ def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n
     _moe_gemm_kernel and kernels/moe_fused.py, so the two give a tile the same bits. A_CG loads the A rows
     through L2 only (.cg): the fused kernel's down tiles read rows other programs of the same launch wrote.
     K_CHUNKS > 0: the weight tile is `ws` (_preload_tile), the same chunks in the same order of dots."""
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = tl.arange(0, TILE_M)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs)  # [TILE_M]
+    expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M)
+    _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
+                    stride_om, limit, TOP_K, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT,
+                    LIBDEVICE_EXP, A_CG, ws, K_CHUNKS)
+
+
+@triton.jit
+def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
+                    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
+                    TOP_K: tl.constexpr, TILE_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
+                    LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr, ws, K_CHUNKS: tl.constexpr):
+    """_gemm_tile on a block's expert and pairs already loaded (_block_rows)."""
     valid = pairs < num_pairs
     rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -239,7 +267,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0):
+                     K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
+                     ROWS_EARLY: tl.constexpr = True):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
@@ -249,18 +278,30 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
             return
         ws = _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K,
                            K_CHUNKS)
+        if ROWS_EARLY:  # the block's pairs too (the same align wrote them): after the wait only the act rows
+            expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M, True)
     if PDL:
         if PREFETCH:
             _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we,
                            stride_wn, BLOCK_M, BLOCK_N, K_LINES, LINE)
         pdl_wait()
     if K_CHUNKS == 0:
-        total = tl.load(total_ptr)
-        if pid_m * BLOCK_M >= total:
-            return
-    _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n, num_pairs, N, K, stride_am,
-               stride_we, stride_wn, stride_om, limit, TOP_K, BLOCK_M, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU,
-               HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, False, ws, K_CHUNKS)
+        if ROWS_EARLY:
+            # total, the block's expert and its pairs in one round trip (the block exists whether in use or not)
+            expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M)
+            total = tl.load(total_ptr)
+            if pid_m * BLOCK_M >= total:
+                return
+        else:
+            total = tl.load(total_ptr)
+            if pid_m * BLOCK_M >= total:
+                return
+            expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M)
+    elif not ROWS_EARLY:
+        expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M)
+    _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
+                    stride_om, limit, TOP_K, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT,
+                    LIBDEVICE_EXP, False, ws, K_CHUNKS)
     if PDL:
         pdl_trigger()
 
@@ -366,14 +407,12 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
 def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, H, stride_e, stride_w,
                                 stride_res, stride_out, stride_res_out, eps,
                                 TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr,
-                                MUL_RN: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr = False):
+                                MUL_RN: tl.constexpr, PDL: tl.constexpr):
     """combine_add_rmsnorm of token n: the combine's row (as _combine_row, cast to the activation dtype), then
     kernels/rmsnorm.py's add + norm row code on it; one program per token holds the whole row."""
     n = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    if PDL and ENTRY_TRIGGER:
-        pdl_entry()
     nw = tl.load(nw_ptr + cols, mask=mask, other=0.0)
     if PDL:
         pdl_wait()
@@ -463,7 +502,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
-        K_CHUNKS=preload_chunks(preload, k, config.block_k, num_pairs),
+        K_CHUNKS=preload_chunks(preload, k, config.block_k, num_pairs), ROWS_EARLY=ROWS_EARLY,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
@@ -586,8 +625,7 @@ def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_w
         e2, topk_weights, res2, weight, out.view(n, h), residual_out.view(n, h), h, e2.stride(0),
         topk_weights.stride(0), res2.stride(0), h, h, eps,
         TOP_K=topk_weights.shape[1], BLOCK_H=block, ORDER=order,
-        MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, ENTRY_TRIGGER=COMBINE_NORM_ENTRY_TRIGGER,
-        num_warps=_norm_warps(block),
+        MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, num_warps=_norm_warps(block),
         enable_reflect_ftz=False, **launch)   # fusion on, as the add_rmsnorm kernel; mul_rn without FTZ, as the combine
     return out, residual_out
 

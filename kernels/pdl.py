@@ -72,15 +72,6 @@ def pdl_wait():
 
 
 @triton.jit
-def pdl_entry():
-    """gdc_launch_dependents at kernel entry, before the wait (a per-kernel opt-in, e.g. kernels/kda.py
-    GATED_NORM_ENTRY_TRIGGER): the next launch's programs may then start before the kernel before this one has
-    completed, so that launch must load nothing but weights before its own wait. The trigger in pdl_wait (early)
-    or pdl_trigger (late) that follows repeats the signal, which is harmless."""
-    tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def pdl_trigger():
     """gdc_launch_dependents under the late trigger; nothing under the early one (pdl_wait did it)."""
     if not TRIGGER_EARLY:

@@ -26,8 +26,13 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 
 # Tunables. One program holds a whole row, so the row must fit one block.
 MAX_BLOCK_N = 65536
-# (largest BLOCK_N, num_warps), first match wins; larger blocks get NUM_WARPS_MAX.
-NUM_WARPS_BY_BLOCK_N = ((256, 1), (1024, 2), (4096, 4), (8192, 8))
+# (largest BLOCK_N, num_warps), first match wins; larger blocks get NUM_WARPS_MAX. A batch-1 row is one program on
+# one SM, so its loads and its sum are latency: 16 warps for 2048 / 4096-wide blocks (were 4; 8192: were 8) measured
+# in one process each on the H200 (Ling-3.0-tiny, h = 1536: rmsnorm, add_rmsnorm, combine_add_rmsnorm) decode
+# 1.224 / 1.236 ms against 1.233 / 1.233 and 1.249 / 1.240, verify 2.499 / 2.503 against 2.509-2.516
+# (bench/results/step-ab-h200-20261201-h.json, -i.json). A numerics change: the row's sum of squares reduces over
+# 16 warps in another order.
+NUM_WARPS_BY_BLOCK_N = ((256, 1), (1024, 2), (4096, 16), (8192, 16))
 NUM_WARPS_MAX = 16
 
 
