@@ -8,12 +8,18 @@ no entry run their torch reference (views, metadata and sampling glue that is no
 from __future__ import annotations
 
 import importlib
+import os
 from functools import lru_cache
 from typing import Callable
 
 # every kernel family module of lingc.kernels that exports LOWERINGS
 FAMILIES = ("rmsnorm", "moe_align", "linear", "router", "sample", "filtered_probs", "moe", "moe_fused", "kda", "mla",
             "meta", "ep", "allreduce")
+
+# ops that run their torch reference even under the triton backend: LINGC_REFERENCE_OPS=embedding,emit_tokens
+# (comma-separated short names) to bisect a kernel, or an A/B (bench/device_step.py --variant sets it); read at
+# lowering time
+REFERENCE_OPS: tuple[str, ...] = tuple(filter(None, os.environ.get("LINGC_REFERENCE_OPS", "").split(",")))
 
 
 @lru_cache(maxsize=None)

@@ -11,6 +11,9 @@ spent ~130 us in them (bench/device_profile.py). Each launcher here is one progr
                                                          -> (page_table[slots] [B, MP],
                                                              page_rows[b, min(pos // PS, MP - 1)] * PS + pos % PS)
     pick_position(x [B, T, ...], index [B])              -> x[b, index[b]]             [B, 1, ...]
+    embedding(ids [B, T], table [V, h])                  -> table[ids]                 [B, T, h]
+    emit_tokens(out_tokens [S, W], out_len [S], slots, tokens [B, n], count [B]?)
+                                                         : out_tokens[slot, :n] = tokens[b], out_len[slot] = count or n
     gather_rows_multi(tables [S, ...] x N, slots [B])    -> [t[slots] for t in tables]  (fuse_relay)
     scatter_rows_multi(tables x N, slots, values x N, adds x N)
                                                          : t[slots] = v + a             (fuse_relay; a: int)
@@ -380,7 +383,66 @@ def scatter_rows_multi(tables: list[torch.Tensor], slots: torch.Tensor, values: 
         _scatter_rows_multi_kernel[(B, ends[-1])](slots, *args, **consts, N=len(part), BLOCK=block, PDL=pdl, **opts)
 
 
+@triton.jit
+def _emit_tokens_kernel(out_tokens_ptr, out_len_ptr, slots_ptr, tokens_ptr, count_ptr, n, s_out, s_tokens,
+                        HAS_COUNT: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """out_tokens[slots[b], :n] = tokens[b, :n]; out_len[slots[b]] = count[b] (or n)."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_N)
+    if PDL:
+        pdl_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    tok = tl.load(tokens_ptr + b * s_tokens + i, mask=i < n)
+    if HAS_COUNT:
+        count = tl.load(count_ptr + b)
+    else:
+        count = n
+    if PDL:
+        pdl_trigger()
+    tl.store(out_tokens_ptr + slot * s_out + i, tok.to(out_tokens_ptr.dtype.element_ty), mask=i < n)
+    tl.store(out_len_ptr + slot, count.to(out_len_ptr.dtype.element_ty))
+
+
+def embedding(input_ids: torch.Tensor, table: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """table[input_ids] [B, T, h] (lingc.embedding): one launch, one program per (token, block of the row), the
+    gather_rows kernel with the ids as the index (an exact copy). Ids are not range-checked on the device (the
+    engine checks prompt ids on the host; sampled ids are < V)."""
+    if input_ids.dim() != 2 or table.dim() != 2 or table.stride(1) != 1 or input_ids.is_floating_point():
+        return torch.ops.lingc.embedding(input_ids, table)
+    B, T = input_ids.shape
+    h = table.shape[1]
+    out = torch.empty((B, T, h), dtype=table.dtype, device=table.device)
+    if B * T == 0 or h == 0:
+        return out
+    ids = input_ids.reshape(-1)
+    ids = ids if ids.stride(0) == 1 else ids.contiguous()      # the kernel reads ids[b] at index_ptr + b
+    pdl, opts = _opts(pdl, table.device)
+    block, nblk = _grid_block(h)
+    _take_rows_kernel[(B * T, nblk)](table, ids, out, h, 0, table.stride(0), BLOCK=block, PDL=pdl, **opts)
+    return out
+
+
+def emit_tokens(out_tokens: torch.Tensor, out_len: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+                count: torch.Tensor | None = None, *, pdl: bool = False) -> None:
+    """Publish a step's tokens (lingc.emit_tokens): out_tokens[slot, :n] = tokens[b], out_len[slot] = count[b] or
+    n, one launch (the reference is an index_put and an index_fill / index_put)."""
+    if (out_tokens.dim() != 2 or out_tokens.stride(1) != 1 or tokens.dim() != 2 or tokens.stride(1) != 1
+            or slots.dim() != 1 or out_len.dim() != 1 or tokens.shape[1] > out_tokens.shape[1]):
+        torch.ops.lingc.emit_tokens(out_tokens, out_len, slots, tokens, count)
+        return
+    B, n = tokens.shape
+    if B == 0 or n == 0:
+        torch.ops.lingc.emit_tokens(out_tokens, out_len, slots, tokens, count)
+        return
+    pdl, opts = _opts(pdl, tokens.device)
+    _emit_tokens_kernel[(B,)](out_tokens, out_len, slots, tokens, count if count is not None else slots, n,
+                              out_tokens.stride(0), tokens.stride(0), HAS_COUNT=count is not None,
+                              BLOCK_N=triton.next_power_of_2(n), PDL=pdl, **opts)
+
+
 LOWERINGS: dict[str, Callable] = {
+    "embedding": embedding,
+    "emit_tokens": emit_tokens,
     "gather_rows": gather_rows,
     "scatter_rows": scatter_rows,
     "step_positions": step_positions,

@@ -7,6 +7,7 @@ rounded once to the activation dtype, bit-identical to torch's `residual + x`) a
 
 Bytes per row of N elements, activation size s, weight size w:
     rmsnorm      reads N*s (x) + N*w (weight, L2-resident after the first row), writes N*s (out)
+    rmsnorm_cat  two rmsnorm rows (x1 with weight1, x2 with weight2) into the halves of one [2N] row, one launch
     add_rmsnorm  reads 2*N*s (residual, x) + N*w, writes 2*N*s (new residual, out)
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, the weight (written by no
@@ -62,6 +63,28 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
         pdl_trigger()
     out = _rmsnorm_row(x, w, N, eps).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+@triton.jit
+def _rmsnorm_cat_kernel(x1_ptr, x2_ptr, w1_ptr, w2_ptr, out_ptr, stride_x1, stride_x2, stride_out, N, eps,
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, j): the rmsnorm kernel's code on row `row` of x_j with w_j, stored in half j of the output
+    row. Both halves' loads are issued with a mask that keeps only half j's (the other moves no bytes), and
+    tl.where picks half j's values exactly, so each half has the rmsnorm kernel's layout and bits."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.where(j == 0, tl.load(w1_ptr + cols, mask=mask & (j == 0), other=0.0),
+                 tl.load(w2_ptr + cols, mask=mask & (j == 1), other=0.0))
+    if PDL:
+        pdl_wait()
+    x = tl.where(j == 0, tl.load(x1_ptr + row * stride_x1 + cols, mask=mask & (j == 0), other=0.0),
+                 tl.load(x2_ptr + row * stride_x2 + cols, mask=mask & (j == 1), other=0.0))
+    if PDL:
+        pdl_trigger()
+    out = _rmsnorm_row(x, w, N, eps).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + j * N + cols, out, mask=mask)
 
 
 @triton.jit
@@ -146,6 +169,28 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
     return out
 
 
+def rmsnorm_cat(x1: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor, eps: float,
+                pdl: bool = False) -> torch.Tensor:
+    """cat([rmsnorm(x1, weight1), rmsnorm(x2, weight2)], -1) in one launch, each half bit for bit the rmsnorm
+    kernel's (lingc.rmsnorm_cat); x1, x2 [..., N] of one shape and dtype."""
+    if x1.shape != x2.shape or x1.dtype != x2.dtype:
+        raise ValueError(f"rmsnorm_cat: x1 is {list(x1.shape)} {x1.dtype}, x2 is {list(x2.shape)} {x2.dtype}; "
+                         "want the same shape and dtype")
+    n = _check(x1, weight1)
+    _check(x2, weight2)
+    out = torch.empty((*x1.shape[:-1], 2 * n), dtype=x1.dtype, device=x1.device)
+    a, b = _rows(x1, "x1", n), _rows(x2, "x2", n)  # [R, N]
+    out2 = out.view(-1, 2 * n)                     # [R, 2N]
+    if a.shape[0] == 0:
+        return out
+    pdl = pdl and pdl_supported(x1.device)
+    block_n = triton.next_power_of_2(n)
+    launch = {"launch_pdl": True} if pdl else {}
+    _rmsnorm_cat_kernel[(a.shape[0], 2)](a, b, weight1, weight2, out2, a.stride(0), b.stride(0), out2.stride(0), n,
+                                         eps, BLOCK_N=block_n, PDL=pdl, num_warps=_num_warps(block_n), **launch)
+    return out
+
+
 def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,4 +227,10 @@ def add_rmsnorm_ref(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     return torch.ops.lingc.rmsnorm(new_residual, weight, eps), new_residual
 
 
-LOWERINGS = {"rmsnorm": rmsnorm, "add_rmsnorm": add_rmsnorm}
+def rmsnorm_cat_ref(x1: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """lingc's reference: the two norms, then the cat."""
+    return torch.ops.lingc.rmsnorm_cat(x1, weight1, x2, weight2, eps)
+
+
+LOWERINGS = {"rmsnorm": rmsnorm, "add_rmsnorm": add_rmsnorm, "rmsnorm_cat": rmsnorm_cat}

@@ -95,11 +95,14 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
         hidden = ops.gather_rows(relay["mtp_hidden"], slots).view(B, 1, c.hidden_size)
         temperature, top_k, top_p, seed, counter = _sampling(relay, slots)
         ids, probs = [token], [ops.gather_rows(relay["draft_first_probs"], slots).view(B, 1, -1)]
-        positions = ops.step_positions(seq, 1)
+        # every forward's position and uniform in one launch each (column i: seq + i, counter + i), not an add
+        # and a launch per forward
+        positions = ops.step_positions(seq, K - 1)                                    # [B, K - 1]
+        u = ops.uniform(seed, counter, K - 1)                                         # [B, K - 1]
         for i in range(K - 1):
-            logits, hidden = model.mtp_step(token, hidden, positions + i, state)
+            logits, hidden = model.mtp_step(token, hidden, positions[:, i:i + 1], state)
             p = ops.filtered_probs(logits, temperature, top_k, top_p)
-            token = ops.sample_tokens(p, ops.uniform(seed, counter + i, 1))
+            token = ops.sample_tokens(p, u[:, i:i + 1])
             ids.append(token)
             probs.append(p)
         return seq, torch.cat(ids, dim=1), torch.cat(probs, dim=1)                    # [B], [B, K], [B, K, V]
@@ -112,10 +115,12 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
         logits, hidden = model.step(torch.cat([root, draft_ids], dim=1), positions, state)   # [B, K+1, V]
         temperature, top_k, top_p, seed, counter = _sampling(relay, slots)
         target_probs = ops.filtered_probs(logits, temperature, top_k, top_p)
-        u = ops.uniform(seed, counter + K, K + 1)
-        accept_len, tokens = ops.chain_accept(draft_ids, draft_probs, target_probs, logits, temperature, u)
+        # counter + K .. + 2K: the acceptance; + 2K + 1: extend's; + 2K + 2: simulate_accept's (one launch)
+        u = ops.uniform(seed, counter + K, K + 3)
+        accept_len, tokens = ops.chain_accept(draft_ids, draft_probs, target_probs, logits, temperature,
+                                              u[:, :K + 1])
         accept_len = ops.simulate_accept(accept_len, ops.gather_rows(relay["simulate_accept"], slots),
-                                         ops.uniform(seed, counter + 2 * K + 2, 1).view(B), K + 1)
+                                         u[:, K + 2], K + 1)
         for key, staged in state.staging.items():                                # keep the accepted state
             ops.kda_commit(state.tensors[key], slots, staged, accept_len)
         ops.emit_tokens(relay["out_tokens"], relay["out_len"], slots, tokens, accept_len)
@@ -131,7 +136,7 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
         temperature, top_k, top_p, seed, counter = _sampling(relay, slots)
         row = accept_len - 1
         probs = ops.filtered_probs(ops.pick_position(logits, row), temperature, top_k, top_p)   # [B, 1, V]
-        first = ops.sample_tokens(probs, ops.uniform(seed, counter + 2 * K + 1, 1))
+        first = ops.sample_tokens(probs, ops.uniform(seed, counter + (2 * K + 1), 1))
         ops.scatter_rows(relay["draft_first"], slots, first.view(B))
         ops.scatter_rows(relay["draft_first_probs"], slots, probs.view(B, -1))
         ops.scatter_rows(relay["mtp_hidden"], slots, ops.pick_position(mtp_hidden, row).view(B, -1))

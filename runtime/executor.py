@@ -35,8 +35,9 @@ def kernel_for(target: Any, backend: str = "reference") -> tuple[Callable, str]:
     else the op itself (dispatched by torch: the reference, or aten)."""
     name = op_name(target)
     if backend == "triton" and name.startswith("lingc."):
-        from lingc.kernels.lowering import kernel_table
-        launcher = kernel_table().get(name[len("lingc."):])
+        from lingc.kernels import lowering
+        short = name[len("lingc."):]
+        launcher = None if short in lowering.REFERENCE_OPS else lowering.kernel_table().get(short)
         if launcher is not None:
             return launcher, f"triton:{name[len('lingc.'):]}"
     return target, name

@@ -48,6 +48,22 @@ def _(residual, x, weight, eps):
 register("add_rmsnorm")
 
 
+@torch.library.custom_op("lingc::rmsnorm_cat", mutates_args=())
+def rmsnorm_cat(x1: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """Two norms concatenated along the last dim in one op (fuse_cat_norm; the MTP layer's [enorm(e); hnorm(h)]):
+    cat([rmsnorm(x1, weight1, eps), rmsnorm(x2, weight2, eps)], -1). x1, x2 [..., N] of one shape and dtype."""
+    return torch.cat([rmsnorm(x1, weight1, eps), rmsnorm(x2, weight2, eps)], dim=-1)
+
+
+@rmsnorm_cat.register_fake
+def _(x1, weight1, x2, weight2, eps):
+    return x1.new_empty((*x1.shape[:-1], 2 * x1.shape[-1]))
+
+
+register("rmsnorm_cat")
+
+
 @torch.library.custom_op("lingc::gated_rmsnorm", mutates_args=())
 def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """KDA output norm: rmsnorm over the last dim, times weight, times sigmoid(gate); fp32 inside.

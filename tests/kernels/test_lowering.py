@@ -31,7 +31,7 @@ HOT_OPS = {"rmsnorm", "add_rmsnorm", "linear", "router_topk", "router_align", "m
            "kda_recurrent_staged", "kda_commit", "gated_rmsnorm", "mla_attention", "mla_cache_write", "rope",
            "sigmoid_gate", "greedy_sample", "chain_accept", "filtered_probs", "kda_conv_qkv", "kda_fused_verify",
            "kda_fused_decode", "kda_commit_multi", "rmsnorm_linear", "add_rmsnorm_linear", "ep_align", "ep_combine",
-           "all_reduce", "mla_prep"}
+           "all_reduce", "mla_prep", "rmsnorm_cat", "embedding", "emit_tokens", "simulate_accept"}
 
 
 def test_every_hot_op_has_a_kernel() -> None:
@@ -164,3 +164,13 @@ def test_fuse_relay_kernels_in_the_nextn_and_decode_steps(tiny_partitioned_bf16,
     for g in graphs:
         exe.run(g)
     assert calls == {"gather": 5, "scatter": 4, "kernels": 9}, record.details
+
+
+def test_reference_ops_keep_their_torch_reference(monkeypatch) -> None:
+    """LINGC_REFERENCE_OPS (lowering.REFERENCE_OPS, read at lowering time) sends the named ops to their reference."""
+    import lingc.kernels.lowering as lowering
+    from lingc.runtime.executor import kernel_for
+    assert kernel_for(OPS.embedding, "triton")[1] == "triton:embedding"
+    monkeypatch.setattr(lowering, "REFERENCE_OPS", ("embedding",))
+    assert kernel_for(OPS.embedding, "triton") == (OPS.embedding, "lingc.embedding")
+    assert kernel_for(OPS.emit_tokens, "triton")[1] == "triton:emit_tokens"

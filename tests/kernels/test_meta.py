@@ -48,8 +48,32 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_every_meta_op_is_lowered() -> None:
     table = kernel_table()
     for op in ("gather_rows", "scatter_rows", "step_positions", "paged_refill", "pick_position", "gather_rows_multi",
-               "scatter_rows_multi"):
+               "scatter_rows_multi", "embedding", "emit_tokens"):
         assert table[op] is getattr(meta, op)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,h", [(1, 1, 1536), (1, 6, 96), (2, 3, 1500)])
+def test_embedding(dtype: torch.dtype, B: int, T: int, h: int) -> None:
+    g = torch.Generator().manual_seed(B * 100 + T)
+    table = torch.randn(50, h, generator=g).to(dtype)
+    ids = torch.randint(0, 50, (B, T), generator=g)
+    _same(meta.embedding(ids, table), torch.ops.lingc.embedding(ids, table))
+    _same(meta.embedding(ids[:, ::2], table), torch.ops.lingc.embedding(ids[:, ::2], table))   # strided ids
+
+
+@pytest.mark.parametrize("with_count", [False, True])
+@pytest.mark.parametrize("n", [1, 6])
+def test_emit_tokens(n: int, with_count: bool) -> None:
+    g = torch.Generator().manual_seed(n)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    tokens = torch.randint(0, 1000, (2, n), generator=g)
+    count = torch.tensor([n, max(n - 2, 1)], dtype=torch.int32) if with_count else None
+    outs = [(torch.full((4, 6), -7, dtype=torch.int64), torch.full((4,), -3, dtype=torch.int32)) for _ in range(2)]
+    meta.emit_tokens(*outs[0], slots, tokens, count)
+    torch.ops.lingc.emit_tokens(*outs[1], slots, tokens, count)
+    _same(outs[0][0], outs[1][0])
+    _same(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool])

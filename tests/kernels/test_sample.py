@@ -221,3 +221,18 @@ def test_uniform_has_the_reference_bits(n: int) -> None:
     want = torch.ops.lingc.uniform(seed, counter, n)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert sample.LOWERINGS["uniform"] is sample.uniform
+
+
+def test_simulate_accept_has_the_reference_integers() -> None:
+    """Means off (0), whole, fractional and past max_accept; u on both sides of the fraction, a strided u."""
+    mean = torch.tensor([0.0, 3.0, 3.2, 3.2, 9.5, 0.5, 1.999], dtype=torch.float32)
+    u_wide = torch.tensor([[0.5, 0.0, 0.1, 0.0, 0.9, 0.3, 0.99],
+                           [0.1, 0.9, 0.25, 0.1, 0.4, 0.7, 0.998]], dtype=torch.float32).t()   # [7, 2]
+    accept = torch.tensor([2, 5, 1, 6, 3, 4, 2], dtype=torch.int32)
+    for col in range(2):
+        u = u_wide[:, col]                                                                      # stride 2
+        with poisoned_empty():
+            got = sample.simulate_accept(accept, mean, u, 6)
+        want = torch.ops.lingc.simulate_accept(accept, mean, u, 6)
+        assert got.dtype == torch.int32 and torch.equal(got, want), (got, want)
+    assert sample.LOWERINGS["simulate_accept"] is sample.simulate_accept
