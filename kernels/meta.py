@@ -10,7 +10,7 @@ spent ~130 us in them (bench/device_profile.py). Each launcher here is one progr
     paged_refill(page_table [S, MP], slots [B], positions [B, T], PS)
                                                          -> (page_table[slots] [B, MP],
                                                              page_rows[b, min(pos // PS, MP - 1)] * PS + pos % PS)
-    pick_position(x [B, T, ...], index [B])              -> x[b, index[b]]             [B, 1, ...]
+    pick_position(x [B, T, ...], index [B], offset)      -> x[b, index[b] + offset]    [B, 1, ...]
     embedding(ids [B, T], table [V, h])                  -> table[ids]                 [B, T, h]
     emit_tokens(out_tokens [S, W], out_len [S], slots, tokens [B, n], count [B]?)
                                                          : out_tokens[slot, :n] = tokens[b], out_len[slot] = count or n
@@ -48,14 +48,15 @@ WARPS = 4
 
 
 @triton.jit
-def _take_rows_kernel(src_ptr, index_ptr, out_ptr, R, s_b, s_index, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[b] = the row at src + b * s_b + index[b] * s_index: gather_rows (s_b = 0) and pick_position."""
+def _take_rows_kernel(src_ptr, index_ptr, out_ptr, R, s_b, s_index, offset, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[b] = the row at src + b * s_b + (index[b] + offset) * s_index: gather_rows and embedding (s_b = 0,
+    offset 0) and pick_position."""
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < R
     if PDL:
         pdl_wait()
-    i = tl.load(index_ptr + b).to(tl.int64)
+    i = tl.load(index_ptr + b).to(tl.int64) + offset
     x = tl.load(src_ptr + b * s_b + i * s_index + offs, mask=mask)
     if PDL:
         pdl_trigger()
@@ -237,7 +238,7 @@ def gather_rows(buf: torch.Tensor, slots: torch.Tensor, *, pdl: bool = False) ->
         return out
     pdl, opts = _opts(pdl, buf.device)
     block, nblk = _grid_block(R)
-    _take_rows_kernel[(B, nblk)](buf, slots, out, R, 0, buf.stride(0), BLOCK=block, PDL=pdl, **opts)
+    _take_rows_kernel[(B, nblk)](buf, slots, out, R, 0, buf.stride(0), 0, BLOCK=block, PDL=pdl, **opts)
     return out
 
 
@@ -288,10 +289,10 @@ def paged_refill(page_table: torch.Tensor, slots: torch.Tensor, positions: torch
     return rows, locs
 
 
-def pick_position(x: torch.Tensor, index: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
-    """x[b, index[b]] keeping a unit T axis (lingc.pick_position): one launch."""
+def pick_position(x: torch.Tensor, index: torch.Tensor, offset: int = 0, *, pdl: bool = False) -> torch.Tensor:
+    """x[b, index[b] + offset] keeping a unit T axis (lingc.pick_position): one launch."""
     if x.dim() < 2 or not _rows_contiguous(x, 2) or index.dim() != 1:
-        return torch.ops.lingc.pick_position(x, index)
+        return torch.ops.lingc.pick_position(x, index, offset)
     B = x.shape[0]
     out = torch.empty((B, 1, *x.shape[2:]), dtype=x.dtype, device=x.device)
     R = _row_size(x, 2)
@@ -299,7 +300,7 @@ def pick_position(x: torch.Tensor, index: torch.Tensor, *, pdl: bool = False) ->
         return out
     pdl, opts = _opts(pdl, x.device)
     block, nblk = _grid_block(R)
-    _take_rows_kernel[(B, nblk)](x, index, out, R, x.stride(0), x.stride(1), BLOCK=block, PDL=pdl, **opts)
+    _take_rows_kernel[(B, nblk)](x, index, out, R, x.stride(0), x.stride(1), int(offset), BLOCK=block, PDL=pdl, **opts)
     return out
 
 
@@ -418,7 +419,7 @@ def embedding(input_ids: torch.Tensor, table: torch.Tensor, *, pdl: bool = False
     ids = ids if ids.stride(0) == 1 else ids.contiguous()      # the kernel reads ids[b] at index_ptr + b
     pdl, opts = _opts(pdl, table.device)
     block, nblk = _grid_block(h)
-    _take_rows_kernel[(B * T, nblk)](table, ids, out, h, 0, table.stride(0), BLOCK=block, PDL=pdl, **opts)
+    _take_rows_kernel[(B * T, nblk)](table, ids, out, h, 0, table.stride(0), 0, BLOCK=block, PDL=pdl, **opts)
     return out
 
 

@@ -368,13 +368,13 @@ def _splitmix64(x):
 
 
 @triton.jit
-def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, offset, BLOCK: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     if PDL:
         pdl_wait()
     seed = tl.load(seed_ptr + b).to(tl.int64).to(tl.uint64, bitcast=True)
-    counter = tl.load(counter_ptr + b).to(tl.int64)
+    counter = tl.load(counter_ptr + b).to(tl.int64) + offset
     if PDL:
         pdl_trigger()
     idx = (counter + i).to(tl.uint64, bitcast=True)
@@ -383,15 +383,15 @@ def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL:
     tl.store(out_ptr + b * N + i, value, mask=i < N)
 
 
-def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, *, pdl: bool = False) -> torch.Tensor:
-    """n uniform fp32 in [0, 1) per request from (seed, counter + i) (lingc.uniform): one launch, the reference's
+def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, offset: int = 0, *, pdl: bool = False) -> torch.Tensor:
+    """n uniform fp32 in [0, 1) per request from (seed, counter + offset + i) (lingc.uniform): one launch, the reference's
     bits (splitmix64 on the same 64-bit patterns, top 24 bits scaled by 2^-24, exact in fp32)."""
     B = seed.shape[0]
     out = torch.empty((B, n), dtype=torch.float32, device=seed.device)
     if B == 0 or n == 0:
         return out
     pdl = pdl and pdl_supported(seed.device)
-    _uniform_kernel[(B,)](seed, counter, out, n, BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=1,
+    _uniform_kernel[(B,)](seed, counter, out, n, int(offset), BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=1,
                           **({"launch_pdl": True} if pdl else {}))
     return out
 

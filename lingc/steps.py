@@ -116,7 +116,7 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
         temperature, top_k, top_p, seed, counter = _sampling(relay, slots)
         target_probs = ops.filtered_probs(logits, temperature, top_k, top_p)
         # counter + K .. + 2K: the acceptance; + 2K + 1: extend's; + 2K + 2: simulate_accept's (one launch)
-        u = ops.uniform(seed, counter + K, K + 3)
+        u = ops.uniform(seed, counter, K + 3, K)
         accept_len, tokens = ops.chain_accept(draft_ids, draft_probs, target_probs, logits, temperature,
                                               u[:, :K + 1])
         accept_len = ops.simulate_accept(accept_len, ops.gather_rows(relay["simulate_accept"], slots),
@@ -124,7 +124,7 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
         for key, staged in state.staging.items():                                # keep the accepted state
             ops.kda_commit(state.tensors[key], slots, staged, accept_len)
         ops.emit_tokens(relay["out_tokens"], relay["out_len"], slots, tokens, accept_len)
-        bonus = ops.pick_position(tokens, accept_len - 1).view(B)
+        bonus = ops.pick_position(tokens, accept_len, -1).view(B)                     # row accept_len - 1
         ops.scatter_rows(relay["root"], slots, bonus)
         ops.scatter_rows(relay["seq_len"], slots, seq + accept_len)
         return positions, hidden, tokens, accept_len
@@ -134,12 +134,12 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
     def extend() -> None:
         logits, mtp_hidden = model.mtp_step(tokens, hidden, positions, state)          # [B, K+1, ...]
         temperature, top_k, top_p, seed, counter = _sampling(relay, slots)
-        row = accept_len - 1
-        probs = ops.filtered_probs(ops.pick_position(logits, row), temperature, top_k, top_p)   # [B, 1, V]
-        first = ops.sample_tokens(probs, ops.uniform(seed, counter + (2 * K + 1), 1))
+        # row accept_len - 1, and the uniform at counter + 2K + 1: the constants in the ops, not in launches
+        probs = ops.filtered_probs(ops.pick_position(logits, accept_len, -1), temperature, top_k, top_p)  # [B, 1, V]
+        first = ops.sample_tokens(probs, ops.uniform(seed, counter, 1, 2 * K + 1))
         ops.scatter_rows(relay["draft_first"], slots, first.view(B))
         ops.scatter_rows(relay["draft_first_probs"], slots, probs.view(B, -1))
-        ops.scatter_rows(relay["mtp_hidden"], slots, ops.pick_position(mtp_hidden, row).view(B, -1))
+        ops.scatter_rows(relay["mtp_hidden"], slots, ops.pick_position(mtp_hidden, accept_len, -1).view(B, -1))
         ops.scatter_rows(relay["rng_counter"], slots, counter + 2 * K + 3)
 
     stage("extend", extend)

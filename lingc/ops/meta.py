@@ -75,14 +75,15 @@ register("cache_locs")
 
 
 @torch.library.custom_op("lingc::pick_position", mutates_args=())
-def pick_position(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[b, index[b]] for each request, keeping the T axis: x [B, T, ...], index [B] -> [B, 1, ...]."""
+def pick_position(x: torch.Tensor, index: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """x[b, index[b] + offset] for each request, keeping the T axis: x [B, T, ...], index [B] -> [B, 1, ...]
+    (offset: a constant the caller would otherwise add to index in a launch of its own, e.g. accept_len - 1)."""
     B = x.shape[0]
-    return x[torch.arange(B, device=x.device), index.long()].unsqueeze(1).clone()
+    return x[torch.arange(B, device=x.device), index.long() + offset].unsqueeze(1).clone()
 
 
 @pick_position.register_fake
-def _(x, index):
+def _(x, index, offset=0):
     return x.new_empty((x.shape[0], 1, *x.shape[2:]))
 
 

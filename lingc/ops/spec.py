@@ -39,18 +39,19 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("lingc::uniform", mutates_args=())
-def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
+def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, offset: int = 0) -> torch.Tensor:
     """n uniform floats in [0, 1) per request: seed [B] int64, counter [B] int64 -> [B, n] fp32.
 
-    Value i of request b hashes (seed[b], counter[b] + i); advance the counter by n per call.
+    Value i of request b hashes (seed[b], counter[b] + offset + i); advance the counter by n per call. (offset: a
+    constant the caller would otherwise add to counter in a launch of its own.)
     """
-    idx = counter.long().unsqueeze(-1) + torch.arange(n, device=counter.device)            # [B, n]
+    idx = counter.long().unsqueeze(-1) + offset + torch.arange(n, device=counter.device)   # [B, n]
     bits = _splitmix64(_splitmix64(seed.long().unsqueeze(-1)) ^ idx)
     return _shr(bits, 40).float() * (1.0 / (1 << 24))                                       # top 24 bits
 
 
 @uniform.register_fake
-def _(seed, counter, n):
+def _(seed, counter, n, offset=0):
     return seed.new_empty((seed.shape[0], n), dtype=torch.float32)
 
 

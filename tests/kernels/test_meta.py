@@ -52,6 +52,16 @@ def test_every_meta_op_is_lowered() -> None:
         assert table[op] is getattr(meta, op)
 
 
+def test_pick_position_offset() -> None:
+    """pick_position(x, index, -1) is x[b, index[b] - 1] (verify's bonus token, extend's rows at accept_len - 1)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 40, generator=g)
+    index = torch.tensor([6, 1], dtype=torch.int32)
+    got = meta.pick_position(x, index, -1)
+    _same(got, torch.ops.lingc.pick_position(x, index, -1))
+    _same(got, torch.stack([x[0, 5:6], x[1, 0:1]]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T,h", [(1, 1, 1536), (1, 6, 96), (2, 3, 1500)])
 def test_embedding(dtype: torch.dtype, B: int, T: int, h: int) -> None:

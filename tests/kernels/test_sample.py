@@ -220,6 +220,10 @@ def test_uniform_has_the_reference_bits(n: int) -> None:
         got = sample.uniform(seed, counter, n)
     want = torch.ops.lingc.uniform(seed, counter, n)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+    with poisoned_empty():      # value i of an offset call is the one value of uniform(seed, counter + offset + i, 1)
+        shifted = sample.uniform(seed, counter, n, 11)
+    assert torch.equal(shifted, torch.ops.lingc.uniform(seed, counter + 11, n))
+    assert torch.equal(shifted[:, -1:], sample.uniform(seed, counter + 10 + n, 1))
     assert sample.LOWERINGS["uniform"] is sample.uniform
 
 
