@@ -103,9 +103,6 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 # the unpipelined chunk loop is slower (8.8 vs 6.4 us a launch in the PDL-off attribution,
 # bench/results/launches-h200-20261201.json). LINGC_MOE_DOWN_PRELOAD=0 turns it off.
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
-# the grouped GEMMs load a block's expert and pairs with `total` (and the preloading down-GEMM before its wait)
-# instead of after the total check: one L2 round trip fewer after the wait (False: the old order, for an A/B)
-ROWS_EARLY = True
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
@@ -267,8 +264,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
-                     ROWS_EARLY: tl.constexpr = True):
+                     K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
@@ -278,27 +274,21 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
             return
         ws = _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K,
                            K_CHUNKS)
-        if ROWS_EARLY:  # the block's pairs too (the same align wrote them): after the wait only the act rows
-            expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M, True)
+        # the block's pairs too (the same align wrote them): after the wait only the act rows
+        expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M, True)
     if PDL:
         if PREFETCH:
             _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we,
                            stride_wn, BLOCK_M, BLOCK_N, K_LINES, LINE)
         pdl_wait()
     if K_CHUNKS == 0:
-        if ROWS_EARLY:
-            # total, the block's expert and its pairs in one round trip (the block exists whether in use or not)
-            expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M)
-            total = tl.load(total_ptr)
-            if pid_m * BLOCK_M >= total:
-                return
-        else:
-            total = tl.load(total_ptr)
-            if pid_m * BLOCK_M >= total:
-                return
-            expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M)
-    elif not ROWS_EARLY:
+        # total, the block's expert and its pairs in one L2 round trip, not two (the block exists whether in use or
+        # not). Same bits as loading them after the check; with the held norm input (kernels/linear.py) and the
+        # 16-warp norms, decode 1.231 -> 1.211 / 1.220 ms on the H200 (step-ab-h200-20261201-j.json; alone: noise)
         expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M)
+        total = tl.load(total_ptr)
+        if pid_m * BLOCK_M >= total:
+            return
     _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
                     stride_om, limit, TOP_K, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT,
                     LIBDEVICE_EXP, False, ws, K_CHUNKS)
@@ -502,7 +492,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
-        K_CHUNKS=preload_chunks(preload, k, config.block_k, num_pairs), ROWS_EARLY=ROWS_EARLY,
+        K_CHUNKS=preload_chunks(preload, k, config.block_k, num_pairs),
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
