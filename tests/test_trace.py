@@ -528,3 +528,21 @@ def test_mtp_program_without_mtp_layer_is_an_error():
             trace(model, ["decode", name])
     program = lingc.trace(model, ["decode", "step"], TraceOptions(max_len=16))   # the target programs still trace
     assert set(program.graphs) == {"decode", "step"}
+
+
+def test_nextn_uniform_indices(tiny_program, tiny_options):
+    """The NEXTN round's random numbers, by counter offset from rng_counter: the draft's K - 1 samples take 0 .. K - 2
+    (one uniform call), the acceptance K .. 2K and simulate_accept 2K + 2 (one call of K + 3), extend's d1 2K + 1;
+    K - 1 is unused (the plan of the per-sample calls this replaced, so sampled runs keep their tokens); no index
+    twice, each call reading the gathered rng_counter itself (offsets ride in the op, no add launch); the counter
+    then advances by 2K + 3 (test_nextn_greedy_is_plain_decoding_by_hand)."""
+    K = tiny_options.draft_steps
+    graph = tiny_program.graphs["nextn"]
+    calls = [n for n in graph.nodes if n.target is OPS.uniform]
+    ranges = [(n.args[3] if len(n.args) > 3 else 0, n.args[2]) for n in calls]          # (offset, n)
+    assert ranges == [(0, K - 1), (K, K + 3), (2 * K + 1, 1)]
+    for n in calls:
+        counter = n.args[1]
+        assert counter.target is OPS.gather_rows and counter.args[0].name == "relay_rng_counter"
+    used = [o + i for o, count in ranges for i in range(count) if (o, count) != (K, K + 3) or i != K + 1]
+    assert sorted(used) == [i for i in range(2 * K + 3) if i != K - 1] and len(set(used)) == len(used)
