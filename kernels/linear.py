@@ -135,9 +135,6 @@ FMA_PRELOAD = os.environ.get("LINGC_LINEAR_FMA_PRELOAD", "1") == "1"
 FMA_PRELOAD_ELEMENTS = 8192   # 64 bf16 a thread at 4 warps
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters
-# the fma kernel keeps the norm prologue's h blocks for its main loop where it can (_held_rstd; False: load twice,
-# the old code, for an A/B; same bits either way)
-HOLD_NORM_INPUT = True
 NORM_BLOCK_K = 512            # NORM prologue: K elements per row per step of the sum of squares (untuned; K <= 1536
                               # is 3 steps; the [16, 512] fp32 lane sums of a "dot" program are 64 registers a thread)
 
@@ -210,7 +207,7 @@ def _norm_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps,
 def _held_rstd(x_ptr, res_ptr, offs_r, r_ok, K, stride_xm, stride_rm, eps,
                ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCKS: tl.constexpr):
     """_norm_rstd unrolled over the BLOCKS blocks of K (every block's loads issued at once, one L2 round trip), the
-    same sums in the same order, also returning the h blocks for the main loop (the fma kernel's HOLD_H)."""
+    same sums in the same order, also returning the h blocks for the fma kernel's main loop (HOLD_H)."""
     sq = tl.zeros([ROWS, NORM_BLOCK], dtype=tl.float32)
     hs = ()
     for b in tl.static_range(BLOCKS):
@@ -367,17 +364,26 @@ def _fma_block(acc, w, x_ptrs, res_ptrs, out_offs, k0, K, r_ok, n_ok, pid_n, rst
     return tl.fma(w.to(tl.float32)[None, :, :], xf[:, None, :], acc)     # per-lane sums, sequential in k
 
 
-@triton.jit
-def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, pid_g, pid_n,
-              pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-              EVEN_K: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, HEAD_D: tl.constexpr,
-              PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr, TRIGGER: tl.constexpr,
-              HOLD_NORM: tl.constexpr):
-    """Row group pid_g of the fma kernel, after the PDL wait: acc[R, BN, BK] over the slice's blocks (the preloaded
-    w_pre, or streamed), one sum over BK, stored (through the split-K tickets when SPLIT_K > 1). TRIGGER: call
-    pdl_trigger() after the group's last load."""
+@triton.jit(do_not_specialize=["M"])
+def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
+                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                       LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
+                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr):
+    """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
+    then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
+    W_BLOCKS > 0 (small unsplit weights, FMA_PRELOAD): the program's whole weight slice, W_BLOCKS blocks, is loaded
+    into registers first, before the PDL wait, so after the wait only the activations are read. With NORM, such a
+    slice covers all of K in blocks of the norm's width, so the norm prologue's h blocks are the main loop's: they
+    are loaded once, all at once (_held_rstd; same bits; H200 decode -5..-20 us with the MoE GEMMs' early block
+    loads, bench/results/step-ab-h200-20261201-j.json).
+    NORM, GATED: as in _linear_dot_kernel, for the program's R rows (NORM: the programs with n == 0 write the
+    outputs)."""
+    pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_r = pid_g * ROWS + tl.arange(0, ROWS)                           # [R]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
     k_start = pid_s * K_PER_SPLIT
@@ -386,9 +392,16 @@ def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out
     n_ok = offs_n < N
     ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    # HOLD_H: a preloaded unsplit slice covers all of K in blocks of the norm's width, so the norm's h blocks are
-    # the main loop's: loaded once, all at once
-    HOLD_H: tl.constexpr = NORM and W_BLOCKS > 0 and SPLIT_K == 1 and NORM_BLOCK == BLOCK_K and HOLD_NORM
+    w_pre = ()
+    for b in tl.static_range(W_BLOCKS):   # the whole weight slice into registers (weights: before any PDL wait)
+        w_pre = w_pre + (tl.load(w_ptrs + b * BLOCK_K, mask=n_ok[:, None] & (ks + b * BLOCK_K < K)[None, :],
+                                 other=0.0),)
+    if PDL:
+        if W_BLOCKS == 0:
+            program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
+            _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
+        pdl_wait()
+    HOLD_H: tl.constexpr = NORM and W_BLOCKS > 0 and SPLIT_K == 1 and NORM_BLOCK == BLOCK_K
     rstd = tl.zeros([ROWS], dtype=tl.float32)
     hs = ()
     if HOLD_H:
@@ -402,15 +415,10 @@ def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out
     out_offs = offs_r[:, None] * K + ks[None, :]                          # [R, BK] in residual_out / normed
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for b in tl.static_range(W_BLOCKS):   # the loop below on the preloaded blocks: same values, same order
-        if HOLD_H:
-            acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
-                             k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr,
-                             normed_ptr, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE,
-                             hs[b], True)
-        else:
-            acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
-                             k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr,
-                             normed_ptr, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE)
+        acc = _fma_block(acc, w_pre[b], x_ptrs + b * BLOCK_K, res_ptrs + b * BLOCK_K, out_offs + b * BLOCK_K,
+                         k_start + b * BLOCK_K, K, r_ok, n_ok, pid_n, rstd, eps, nw_ptr, res_out_ptr, normed_ptr,
+                         BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, WRITE_NORMED, GATED, HEAD_D, PRECISE,
+                         hs[b] if HOLD_H else None, HOLD_H)
     if W_BLOCKS == 0:
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
@@ -424,7 +432,7 @@ def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out
             x_ptrs += BLOCK_K
             res_ptrs += BLOCK_K
             out_offs += BLOCK_K
-    if TRIGGER:
+    if PDL:
         pdl_trigger()
     total = tl.sum(acc, axis=2)                                           # [R, BN]
     out_mask = r_ok[:, None] & n_ok[None, :]
@@ -432,46 +440,6 @@ def _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out
     part_offs = offs_r[:, None] * N + offs_n[None, :]
     _finish(total, y_ptrs, part_ptr, part_offs, count_ptr + pid_n * BLOCK_M + pid_g, out_mask, pid_s,
             M * N, w_ptr, SPLIT_K)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _linear_fma_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
-                       M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                       LINE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       WRITE_NORMED: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
-                       HEAD_D: tl.constexpr, PRECISE: tl.constexpr, ROWS: tl.constexpr, W_BLOCKS: tl.constexpr,
-                       HOLD_NORM: tl.constexpr = False):
-    """Program (g, n, s): rows g*R..g*R+R-1. acc[R, BN, BK] += fma(W, x) lane by lane over the slice's blocks,
-    then one sum over BK. Per row the same ops in the same order whatever M and the row's slot.
-    W_BLOCKS > 0 (small unsplit weights, FMA_PRELOAD): the program's whole weight slice, W_BLOCKS blocks, is loaded
-    into registers first, before the PDL wait, so after the wait only the activations are read.
-    HOLD_NORM (NORM with a preloaded unsplit slice): the norm prologue's h blocks feed the main loop (_held_rstd).
-    NORM, GATED: as in _linear_dot_kernel, for the program's R rows (NORM: the programs with n == 0 write the
-    outputs)."""
-    pid_g = tl.program_id(0)                                              # fastest: a tile's groups run together
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BN]
-    k_start = pid_s * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    n_ok = offs_n < N
-    ks = k_start + tl.arange(0, BLOCK_K)                                  # [BK]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    w_pre = ()
-    for b in tl.static_range(W_BLOCKS):   # the whole weight slice into registers (weights: before any PDL wait)
-        w_pre = w_pre + (tl.load(w_ptrs + b * BLOCK_K, mask=n_ok[:, None] & (ks + b * BLOCK_K < K)[None, :],
-                                 other=0.0),)
-    if PDL:
-        if W_BLOCKS == 0:
-            program = pid_g + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_s)
-            _prefetch_slice(w_ptr, offs_n, k_start, k_end, N, K, stride_wn, program, BLOCK_K, LINE)
-        pdl_wait()
-    _fma_rows(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, w_pre, pid_g, pid_n,
-              pid_s, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_rm, eps, BLOCK_M, BLOCK_N,
-              BLOCK_K, SPLIT_K, EVEN_K, PDL, NORM, HAS_RESIDUAL, WRITE_NORMED, NORM_BLOCK, GATED, HEAD_D, PRECISE,
-              ROWS, W_BLOCKS, PDL, HOLD_NORM)
 
 
 def pick_config(n: int, k: int, weight_dtype: torch.dtype) -> LinearConfig:
@@ -598,7 +566,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
         blocks = triton.cdiv(k, cfg.block_k)
         preload = FMA_PRELOAD and cfg.split_k == 1 and blocks * cfg.block_n * cfg.block_k <= FMA_PRELOAD_ELEMENTS
         kernel, grid = _linear_fma_kernel, (triton.cdiv(m, cfg.rows), tiles, cfg.split_k)
-        extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0, "HOLD_NORM": HOLD_NORM_INPUT}
+        extra = {"ROWS": cfg.rows, "W_BLOCKS": blocks if preload else 0}
     else:
         kernel, grid, extra = _linear_dot_kernel, (tiles, cfg.split_k), {}
     res = norm.residual if norm is not None and norm.residual is not None else gated.gate if gated else rows

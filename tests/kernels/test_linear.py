@@ -315,12 +315,14 @@ def test_norm_linear_bad_shapes_are_named() -> None:
         add_rmsnorm_linear(residual.float(), x, norm_weight, EPS, weight)
 
 
+@pytest.mark.parametrize("norm_block", [32, 64], ids=["norm32", "norm64-held"])
 @pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
-def test_fma_preload_gives_the_loop_bits(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fma_preload_gives_the_loop_bits(n: int, k: int, norm_block: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """FMA_PRELOAD (an unsplit fma program's weight slice in registers before the wait, the bf16 router's GEMV) runs
     the loop's blocks in the same order on the same values: linear and add_rmsnorm_linear, every output bit for bit
-    with it off, including the K tails (EVEN_K off)."""
-    monkeypatch.setattr(linear_module, "NORM_BLOCK_K", 32)
+    with it off, including the K tails (EVEN_K off). norm64: the norm's block is the GEMV's (64), so the preloaded
+    program keeps the prologue's h blocks for its main loop (_held_rstd) instead of loading them again."""
+    monkeypatch.setattr(linear_module, "NORM_BLOCK_K", norm_block)
     act, w_dtype, out_dtype = NORM_DTYPES["bf16"]
     residual, x, norm_weight, weight = _norm_inputs((1, 6), n, k, act, w_dtype, seed=n + k)
     outs = {}
