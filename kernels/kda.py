@@ -135,6 +135,7 @@ MAX_CONV_WIDTH = 4      # the conv taps are spelled out (w0..w3); Ling uses W = 
 CONV_WARPS = 4
 COMMIT_BLOCK = 2048     # elements per commit program (1 MiB recurrent state -> 128 programs)
 COMMIT_WARPS = 4
+COMMIT_MULTI_MAX = 8    # (pool, staging) pairs of one kda_commit_multi launch: two KDA layers (4 pools each)
 NORM_ROWS = 4           # gated RMSNorm rows per program (sets the layout: constant, never a function of T)
 NORM_WARPS = 4
 L2NORM_EPS = tl.constexpr(1e-6)  # fla's l2norm: eps inside the root (lingc.ops.norm.l2norm)
@@ -539,28 +540,47 @@ def _kda_commit_kernel(pool_ptr, slots_ptr, staging_ptr, accept_ptr, N, TS, s_po
 
 
 @triton.jit
-def _kda_commit_multi_kernel(slots_ptr, accept_ptr, p0_ptr, st0_ptr, p1_ptr, st1_ptr, p2_ptr, st2_ptr, p3_ptr, st3_ptr,
-                             N0, TS0, s_p0, s_stb0, s_stt0, N1, TS1, s_p1, s_stb1, s_stt1,
-                             N2, TS2, s_p2, s_stb2, s_stt2, N3, TS3, s_p3, s_stb3, s_stt3, end0, end1, end2,
+def _commit_pair(p_ptr, st_ptr, slot, accept, b, blk, lo, hi, N, TS, s_p, s_stb, s_stt, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Pair i's share of kda_commit_multi: the programs blk in [lo, hi) commit its blocks."""
+    if (blk >= lo) & (blk < hi):
+        _commit_rows(p_ptr, st_ptr, slot, accept, b, blk - lo, N, TS, s_p, s_stb, s_stt, BLOCK, PDL)
+
+
+@triton.jit
+def _kda_commit_multi_kernel(slots_ptr, accept_ptr,
+                             p0_ptr, st0_ptr, N0, TS0, s_p0, s_stb0, s_stt0, E0,
+                             p1_ptr, st1_ptr, N1, TS1, s_p1, s_stb1, s_stt1, E1,
+                             p2_ptr, st2_ptr, N2, TS2, s_p2, s_stb2, s_stt2, E2,
+                             p3_ptr, st3_ptr, N3, TS3, s_p3, s_stb3, s_stt3, E3,
+                             p4_ptr, st4_ptr, N4, TS4, s_p4, s_stb4, s_stt4, E4,
+                             p5_ptr, st5_ptr, N5, TS5, s_p5, s_stb5, s_stt5, E5,
+                             p6_ptr, st6_ptr, N6, TS6, s_p6, s_stb6, s_stt6, E6,
+                             p7_ptr, st7_ptr, N7, TS7, s_p7, s_stb7, s_stt7, E7,
                              PAIRS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Grid axis 1 runs over the pairs' blocks back to back: [0, end0) pair 0, [end0, end1) pair 1, ..."""
+    """Grid axis 1 runs over the pairs' blocks back to back: pair i owns [E_{i-1}, E_i) (E_{-1} = 0). PAIRS drops
+    the code of the argument sets past it (placeholders no program reaches)."""
     b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     if PDL:
         pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     accept = tl.load(accept_ptr + b).to(tl.int64)
-    if blk < end0:
-        _commit_rows(p0_ptr, st0_ptr, slot, accept, b, blk, N0, TS0, s_p0, s_stb0, s_stt0, BLOCK, PDL)
-    elif blk < end1:
-        if PAIRS > 1:                              # absent pairs own no blocks; PAIRS only drops their code
-            _commit_rows(p1_ptr, st1_ptr, slot, accept, b, blk - end0, N1, TS1, s_p1, s_stb1, s_stt1, BLOCK, PDL)
-    elif blk < end2:
-        if PAIRS > 2:
-            _commit_rows(p2_ptr, st2_ptr, slot, accept, b, blk - end1, N2, TS2, s_p2, s_stb2, s_stt2, BLOCK, PDL)
-    else:
-        if PAIRS > 3:
-            _commit_rows(p3_ptr, st3_ptr, slot, accept, b, blk - end2, N3, TS3, s_p3, s_stb3, s_stt3, BLOCK, PDL)
+    _commit_pair(p0_ptr, st0_ptr, slot, accept, b, blk, 0, E0, N0, TS0, s_p0, s_stb0, s_stt0, BLOCK, PDL)
+    if PAIRS > 1:
+        _commit_pair(p1_ptr, st1_ptr, slot, accept, b, blk, E0, E1, N1, TS1, s_p1, s_stb1, s_stt1, BLOCK, PDL)
+    if PAIRS > 2:
+        _commit_pair(p2_ptr, st2_ptr, slot, accept, b, blk, E1, E2, N2, TS2, s_p2, s_stb2, s_stt2, BLOCK, PDL)
+    if PAIRS > 3:
+        _commit_pair(p3_ptr, st3_ptr, slot, accept, b, blk, E2, E3, N3, TS3, s_p3, s_stb3, s_stt3, BLOCK, PDL)
+    if PAIRS > 4:
+        _commit_pair(p4_ptr, st4_ptr, slot, accept, b, blk, E3, E4, N4, TS4, s_p4, s_stb4, s_stt4, BLOCK, PDL)
+    if PAIRS > 5:
+        _commit_pair(p5_ptr, st5_ptr, slot, accept, b, blk, E4, E5, N5, TS5, s_p5, s_stb5, s_stt5, BLOCK, PDL)
+    if PAIRS > 6:
+        _commit_pair(p6_ptr, st6_ptr, slot, accept, b, blk, E5, E6, N6, TS6, s_p6, s_stb6, s_stt6, BLOCK, PDL)
+    if PAIRS > 7:
+        _commit_pair(p7_ptr, st7_ptr, slot, accept, b, blk, E6, E7, N7, TS7, s_p7, s_stb7, s_stt7, BLOCK, PDL)
 
 
 @triton.jit
@@ -779,36 +799,33 @@ def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, a
     return None
 
 
-def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pool0: torch.Tensor, staging0: torch.Tensor,
-                     pool1: torch.Tensor | None = None, staging1: torch.Tensor | None = None,
-                     pool2: torch.Tensor | None = None, staging2: torch.Tensor | None = None,
-                     pool3: torch.Tensor | None = None, staging3: torch.Tensor | None = None, *,
+def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, *pairs_flat: torch.Tensor | None,
                      pdl: bool = False, block: int | None = None, num_warps: int | None = None) -> None:
-    """kda_commit of up to 4 (pool, staging) pairs sharing slots and accept_len, in one launch
-    (lingc.kda_commit_multi). Grid (B, blocks of pair 0 + ... + blocks of pair 3): each program copies one block
-    of one pair exactly as a kda_commit program would, so the pools get kda_commit's bits."""
+    """kda_commit of up to COMMIT_MULTI_MAX (pool, staging) pairs sharing slots and accept_len, in one launch
+    (lingc.kda_commit_multi; pairs_flat = pool0, staging0, pool1, staging1, ...). Grid (B, the pairs' blocks end to
+    end): each program copies one block of one pair exactly as a kda_commit program would, so the pools get
+    kda_commit's bits."""
     op = "kda_commit_multi"
-    pairs = [(p, st) for p, st in ((pool0, staging0), (pool1, staging1), (pool2, staging2), (pool3, staging3))
-             if p is not None or st is not None]
-    if any(p is None or st is None for p, st in pairs):
+    if not pairs_flat or len(pairs_flat) > 2 * COMMIT_MULTI_MAX:
+        _fail(op, f"want 1 to {COMMIT_MULTI_MAX} (pool, staging) pairs, got {len(pairs_flat)} tensors")
+    flat = list(pairs_flat) + [None] * (len(pairs_flat) % 2)
+    pairs = [(p, st) for p, st in zip(flat[0::2], flat[1::2]) if p is not None or st is not None]
+    if not pairs or any(p is None or st is None for p, st in pairs):
         _fail(op, "every pool needs its staging and every staging its pool")
     blk = block or COMMIT_BLOCK
-    args, ends, total = [], [], 0
+    sets, total = [], 0
     for i, (pool, staging) in enumerate(pairs):
         B, N = _check_commit(op, pool, slots, staging, accept_len, f"pair {i}: ")    # B == len(slots) for all
         TS = staging.shape[1]
         total += triton.cdiv(N, blk) if N and TS else 0           # an empty pair owns no blocks
-        ends.append(total)
-        args.append((N, TS, pool.stride(0), staging.stride(0), staging.stride(1)))
+        sets.append((pool, staging, N, TS, pool.stride(0), staging.stride(0), staging.stride(1), total))
     if B == 0 or total == 0:
         return None
-    pdl = pdl and pdl_supported(pool0.device)
+    pdl = pdl and pdl_supported(pairs[0][0].device)
     n = len(pairs)
-    pairs += [(pool0, staging0)] * (4 - n)                        # placeholders for absent pairs: never reached
-    args += [(0, 1, 0, 0, 0)] * (4 - n)
-    ends += [total] * (4 - n)
-    _kda_commit_multi_kernel[(B, total)](slots, accept_len, *(t for pair in pairs for t in pair),
-                                         *(a for pair in args for a in pair), *ends[:3],
+    first = pairs[0]
+    sets += [(first[0], first[1], 0, 1, 0, 0, 0, total)] * (COMMIT_MULTI_MAX - n)   # placeholders: never reached
+    _kda_commit_multi_kernel[(B, total)](slots, accept_len, *(a for s in sets for a in s),
                                          PAIRS=n, BLOCK=blk, PDL=pdl, **_launch_opts(pdl, num_warps or COMMIT_WARPS))
     return None
 

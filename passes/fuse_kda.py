@@ -37,7 +37,8 @@ After:
         staging_layers_0_conv_q, staging_layers_0_conv_k, staging_layers_0_conv_v, staging_layers_0_recurrent, -5.0)
 
 3. verify (after acceptance): a run of consecutive kda_commit of one layer with the same slots and accept_len
-(at most 4: conv_q, conv_k, conv_v, recurrent) -> kda_commit_multi, where the last of them was.
+(at most 4: conv_q, conv_k, conv_v, recurrent) -> kda_commit_multi, where the last of them was (with
+FuseKda.commit_pairs = 8, off by default, two layers' runs -> one kda_commit_multi of 8 pairs).
 Before:
     verify_kda_commit = lingc.kda_commit(state_layers_0_conv_q, slots, staging_layers_0_conv_q, accept_len)
     ...                                                                      # conv_k, conv_v, recurrent
@@ -93,7 +94,7 @@ FUSED_DECODE = os.environ.get("LINGC_KDA_FUSED_DECODE", "1") != "0"
 aten = torch.ops.aten
 KEEP_META = ("lingc.scope", "lingc.stage")
 HEAD_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-MAX_COMMITS = 4                      # kda_commit_multi takes up to 4 (pool, staging) pairs
+LAYER_COMMITS = 4                    # a KDA layer's commits: conv_q, conv_k, conv_v, recurrent
 
 
 # ---- what a node reads and writes ------------------------------------------------------------------------
@@ -206,15 +207,16 @@ def _layer(pool: fx.Node) -> fx.Node | str:
     return m.group(1) if m else pool
 
 
-def _commit_groups(graph: fx.Graph) -> list[list[fx.Node]]:
-    """Runs of kda_commit (only free nodes between) of one layer, slots and accept_len; at most MAX_COMMITS."""
+def _commit_groups(graph: fx.Graph, max_pairs: int) -> list[list[fx.Node]]:
+    """Runs of kda_commit (only free nodes between) of one slots and accept_len, at most max_pairs; of one layer
+    while max_pairs <= LAYER_COMMITS, else across layers (two layers' commits in one launch at 8)."""
     groups: list[list[fx.Node]] = [[]]
     key = None
     for node in graph.nodes:
         if node.target is OPS.kda_commit and not node.kwargs and not node.users:
             pool, slots, _, accept_len = node.args
-            new_key = (slots, accept_len, _layer(pool))
-            if new_key != key or len(groups[-1]) == MAX_COMMITS or pool in {c.args[0] for c in groups[-1]}:
+            new_key = (slots, accept_len, _layer(pool) if max_pairs <= LAYER_COMMITS else None)
+            if new_key != key or len(groups[-1]) == max_pairs or pool in {c.args[0] for c in groups[-1]}:
                 groups.append([])
             groups[-1].append(node)
             key = new_key
@@ -282,6 +284,11 @@ class FuseKda(Pass):
                "verify's convs + recurrence -> kda_fused_verify; commits -> kda_commit_multi")
     after = ("partition", "fuse_projections")
     changes_numerics = False
+    # (pool, staging) pairs per kda_commit_multi: 4, one layer's commits a launch (18 launches at the end of a
+    # Ling-3.0-tiny verify, 1.9 us each exposed on the H200); 8 (kernels/kda.py COMMIT_MULTI_MAX) puts two layers in
+    # one launch. Same bits either way. Not yet measured on the GPU, so not the default: an A/B for
+    # bench/device_step.py --variant 'c8:lingc.passes.fuse_kda.FuseKda.commit_pairs=8'
+    commit_pairs = LAYER_COMMITS
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused: dict[str, list[str]] = {"kda_conv_qkv": [], "kda_fused_decode": [], "kda_fused_verify": [],
@@ -299,6 +306,6 @@ class FuseKda(Pass):
                 record(gname, (_fuse_decode(graph, rec) if FUSED_DECODE else None) or qkv)
             for rec in calls(graph, "kda_chunk"):
                 record(gname, _fuse_convs(graph, rec))
-            for group in _commit_groups(graph):
+            for group in _commit_groups(graph, self.commit_pairs):
                 record(gname, _fuse_commits(graph, group))
         return {"matches": sum(map(len, fused.values())), **fused}

@@ -1,6 +1,6 @@
 """The KDA kernels compiled for sm_90 without a GPU (a fresh process without TRITON_INTERPRET): the fused verify kernel
-runs its recurrence chain as a loop over the positions, not unrolled (one copy of the step's reductions), and
-gated_rmsnorm splits its rows with no integer division by a runtime value. The interpreter tests
+runs its recurrence chain as a loop over the positions, not unrolled (one copy of the step's reductions),
+gated_rmsnorm splits its rows with no integer division by a runtime value, and the 8-pair kda_commit_multi compiles. The interpreter tests
 (tests/kernels/test_kda.py) check the values."""
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ for T in (1, 6):
 norm = ptx(K._gated_rmsnorm_kernel, dict(HR=16, ROWS=K.NORM_ROWS, BLOCK_N=128, PRECISE=True, PDL=True),
            floats=("inv_n", "eps"), num_warps=K.NORM_WARPS)
 out.append(count(norm, r"^\\s*(?:@!?%p\\d+\\s+)?(?:div|rem)\\.[su](?:32|64)"))
+commit = ptx(K._kda_commit_multi_kernel, dict(PAIRS=K.COMMIT_MULTI_MAX, BLOCK=K.COMMIT_BLOCK, PDL=True),
+             fp32=tuple(f"{p}{i}_ptr" for i in range(8) for p in ("p", "st")), ints=("slots_ptr", "accept_ptr"),
+             num_warps=K.COMMIT_WARPS)
+out.append(count(commit, r"^\\s*(?:@!?%p\\d+\\s+)?st\\.global"))
 print(*out, sep="|")
 """
 
@@ -53,7 +57,8 @@ def _probe() -> list[int]:
 
 
 def test_fused_chain_is_a_loop_and_gated_norm_has_no_division() -> None:
-    shfl_t1, shfl_t6, norm_divs = _probe()
+    shfl_t1, shfl_t6, norm_divs, commit_stores = _probe()
+    assert commit_stores >= 8          # the 8-pair kda_commit_multi compiles for sm_90 with a store per pair
     # unrolled over 6 positions the verify kernel had ~6x the decode kernel's warp shuffles (one set of reductions
     # per position); as a loop it has about as many as T = 1 plus the unrolled phases' few
     assert shfl_t6 < 2 * shfl_t1, (shfl_t1, shfl_t6)

@@ -324,3 +324,18 @@ def test_second_run_finds_nothing(fused):
     after, _ = fused
     again, record = FuseKda().run(after)
     assert record.matches == 0 and program_text(again) == program_text(after)
+
+
+def test_two_layers_of_commits_per_launch(tiny_partitioned, monkeypatch):
+    """FuseKda.commit_pairs = 8 (an A/B, off by default): verify's commits go two layers to a kda_commit_multi of 8
+    pairs (test-tiny's 3 KDA layers: 3 launches -> 2, of 8 and 4 pairs), bit for bit."""
+    from lingc.passes.fuse_kda import FuseKda
+    from lingc.passes.verify import compare_stages
+    one, _ = FuseKda().run(tiny_partitioned)
+    monkeypatch.setattr(FuseKda, "commit_pairs", 8)
+    two, record = FuseKda().run(tiny_partitioned)
+    multi = [n for n in two.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
+    assert [len(n.args) for n in multi] == [2 + 2 * 8, 2 + 2 * 4]
+    assert len([n for n in one.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]) == 3
+    report = compare_stages(one, two, exact=True, tolerance=None)
+    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items() if r["problems"]}
