@@ -83,6 +83,7 @@ import torch
 import torch.fx as fx
 
 from lingc.ops import OPS
+from lingc.ops.kda import COMMIT_MULTI_PAIRS
 from lingc.program import Program
 from lingc.passes.base import Pass
 from lingc.passes.matchers import base_buffer as _base, calls, is_free, written_buffers as _writes
@@ -231,9 +232,12 @@ def _fuse_commits(graph: fx.Graph, group: list[fx.Node]) -> fx.Node | None:
     if not _independent(group) or not _can_delay(graph, group[:-1], last):
         return None
     slots, accept_len = last.args[1], last.args[3]
+    pairs = [a for c in group for a in (c.args[0], c.args[2])]
+    # every optional pair spelled out as None: torch 2.11's custom-op wrapper indexes each mutated argument
+    # (pool0..pool7) in the positional args and fails on a shorter call (2.13 does not)
+    pairs += [None] * (2 * COMMIT_MULTI_PAIRS - len(pairs))
     with graph.inserting_before(last):
-        fused = graph.call_function(OPS.kda_commit_multi,
-                                    (slots, accept_len, *(a for c in group for a in (c.args[0], c.args[2]))))
+        fused = graph.call_function(OPS.kda_commit_multi, (slots, accept_len, *pairs))
     fused.meta = {k: group[0].meta[k] for k in KEEP_META if k in group[0].meta}
     layer, prefix = _layer(group[0].args[0]), group[0].name.split("_kda_commit")[0]     # prefix: 'verify'
     name = f"{prefix}_L{layer.split('.')[1]}_kda_commit_multi" if isinstance(layer, str) \
@@ -306,6 +310,6 @@ class FuseKda(Pass):
                 record(gname, (_fuse_decode(graph, rec) if FUSED_DECODE else None) or qkv)
             for rec in calls(graph, "kda_chunk"):
                 record(gname, _fuse_convs(graph, rec))
-            for group in _commit_groups(graph, self.commit_pairs):
+            for group in _commit_groups(graph, min(self.commit_pairs, COMMIT_MULTI_PAIRS)):
                 record(gname, _fuse_commits(graph, group))
         return {"matches": sum(map(len, fused.values())), **fused}

@@ -121,6 +121,9 @@ def _(pool, slots, staging, accept_len):
 register("kda_commit")
 
 
+COMMIT_MULTI_PAIRS = 8    # (pool, staging) pairs in the kda_commit_multi signature
+
+
 @torch.library.custom_op("lingc::kda_commit_multi", mutates_args=("pool0", "pool1", "pool2", "pool3", "pool4",
                                                                   "pool5", "pool6", "pool7"))
 def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pool0: torch.Tensor, staging0: torch.Tensor,

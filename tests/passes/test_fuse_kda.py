@@ -141,7 +141,8 @@ def test_fused_verify_and_commit_nodes(tiny_partitioned, fused):
         layer = commits[4 * i:4 * i + 4]
         multi = nodes[f"verify_L{i}_kda_commit_multi"]
         pairs = [str(a) for c in layer for a in (c.args[0], c.args[2])]
-        assert [str(a) for a in multi.args] == [str(layer[0].args[1]), str(layer[0].args[3])] + pairs
+        # the unused pairs are spelled out as None: torch 2.11's custom-op wrapper indexes every mutated pool
+        assert [str(a) for a in multi.args] == [str(layer[0].args[1]), str(layer[0].args[3])] + pairs + ["None"] * 8
 
 
 # ---- numerics --------------------------------------------------------------------------------------------
@@ -255,9 +256,10 @@ def test_commits_fuse_per_layer_and_per_run(tiny_partitioned):
     commits[2].prepend(commits[7])                                    # L0 q, L0 k, L1 state, L0 v, L0 state, ...
     after, record = FuseKda().run(program)
     multis = [n for n in after.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
-    assert [len(n.args[2:]) // 2 for n in multis] == [2, 2, 3, 4] and op_count(after, "verify", "kda_commit") == 1
-    for node in multis:
-        layers = {re.search(r"layers_(\d+)_", a.name).group(1) for a in node.args[2:]}
+    pairs = [[a for a in n.args[2:] if a is not None] for n in multis]
+    assert [len(p) // 2 for p in pairs] == [2, 2, 3, 4] and op_count(after, "verify", "kda_commit") == 1
+    for node, args in zip(multis, pairs):
+        layers = {re.search(r"layers_(\d+)_", a.name).group(1) for a in args}
         assert len(layers) == 1, node.format_node()
     report = compare_stages(program, after, exact=True, tolerance=None)
     assert report["graphs"]["verify"]["problems"] == []
@@ -335,7 +337,8 @@ def test_two_layers_of_commits_per_launch(tiny_partitioned, monkeypatch):
     monkeypatch.setattr(FuseKda, "commit_pairs", 8)
     two, record = FuseKda().run(tiny_partitioned)
     multi = [n for n in two.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
-    assert [len(n.args) for n in multi] == [2 + 2 * 8, 2 + 2 * 4]
+    assert [sum(a is not None for a in n.args) for n in multi] == [2 + 2 * 8, 2 + 2 * 4]
+    assert [len(n.args) for n in multi] == [2 + 2 * 8] * 2
     assert len([n for n in one.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]) == 3
     report = compare_stages(one, two, exact=True, tolerance=None)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items() if r["problems"]}
