@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_profile import busy_us, kernel_events  # noqa: E402
-from device_step import CONTEXT, DRAFT_TOKENS, NEXTN_GRAPHS, fill_context, reset_request, time_graphs  # noqa: E402
+from device_step import (CONTEXT, DRAFT_TOKENS, GREEDY_SUFFIX, NEXTN_GRAPHS, fill_context, reset_request,  # noqa: E402
+                         time_graphs)
 from floor import launch_bytes  # noqa: E402
 from timing import hbm_bandwidth_gbps  # noqa: E402
 
@@ -184,7 +185,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="launches.json")
     ap.add_argument("--passes", default="all", help="comma-separated passes (default all)")
-    ap.add_argument("--graphs", default="step,verify", help="graphs to attribute (step, draft, verify, extend)")
+    ap.add_argument("--graphs", default="step,verify", help="graphs to attribute (step, draft, verify, extend; with "
+                    "specialize_greedy also step_greedy, draft_greedy, verify_greedy, extend_greedy)")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
     ap.add_argument("--pdl", action="store_true",
@@ -209,13 +211,22 @@ def main() -> None:
     exe = Executor(program, "cuda", "triton", pdl=args.pdl)  # PDL off (default): each kernel's duration is its own
     fill_context(exe, config)
     wanted = args.graphs.split(",")
-    for name in ("step",) + NEXTN_GRAPHS:                    # warm-up: Triton compiles, workspaces allocated
+    # the general step graphs and, with specialize_greedy, its copies (step_greedy, draft_greedy, ...)
+    sets = [names for names in (("step",), NEXTN_GRAPHS) + tuple(tuple(g + GREEDY_SUFFIX for g in names)
+                                                                  for names in (("step",), NEXTN_GRAPHS))
+            if all(g in program.graphs for g in names)]
+    missing = [g for g in wanted if not any(g in names for names in sets)]
+    if missing:
+        raise SystemExit(f"--graphs {missing}: not step graphs of this pass set; have {[g for n in sets for g in n]}")
+    for name in (g for names in sets for g in names):        # warm-up: Triton compiles, workspaces allocated
         exe.run(name)
     eager = {name: eager_launches(exe, config, name) for name in wanted}
     graphs = CudaGraphs(exe)
-    graphs.capture(("step",) + NEXTN_GRAPHS)
+    graphs.capture([g for names in sets for g in names])
     fill_context(exe, config)
-    replay = time_graphs(graphs, ("step",)) | time_graphs(graphs, NEXTN_GRAPHS)
+    replay = {}
+    for names in sets:
+        replay |= time_graphs(graphs, names)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "python": platform.python_version(), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
                     "command": " ".join(sys.argv), "passes": passes, "context": CONTEXT, "pdl_launches": args.pdl,

@@ -7,7 +7,9 @@ compiled, lowered to the Triton kernels, captured as CUDA graphs and replayed; a
 CUDA-event timings of graph replays (weights are 2+ GB a step, so L2 is cold by construction), measured twice.
 The byte floor of each graph comes from one observed run of it (bench/floor.py) and the HBM bandwidth measured in
 the same process. Peers run in the same process on the same model: the reference model's own step functions
-under torch.compile(mode="max-autotune") and transformers' BailingHybridForCausalLM eager.
+under torch.compile(mode="max-autotune") and transformers' BailingHybridForCausalLM eager. The request is greedy;
+where the pass set has specialize_greedy (`all`), a row also times its copies (step_greedy; draft_greedy ->
+verify_greedy -> extend_greedy), which the engine runs for a temperature-0 request: the summary's *_greedy keys.
 
     python3 bench/device_step.py --json $OUT/step.json [--peers] [--e2e] [--only all]
         [--variant 'NAME:lingc.kernels.moe.UP_CONFIG={"block_n": 16}' ...] [--no-parity]
@@ -40,11 +42,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import step_bytes  # noqa: E402
+from lingc.steps import GREEDY_SUFFIX  # noqa: E402
 from timing import hbm_bandwidth_gbps  # noqa: E402
 
 CONTEXT = 8192
 DRAFT_TOKENS = 6
 NEXTN_GRAPHS = ("draft", "verify", "extend")
+# the measured steps: the general graphs (any request) and, where the program has them, specialize_greedy's copies
+# (what the engine runs for a temperature-0 request, as here)
+STEP_KEYS = ("step", "nextn", "step" + GREEDY_SUFFIX, "nextn" + GREEDY_SUFFIX)
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
             "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_combine_norm",
             "fuse_mla", "fuse_relay", "fuse_cat_norm")
@@ -161,8 +167,13 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     from lingc.passes.manager import resolve
     partitioned = any(cls.name == "partition" for cls in resolve(passes, PASSES)) if passes else False
     step_names = {"step": ("step",), "nextn": NEXTN_GRAPHS if partitioned else ()}
+    if "step" + GREEDY_SUFFIX in program.graphs:        # specialize_greedy's copies: what a greedy request runs
+        step_names["step" + GREEDY_SUFFIX] = ("step" + GREEDY_SUFFIX,)
+    if partitioned and all(g + GREEDY_SUFFIX in program.graphs for g in NEXTN_GRAPHS):
+        step_names["nextn" + GREEDY_SUFFIX] = tuple(g + GREEDY_SUFFIX for g in NEXTN_GRAPHS)
+    floor_graphs = tuple(g for names in step_names.values() for g in names)
     if with_floor and floor_first:
-        row["bytes"] = _floor_bytes(exe, ("step",) + step_names["nextn"])
+        row["bytes"] = _floor_bytes(exe, floor_graphs)
     graphs = CudaGraphs(exe)
     graphs.capture([g for names in step_names.values() for g in names])
     row["compile_capture_s"] = time.perf_counter() - t0
@@ -182,7 +193,7 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     if with_floor and not floor_first:     # counted after timing, on a fresh executor: the timed one never ran eagerly
         floor_exe = Executor(program, "cuda", "triton", pdl=pdl)
         fill_context(floor_exe, model.config)
-        row["bytes"] = _floor_bytes(floor_exe, ("step",) + step_names["nextn"])
+        row["bytes"] = _floor_bytes(floor_exe, floor_graphs)
         del floor_exe
     for key, names in step_names.items():
         if names and with_floor:
@@ -259,24 +270,33 @@ def greedy_parity(model, traced, passes: list[str], tokens: int = 48) -> dict:
     from lingc.runtime.engine import Engine, Request
     program = PassManager(passes).run(traced).program
     prompt = list(range(1000, 1040))
-    out = {}
+    out, graphs = {}, {}
     for spec in ("nextn", "none"):
-        eng = Engine(program, "cuda", spec)
-        out[spec] = eng.generate(Request(prompt, tokens, ignore_eos=True)).tokens
-        del eng
+        for greedy_graphs in (True, False):                   # specialize_greedy's copies, then the general graphs
+            eng = Engine(program, "cuda", spec, greedy_graphs=greedy_graphs)
+            r = eng.generate(Request(prompt, tokens, ignore_eos=True))
+            out[spec, greedy_graphs], graphs[spec, greedy_graphs] = r.tokens, r.graphs
+            del eng
     ref = model.generate(torch.tensor([prompt], device="cuda"), tokens)[0].tolist()
     gc.collect()
     torch.cuda.empty_cache()
-    return {"nextn_equals_plain": out["nextn"] == out["none"], "plain_equals_reference": out["none"] == ref,
-            "first_divergence_vs_reference": next((i for i, (a, b) in enumerate(zip(out["none"], ref)) if a != b), None)}
+    plain = out["none", True]
+    return {"nextn_equals_plain": out["nextn", True] == plain,
+            "general_nextn_equals_plain": out["nextn", False] == out["none", False],
+            "greedy_graphs_equal_general": all(out[s, True] == out[s, False] for s in ("nextn", "none")),
+            "graphs": {f"{s}{'' if g else ' (general)'}": list(v) for (s, g), v in graphs.items()},
+            "plain_equals_reference": plain == ref,
+            "first_divergence_vs_reference": next((i for i, (a, b) in enumerate(zip(plain, ref)) if a != b), None)}
 
 
-def end_to_end(program, prompt_len: int, new_tokens: int = 1024, accept: float = 3.2) -> dict:
+def end_to_end(program, prompt_len: int, new_tokens: int = 1024, accept: float = 3.2, greedy_graphs: bool = True,
+               ) -> dict:
     """What `lingc generate --simulate-accept-len 3.2 --max-new-tokens 1024 --ignore-eos` does, on the in-memory
-    program (the artifact's weights would be the same tensors): TTFT, TPOT, tok/s, derived step time."""
+    program (the artifact's weights would be the same tensors): TTFT, TPOT, tok/s, derived step time. A greedy
+    request, so the engine runs specialize_greedy's copies unless greedy_graphs is False (--no-greedy-graphs)."""
     from lingc.runtime.engine import Engine, Request
     t0 = time.perf_counter()
-    eng = Engine(program, "cuda", "nextn", simulate_accept_len=accept)
+    eng = Engine(program, "cuda", "nextn", simulate_accept_len=accept, greedy_graphs=greedy_graphs)
     startup = time.perf_counter() - t0
     prompt = [(7 * i + 3) % 150000 for i in range(prompt_len)]
     eng.generate(Request(prompt[:64], 16, ignore_eos=True))                          # warm-up
@@ -285,7 +305,7 @@ def end_to_end(program, prompt_len: int, new_tokens: int = 1024, accept: float =
     out = {"prompt_tokens": prompt_len, "new_tokens": len(r.tokens), "engine_startup_s": startup,
            "ttft_ms": r.ttft_s * 1e3, "tpot_ms": r.tpot_s * 1e3, "tok_per_s": len(r.tokens) / r.total_s,
            "decode_tok_per_s": (len(r.tokens) - 1) / decode_s, "steps": r.steps,
-           "mean_accept_len": r.mean_accept_len, "step_ms": decode_s / max(r.steps, 1) * 1e3}
+           "mean_accept_len": r.mean_accept_len, "step_ms": decode_s / max(r.steps, 1) * 1e3, "graphs": list(r.graphs)}
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -384,7 +404,7 @@ def main() -> None:
                               for m, a, v in assignments}
         row["name"] = name
         rows.append(row)
-        ms = {key: row.get(key, {}).get("ms") for key in ("step", "nextn")}
+        ms = {key: row.get(key, {}).get("ms") for key in STEP_KEYS if key in row or key in ("step", "nextn")}
         print(json.dumps({"name": name, "ms": ms, "error": row.get("error"),
                           "compile_capture_s": row.get("compile_capture_s")}, default=str)[:600], flush=True)
         with open(args.json, "w") as f:     # after every row: a call that runs out of time keeps what it measured
@@ -403,10 +423,14 @@ def main() -> None:
     print("greedy parity", result["greedy_parity"], flush=True)
     if args.e2e:
         try:
-            result["end_to_end"] = end_to_end(PassManager(["all"]).run(full).program, args.e2e_prompt)
+            program = PassManager(["all"]).run(full).program
+            result["end_to_end"] = end_to_end(program, args.e2e_prompt)
+            result["end_to_end_general_graphs"] = end_to_end(program, args.e2e_prompt, greedy_graphs=False)
+            del program
         except Exception as e:  # noqa: BLE001
             result["end_to_end"] = {"error": f"{type(e).__name__}: {e}"}
-        print("end to end", result["end_to_end"], flush=True)
+        print("end to end", result["end_to_end"], "\ngeneral graphs", result.get("end_to_end_general_graphs"),
+              flush=True)
     del full
 
     if args.peers:
@@ -423,14 +447,20 @@ def summarize(result: dict) -> None:
     best = rows.get("all")
     table = []
     for name, r in rows.items():
-        step = r.get("step", {}).get("ms", {}).get("total")
-        nextn = r.get("nextn", {}).get("ms", {}).get("total")
-        verify = r.get("nextn", {}).get("ms", {}).get("verify")
-        table.append(f"{name:18s} step {step or 0:8.3f} ms   nextn {nextn or 0:8.3f} ms   verify {verify or 0:8.3f} ms")
+        for sfx in ("", GREEDY_SUFFIX):
+            ms = (r.get("step" + sfx, {}).get("ms", {}), r.get("nextn" + sfx, {}).get("ms", {}))
+            if sfx and not any(ms):
+                continue
+            step, nextn, verify = ms[0].get("total"), ms[1].get("total"), ms[1].get("verify" + sfx)
+            table.append(f"{name + sfx:25s} step {step or 0:8.3f} ms   nextn {nextn or 0:8.3f} ms   "
+                         f"verify {verify or 0:8.3f} ms")
     if best:
         summary = {}
         for key, graph in (("decode_step", ("step", "total")), ("nextn_step", ("nextn", "total")),
-                           ("nextn_verify", ("nextn", "verify"))):
+                           ("nextn_verify", ("nextn", "verify")),
+                           ("decode_step" + GREEDY_SUFFIX, ("step" + GREEDY_SUFFIX, "total")),
+                           ("nextn_step" + GREEDY_SUFFIX, ("nextn" + GREEDY_SUFFIX, "total")),
+                           ("nextn_verify" + GREEDY_SUFFIX, ("nextn" + GREEDY_SUFFIX, "verify" + GREEDY_SUFFIX))):
             sec, g = graph
             if sec in best and "floor_ms" in best[sec]:
                 summary[key] = {"time_ms": best[sec]["ms"][g], "floor_ms": best[sec]["floor_ms"][g],
@@ -439,8 +469,9 @@ def summarize(result: dict) -> None:
             if not isinstance(times, dict):
                 continue
             for key in ("decode_step", "nextn_step"):
-                if key in summary and times.get(key + "_ms"):
-                    summary[key][f"speedup_vs_{peer}"] = times[key + "_ms"] / summary[key]["time_ms"]
+                for ours in (key, key + GREEDY_SUFFIX):
+                    if ours in summary and times.get(key + "_ms"):
+                        summary[ours][f"speedup_vs_{peer}"] = times[key + "_ms"] / summary[ours]["time_ms"]
         result["summary"] = summary
         table.append(json.dumps(summary, indent=1))
     print("\n".join(table), flush=True)

@@ -15,6 +15,10 @@ is bit-for-bit the reference's and independent of CHUNK and of the other rows.
         draft == argmax; sampled rows accept while u_i * max(p_d, 1e-20) < p_t (the reference's fp32 ops, so the
         same bits), then draw the stop token from the residual (or p_t) at the stop position by inverse CDF
         with u_K; accept_len and all K+1 tokens are written.
+`greedy_accept(draft_ids, target_logits)` matches `torch.ops.lingc.greedy_accept` (chain_accept for all-greedy
+requests, the op specialize_greedy puts in its place): greedy_sample's stage 1 over the B*(K+1) rows, then
+chain_accept's stage 2 compiled for its greedy branch only (ALL_GREEDY), so the same bits as chain_accept's greedy
+rows, with no temperature, distributions or uniforms read.
 `sample_tokens(probs [B, T, V], u [B, T])` matches `torch.ops.lingc.sample_tokens` with the same inverse CDF
 (stage 1: chunk sums of probs; stage 2: one program per row picks the token).
 
@@ -158,14 +162,18 @@ def _chain_partials_kernel(logits_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, val_ptr
 @triton.jit
 def _chain_final_kernel(draft_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, u_ptr, val_ptr, id_ptr, sum_ptr,
                         len_ptr, tok_ptr, V, n_chunks, K: tl.constexpr, KP1_BLOCK: tl.constexpr,
-                        C_BLOCK: tl.constexpr, CHUNK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr):
+                        C_BLOCK: tl.constexpr, CHUNK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr,
+                        ALL_GREEDY: tl.constexpr = False):
     b = tl.program_id(0)
     cc = tl.arange(0, C_BLOCK)
     cm = cc < n_chunks
     kk = tl.arange(0, KP1_BLOCK)
     if PDL:
         pdl_wait()
-    temp = tl.load(temp_ptr + b).to(tl.float32)
+    if ALL_GREEDY:               # greedy_accept: no temperature, no distributions (their pointers are never read)
+        temp = 0.0
+    else:
+        temp = tl.load(temp_ptr + b).to(tl.float32)
     drafts = tl.load(draft_ptr + b * K + kk, mask=kk < K, other=0).to(tl.int64)   # [KP1_BLOCK]
     run = b * 0 + 1                                                              # int32 scalars
     accepted = b * 0
@@ -318,6 +326,39 @@ def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
     return accept_len, tokens
 
 
+def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor, *, pdl: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accept_len int32 [B], tokens int64 [B, K+1]) as torch.ops.lingc.greedy_accept, two launches: the argmax
+    partials of greedy_sample over the B*(K+1) rows, then chain_accept's final kernel on its greedy branch only."""
+    if draft_ids.dim() != 2 or draft_ids.dtype.is_floating_point or draft_ids.dtype == torch.bool:
+        raise ValueError(f"greedy_accept: draft_ids must be an integer [B, K] tensor, got {list(draft_ids.shape)} "
+                         f"{draft_ids.dtype}")
+    B, K = draft_ids.shape
+    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (B, K + 1) \
+            or not target_logits.dtype.is_floating_point or K < 1 or target_logits.shape[-1] < 1:
+        raise ValueError(f"greedy_accept: target_logits must be a float [{B}, {K + 1}, V] tensor (K >= 1, V >= 1), "
+                         f"got {list(target_logits.shape)} {target_logits.dtype}")
+    dev = draft_ids.device
+    accept_len = torch.empty((B,), dtype=torch.int32, device=dev)
+    tokens = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
+    if B == 0:
+        return accept_len, tokens
+    draft_ids, logits = draft_ids.contiguous(), target_logits.contiguous()
+    V = logits.shape[-1]
+    n_chunks, c_block = _chunks(V)
+    vals = torch.empty((B * (K + 1), n_chunks), dtype=torch.float32, device=dev)
+    ids = torch.empty((B * (K + 1), n_chunks), dtype=torch.int32, device=dev)
+    pdl, launch = _launch(pdl, dev)
+    _greedy_partials_kernel[(B * (K + 1), n_chunks)](logits, vals, ids, K + 1, logits.stride(0), logits.stride(1),
+                                                     V, n_chunks, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl,
+                                                     num_warps=NUM_WARPS, **launch)
+    _chain_final_kernel[(B,)](
+        draft_ids, logits, logits, logits, logits, vals, ids, vals, accept_len, tokens, V, n_chunks,
+        K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl,
+        ALL_GREEDY=True, num_warps=NUM_WARPS, **launch)
+    return accept_len, tokens
+
+
 def sample_tokens(probs: torch.Tensor, u: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """One token per position from probs [B, T, V] with uniforms u [B, T] (inverse CDF) -> int64 [B, T]."""
     probs = _bt_v(probs, "probs")
@@ -349,6 +390,11 @@ def chain_accept_ref(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """lingc's reference chain accept."""
     return torch.ops.lingc.chain_accept(draft_ids, draft_probs, target_probs, target_logits, temperature, u)
+
+
+def greedy_accept_ref(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lingc's reference greedy chain accept."""
+    return torch.ops.lingc.greedy_accept(draft_ids, target_logits)
 
 
 def sample_tokens_ref(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -432,5 +478,6 @@ def simulate_accept(accept_len: torch.Tensor, mean: torch.Tensor, u: torch.Tenso
     return out
 
 
-LOWERINGS = {"greedy_sample": greedy_sample, "chain_accept": chain_accept, "sample_tokens": sample_tokens,
+LOWERINGS = {"greedy_sample": greedy_sample, "chain_accept": chain_accept, "greedy_accept": greedy_accept,
+             "sample_tokens": sample_tokens,
              "uniform": uniform, "simulate_accept": simulate_accept}

@@ -191,6 +191,9 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
                                               help="on cuda: capture every program graph once and replay it"),
              pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="on cuda with triton: programmatic dependent "
                                       "launch on the chains the pdl pass annotated"),
+             greedy_graphs: bool = typer.Option(True, "--greedy-graphs/--no-greedy-graphs",
+                                                help="at temperature 0: run the specialize_greedy copies of the step "
+                                                "graphs (argmax, no sampling distributions) where the artifact has them"),
              as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of text")) -> None:
     """Generate from an artifact: greedy or sampled, NEXTN speculative decoding by default."""
     import json
@@ -203,7 +206,8 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
         on_cuda = device.startswith("cuda")
         # a TP artifact (compile --tp N) starts its N ranks here and stops them below
         session = open_any_session(artifact, spec=spec, device=device, simulate_accept_len=simulate_accept_len,
-                                   backend=backend, cuda_graphs=cuda_graphs and on_cuda, pdl=pdl and on_cuda)
+                                   backend=backend, cuda_graphs=cuda_graphs and on_cuda, pdl=pdl and on_cuda,
+                                   greedy_graphs=greedy_graphs)
         ids = session.encode(prompt_ids, prompt)
         req = Request(ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), ignore_eos)
         result = session.engine.generate(req)
@@ -224,6 +228,7 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
     console.print(f"spec {spec}: {result.steps} decode steps, mean accept length {result.mean_accept_len:.2f}{sim}; "
                   f"TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
                   f"{summary['tok_per_s']:.1f} tok/s")
+    console.print(f"step graphs: {' -> '.join(result.graphs)}")
 
 
 @app.command()
@@ -250,14 +255,19 @@ def demo(workdir: Path = typer.Option(Path(".lingc-demo"), help="where to put th
     program = load_artifact(art_dir).program
     prompt = [11, 22, 33, 44, 55]
     runs = {}
-    for spec in ("nextn", "none"):
-        r = Engine(program, spec=spec).generate(Request(prompt, new_tokens, ignore_eos=True))
-        runs[spec] = r
-        console.print(f"  --spec {spec:5s}: {r.steps} steps, accept length {r.mean_accept_len:.2f}, "
-                      f"{len(r.tokens)} tokens {r.tokens[:12]} ...")
-    same = runs["nextn"].tokens == runs["none"].tokens
+    for spec, greedy_graphs in (("nextn", True), ("none", True), ("nextn", False)):
+        r = Engine(program, spec=spec, greedy_graphs=greedy_graphs).generate(Request(prompt, new_tokens,
+                                                                                     ignore_eos=True))
+        runs[spec, greedy_graphs] = r
+        console.print(f"  --spec {spec:5s}{'' if greedy_graphs else ' --no-greedy-graphs'}: {r.steps} steps, "
+                      f"accept length {r.mean_accept_len:.2f}, {len(r.tokens)} tokens {r.tokens[:12]} ...; "
+                      f"graphs {' -> '.join(r.graphs)}")
+    same = runs["nextn", True].tokens == runs["none", True].tokens
     console.print("[green]NEXTN output is byte-identical to plain decoding[/green]" if same else
                   "[red]NEXTN and plain decoding differ[/red]")
+    same = runs["nextn", True].tokens == runs["nextn", False].tokens
+    console.print("[green]the greedy copies (specialize_greedy) give the general graphs' tokens[/green]" if same else
+                  "[red]the greedy copies and the general graphs differ[/red]")
     console.print("(random MTP weights rarely guess the target, so the accept length is near 1; "
                   "`--temperature 0.8` or `--simulate-accept-len 3.2` show longer chains)")
     console.print(f"inspect: lingc diff {escape(str(art_dir))} --pass partition --program verify ; "

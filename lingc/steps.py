@@ -30,6 +30,11 @@ from lingc.ops import OPS as ops
 from lingc.state import ModelState
 
 
+# the greedy-only copies of the step graphs (passes/specialize_greedy.py): step_greedy, and nextn_greedy, which
+# partition splits into draft_greedy / verify_greedy / extend_greedy; the engine runs them for temperature 0
+GREEDY_SUFFIX = "_greedy"
+
+
 @dataclass(frozen=True)
 class RelaySpec:
     name: str

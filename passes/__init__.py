@@ -19,12 +19,13 @@ from lingc.passes.fuse_shared_expert import FuseSharedExpert
 from lingc.passes.fuse_swiglu import FuseSwiglu
 from lingc.passes.partition import Partition
 from lingc.passes.pdl import Pdl
+from lingc.passes.specialize_greedy import SpecializeGreedy
 from lingc.passes.tp import TensorParallel
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (Partition, FuseSwiglu, FuseIndexChains, CaptureMetadata, Bf16Router,
-                                                     FuseProjections, FuseAddNorm, FuseMoeAlign, FuseSharedExpert,
-                                                     FuseMoe, FuseKda, FuseNormLinear, FuseCombineNorm, FuseMla,
-                                                     FuseRelay, FuseCatNorm, Pdl)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition, FuseSwiglu, FuseIndexChains,
+                                                     CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
+                                                     FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
+                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseCatNorm, Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

@@ -99,7 +99,7 @@ class PassManager:
                 raise LintError(f"after pass '{p.name}': {e}") from None
             if self.verify:
                 record.verify = compare_stages(program, new, exact=not p.changes_numerics, tolerance=p.tolerance,
-                                               splits=getattr(p, "splits", None))
+                                               splits=getattr(p, "splits", None), variants=getattr(p, "variants", None))
                 if not record.verify["ok"]:
                     bad = {g: r["problems"] for g, r in record.verify["graphs"].items() if r["problems"]}
                     raise VerifyError(f"--verify failed after pass '{p.name}': {bad}")

@@ -22,6 +22,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
+from lingc.steps import GREEDY_SUFFIX
 
 STAGES = ("draft", "verify", "extend")
 
@@ -41,13 +42,23 @@ def _mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
 class Partition(Pass):
     name = "partition"
     summary = "split the NEXTN step into draft / verify / extend graphs with slot-indexed relay buffers; stage KDA in verify"
+    after = ("specialize_greedy",)
     changes_numerics = False
-    splits = {"nextn": STAGES}          # --verify runs the three in order against nextn
+    # --verify runs the three in order against the whole (and the greedy copy's against nextn_greedy)
+    splits = {"nextn" + suffix: tuple(s + suffix for s in STAGES) for suffix in ("", GREEDY_SUFFIX)}
 
     def apply(self, program: Program) -> dict[str, Any]:
-        if "nextn" not in program.graphs:
-            return {"matches": 0, "relays": []}
-        source = program.graphs.pop("nextn")
+        relays: list[dict[str, Any]] = []
+        matches = 0
+        for whole, parts in self.splits.items():
+            if whole in program.graphs:
+                relays += self._split(program, whole, dict(zip(STAGES, parts)))
+                matches += 1
+        return {"matches": matches, "relays": relays}
+
+    def _split(self, program: Program, whole: str, names: dict[str, str]) -> list[dict[str, Any]]:
+        """Replace graph `whole` by one graph per stage (named names[stage]); returns the relays made."""
+        source = program.graphs.pop(whole)
         slots_total = int(program.options.get("request_slots", 1))
         written = _mutated_inputs(source)
         stage_of = {n: n.meta.get("lingc.stage") for n in source.nodes}
@@ -99,8 +110,15 @@ class Partition(Pass):
         for s in STAGES:
             graphs[s].output(None)
             graphs[s].eliminate_dead_code()
-        program.graphs.update(graphs)
-        return {"matches": 1, "relays": relays}
+        program.graphs.update({names[s]: g for s, g in graphs.items()})
+        for r in relays:                                  # stage -> graph name (they differ for the greedy copy)
+            r["from"], r["to"] = names[r["from"]], [names[t] for t in r["to"]]
+        for graph in graphs.values():
+            for node in graph.nodes:
+                if "lingc.relay" in node.meta:
+                    relay = node.meta["lingc.relay"]
+                    node.meta["lingc.relay"] = dict(relay, **{"from": names[relay["from"]]})
+        return relays
 
     def _relay_out(self, node: fx.Node, stage: str, graphs: dict, envs: dict, slots_total: int,
                    relays: list, relay_inputs: dict, relay_meta: dict) -> str:

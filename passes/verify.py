@@ -6,7 +6,8 @@ every logits output picks the same token, except at near-ties whose old margin i
 token outputs must be equal. Hidden states, caches and relays are reported (max |delta|) but not
 gated: a router tie that flips one expert moves them legitimately.
 A pass that splits a graph (`splits = {"nextn": ("draft", "verify", "extend")}`) is checked by running
-the parts in order against the whole, on the same inputs.
+the parts in order against the whole, on the same inputs; a pass that adds a specialised copy of a graph
+(`variants`, specialize_greedy) by running the copy against its source on inputs that meet its condition.
 """
 
 from __future__ import annotations
@@ -105,26 +106,34 @@ def _compare(label: str, x: torch.Tensor, y: torch.Tensor, exact: bool, toleranc
 
 
 def compare_stages(before: Program, after: Program, exact: bool, tolerance: float | None,
-                   splits: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
-    """Compare every graph of `after` with its counterpart in `before`; returns a report, raises nothing."""
+                   splits: dict[str, tuple[str, ...]] | None = None,
+                   variants: dict[str, tuple[str, dict[str, float], tuple[str, ...]]] | None = None) -> dict[str, Any]:
+    """Compare every graph of `after` with its counterpart in `before`; returns a report, raises nothing.
+    variants: a new graph -> (the graph of `before` it must match, input roles fixed to a value for the run,
+    inputs left unchecked), e.g. specialize_greedy's step_greedy against step with every temperature 0."""
     report: dict[str, Any] = {"exact": exact, "tolerance": tolerance, "graphs": {}, "ok": True}
-    pairs = [([g], [g]) for g in sorted(after.graphs) if g in before.graphs]
+    pairs = [(g, [g], [g], {}, ()) for g in sorted(after.graphs) if g in before.graphs]
     for whole, parts in (splits or {}).items():
         if whole in before.graphs and all(p in after.graphs for p in parts):
-            pairs.append(([whole], list(parts)))
-    for old_graphs, new_graphs in pairs:
+            pairs.append(("+".join(parts), [whole], list(parts), {}, ()))
+    for new, (old, fixed, unchecked) in (variants or {}).items():
+        if old in before.graphs and new in after.graphs:
+            pairs.append((f"{new} vs {old}", [old], [new], fixed, unchecked))
+    for key, old_graphs, new_graphs, fixed, unchecked in pairs:
         inputs = random_inputs(after, new_graphs)
         inputs.update({k: v for k, v in random_inputs(before, old_graphs).items() if k not in inputs})
+        for node in (n for g in old_graphs for n in before.inputs(g)):
+            if node.meta["lingc.input"] in fixed:
+                inputs[node.name] = torch.full_like(inputs[node.name], fixed[node.meta["lingc.input"]])
         a_out, a_in = _run(before, old_graphs, {k: v.clone() for k, v in inputs.items()})
         b_out, b_in = _run(after, new_graphs, {k: v.clone() for k, v in inputs.items()})
         checked = [(f"output[{i}]", x, y) for i, (x, y) in enumerate(zip(a_out, b_out))]
         shared = [n.name for g in old_graphs for n in before.inputs(g)]
-        checked += [(k, a_in[k], b_in[k]) for k in sorted(set(shared)) if k in b_in]   # state, relays, pools
+        checked += [(k, a_in[k], b_in[k]) for k in sorted(set(shared) - set(unchecked)) if k in b_in]  # state, relays
         worst, problems = 0.0, []
         for label, x, y in checked:
             d, p = _compare(label, x, y, exact, tolerance, before.config.vocab_size)
             worst, problems = max(worst, d), problems + p
-        key = "+".join(new_graphs) if len(new_graphs) > 1 else new_graphs[0]
         report["graphs"][key] = {"max_abs_delta": worst, "problems": problems}
         report["ok"] &= not problems
     return report

@@ -3,7 +3,8 @@
 Per request: take a slot, zero its KDA state, write its sampling parameters into the relay buffers,
 reserve pages, prefill the prompt (host-fed `prefill` chunks, `decode` for the tail), sample the first
 token on the device, and for NEXTN run the MTP over the prompt (`mtp_prefill` / `mtp_decode`) to
-propose d1. Then the step loop: enqueue step k (draft -> verify -> extend, or `step`) and only then
+propose d1. Then the step loop: enqueue step k (draft -> verify -> extend, or `step`; their specialize_greedy
+copies draft_greedy -> ... for a temperature-0 request when the artifact has them) and only then
 consume step k-1's tokens from a copy made one step late (EOS, stop ids, max tokens). Nothing on the
 step path reads a device value on the host (runtime.host_reads guards that in tests).
 """
@@ -20,6 +21,7 @@ from lingc.ops import OPS as ops
 from lingc.program import Program
 from lingc.runtime.executor import Executor
 from lingc.runtime.pages import PageAllocator
+from lingc.steps import GREEDY_SUFFIX
 
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 
@@ -76,6 +78,7 @@ class Result:
     total_s: float
     spec: str
     simulated_accept_len: float | None
+    graphs: tuple[str, ...] = ()          # the step graphs that ran (the greedy copies for a temperature-0 request)
 
     @property
     def mean_accept_len(self) -> float:
@@ -131,13 +134,16 @@ class Engine:
 
     def __init__(self, program: Program, device: str | torch.device = "cpu", spec: str = "nextn",
                  simulate_accept_len: float = 0.0, backend: str = "auto", cuda_graphs: bool | None = None,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, greedy_graphs: bool = True):
         """backend "auto" is "triton" on CUDA and "reference" elsewhere; cuda_graphs (default: on CUDA) captures
         every graph at start-up and replays it; pdl (default: on with the triton backend on CUDA) launches the
-        chains the `pdl` pass annotated with programmatic dependent launch."""
+        chains the `pdl` pass annotated with programmatic dependent launch; greedy_graphs: a temperature-0 request
+        runs the specialize_greedy copies of the step graphs where the artifact has them (same tokens, fewer
+        launches), else the general ones."""
         if spec not in ("nextn", "none"):
             raise EngineError(f"spec must be 'nextn' or 'none', got {spec!r}")
-        need = ("prefill", "decode") + (NEXTN_GRAPHS + ("mtp_prefill", "mtp_decode") if spec == "nextn" else ("step",))
+        step_graphs = NEXTN_GRAPHS if spec == "nextn" else ("step",)
+        need = ("prefill", "decode") + step_graphs + (("mtp_prefill", "mtp_decode") if spec == "nextn" else ())
         missing = [g for g in need if g not in program.graphs]
         if missing:
             hint = " (compile with the partition pass, e.g. --passes all)" if "verify" in missing else ""
@@ -146,6 +152,12 @@ class Engine:
             raise EngineError(f"--simulate-accept-len needs --spec nextn and a value in [1, draft_tokens], "
                               f"got {simulate_accept_len}")
         self.program, self.spec, self.simulate = program, spec, float(simulate_accept_len)
+        greedy = tuple(g + GREEDY_SUFFIX for g in step_graphs)
+        self.graph_sets = {"general": step_graphs}
+        if greedy_graphs and all(g in program.graphs for g in greedy):
+            self.graph_sets["greedy"] = greedy
+            need += greedy
+        self.step_graphs = step_graphs                  # the set the current request runs (set in _open)
         device = torch.device(device)
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "reference"
@@ -193,6 +205,8 @@ class Engine:
             if key.startswith("state_") and not key.endswith("kv_pages"):
                 pool[slot].zero_()                        # KDA state starts from zero; old pages are masked
         s = req.sampling
+        self.step_graphs = self.graph_sets["greedy" if s.temperature <= 0 and "greedy" in self.graph_sets
+                                           else "general"]
         values = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
                   "rng_counter": 0, "simulate_accept": self.simulate, "seq_len": 0, "out_len": 0}
         for name, v in values.items():
@@ -258,7 +272,7 @@ class Engine:
 
     # ---- the step path -------------------------------------------------------------------
     def _enqueue_step(self) -> None:
-        for graph in (NEXTN_GRAPHS if self.spec == "nextn" else ("step",)):
+        for graph in self.step_graphs:
             self._launch(graph)
 
     def generate(self, req: Request, on_tokens=None) -> Result:
@@ -303,7 +317,7 @@ class Engine:
             accept_lens.append(len(new))
             finish = self._take(new, out, req, stops, on_tokens)
         return Result(out, finish or "length", accept_lens, len(accept_lens), ttft,
-                      time.perf_counter() - t0, self.spec, self.simulate or None)
+                      time.perf_counter() - t0, self.spec, self.simulate or None, self.step_graphs)
 
     @staticmethod
     def _take(new: list[int], out: list[int], req: Request, stops: set[int], on_tokens) -> str | None:

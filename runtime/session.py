@@ -42,12 +42,12 @@ class Session:
                 "accept_lens": r.accept_lens, "mean_accept_len": r.mean_accept_len,
                 "simulated_accept_len": r.simulated_accept_len, "ttft_ms": r.ttft_s * 1e3, "tpot_ms": r.tpot_s * 1e3,
                 "tok_per_s": len(r.tokens) / r.total_s if r.total_s else 0.0,
-                "step_ms": decode_s / r.steps * 1e3 if r.steps else 0.0}
+                "step_ms": decode_s / r.steps * 1e3 if r.steps else 0.0, "graphs": list(r.graphs)}
 
 
 def open_session(artifact: str | Path, spec: str = "nextn", device: str = "cpu",
                  simulate_accept_len: float = 0.0, backend: str = "auto", cuda_graphs: bool | None = None,
-                 pdl: bool | None = None) -> Session:
+                 pdl: bool | None = None, greedy_graphs: bool = True) -> Session:
     art = load_artifact(artifact, device=device)
     tokenizer = None
     tok_file = Path(artifact) / TOKENIZER_FILE
@@ -55,4 +55,5 @@ def open_session(artifact: str | Path, spec: str = "nextn", device: str = "cpu",
         from tokenizers import Tokenizer
         tokenizer = Tokenizer.from_file(str(tok_file))
     return Session(Path(artifact), Engine(art.program, device, spec, simulate_accept_len, backend=backend,
-                                               cuda_graphs=cuda_graphs, pdl=pdl), tokenizer)
+                                               cuda_graphs=cuda_graphs, pdl=pdl, greedy_graphs=greedy_graphs),
+                   tokenizer)

@@ -441,7 +441,7 @@ def _torchrun_env() -> dict[str, Any] | None:
 def open_tp_session(artifact: str | Path, tp: int | None = None, device: str = "cpu", spec: str = "nextn", *,
                     timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_rank: int | None = None,
                     simulate_accept_len: float = 0.0, backend: str = "auto", cuda_graphs: bool | None = None,
-                    pdl: bool | None = None, hard_exit_s: float | None = -1.0) -> TPSession:
+                    pdl: bool | None = None, greedy_graphs: bool = True, hard_exit_s: float | None = -1.0) -> TPSession:
     """Open a TP artifact on its N ranks (module docstring); `tp` defaults to the artifact's. `hard_exit_s`:
     seconds rank 0 may stay blocked after a rank died before the process exits (default: 10 on CUDA, where
     NCCL collectives never fail on a dead peer; None on CPU, where gloo's do)."""
@@ -460,7 +460,8 @@ def open_tp_session(artifact: str | Path, tp: int | None = None, device: str = "
     if device.startswith("cuda") and torch.cuda.device_count() < world and _torchrun_env() is None:
         raise EngineError(f"{artifact} has {world} TP ranks, one per GPU, but torch sees "
                           f"{torch.cuda.device_count()} CUDA device(s)")
-    engine_kw = {"simulate_accept_len": simulate_accept_len, "backend": backend, "cuda_graphs": cuda_graphs, "pdl": pdl}
+    engine_kw = {"simulate_accept_len": simulate_accept_len, "backend": backend, "cuda_graphs": cuda_graphs, "pdl": pdl,
+                 "greedy_graphs": greedy_graphs}
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world)
     run = _torchrun_env()
     if run is not None and run["world"] != world:

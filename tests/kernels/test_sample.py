@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import lingc.kernels.sample as sample
-from lingc.kernels.sample import (chain_accept, chain_accept_ref, greedy_sample, greedy_sample_ref, sample_tokens,
-                                  sample_tokens_ref)
+from lingc.kernels.sample import (chain_accept, chain_accept_ref, greedy_accept, greedy_accept_ref, greedy_sample,
+                                  greedy_sample_ref, sample_tokens, sample_tokens_ref)
 from kernel_support import poisoned_empty  # noqa: E402  (tests/kernels is on sys.path)
 
 V = 4999                        # 3 chunks of 2048, the last one ragged
@@ -150,6 +150,38 @@ def test_chain_accept_row_invariance() -> None:
     for b in range(4):
         one = chain_accept(*(t[b:b + 1] for t in inputs))
         assert torch.equal(one[0], accept_len[b:b + 1]) and torch.equal(one[1], tokens[b:b + 1])
+
+
+# ---------------------------------------------------------------------------------------------------- greedy accept
+
+
+@pytest.mark.parametrize("K", [1, 3, 5])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_greedy_accept_matches_reference_and_chain_accept(K: int, dtype: torch.dtype) -> None:
+    """greedy_accept (the op specialize_greedy puts in chain_accept's place) against its reference, and both against
+    chain_accept on all-greedy rows: the same accept lengths and tokens, every stop position, ties and a NaN row."""
+    B = K + 2
+    reject = [b % (K + 1) for b in range(B)]
+    draft_ids, draft_probs, target_probs, target_logits, temp, u = _chain_inputs(B, K, [0.0] * B, reject, seed=40 + K,
+                                                                                logits_dtype=dtype)
+    target_logits[0, 0, [7, 4000]] = target_logits[0, 0].max() + 1    # a tie across chunks: id 7 wins
+    draft_ids[0, 0] = 7
+    target_logits[1, -1, 2100] = float("nan")                          # a NaN is the maximum, as in torch
+    with poisoned_empty():
+        got = greedy_accept(draft_ids, target_logits)
+    want = greedy_accept_ref(draft_ids, target_logits)
+    chain = chain_accept_ref(draft_ids, draft_probs, target_probs, target_logits, temp, u)
+    assert got[0].dtype == torch.int32 and got[1].dtype == torch.int64
+    for a, b, c in zip(got, want, chain):
+        assert torch.equal(a, b) and torch.equal(b, c), (got, want, chain)
+    assert len(set(got[0].tolist())) >= min(3, K + 1)                  # several stop positions reached
+
+
+def test_greedy_accept_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="target_logits must be a float \\[1, 4, V\\]"):
+        greedy_accept(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, 10))
+    with pytest.raises(ValueError, match="draft_ids must be an integer"):
+        greedy_accept(torch.zeros(1, 3), torch.zeros(1, 4, 10))
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
