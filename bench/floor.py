@@ -70,7 +70,7 @@ def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Cou
     elif op == "kda_conv_qkv":                                             # 3 in-place convs
         counts["kda_state"] += sum(2 * _size(pool[0]) * args[9].numel() for pool in args[6:9])
     elif op == "kda_commit_multi":
-        counts["kda_state"] += sum(2 * _size(pool[0]) * args[0].numel() for pool in args[2::2] if pool is not None)
+        counts["kda_state"] += sum(2 * _size(pool[0]) * args[0].numel() for pool in args[2])
     elif op.startswith("kda_recurrent"):
         pool, slots = args[7], args[8]
         state = _size(pool[0]) * slots.numel()

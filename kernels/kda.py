@@ -18,10 +18,11 @@ launch bound), each bit-identical to the launches it replaces:
     kda_conv_qkv(xq, xk, xv [B,T,P], wq, wk, wv, pool_q, pool_k, pool_v, slots) -> (q, k, v)     (pools updated)
         == three kda_conv; grid (B, cdiv(P, CONV_BLOCK_P), 3), axis 2 picks the conv and its program runs
         kda_conv's program body (`_conv_rows`) on that conv's pointers. Decode's convs in one launch.
-    kda_commit_multi(slots, accept_len, pool0, staging0[, pool1, staging1[, ... pool3, staging3]]) -> None
+    kda_commit_multi(slots, accept_len, pools [1..8], stagings [1..8]) -> None
         == kda_commit(pool_i, slots, staging_i, accept_len) per pair, any trailing shapes and dtypes; grid
         (B, sum_i cdiv(N_i, COMMIT_BLOCK)), a program finds its pair from the cumulative block counts (host
-        shapes) and copies one block as kda_commit's program does (`_commit_rows`). A layer's 4 commits in one.
+        shapes) and copies one block as kda_commit's program does (`_commit_rows`). A layer's 4 commits in one
+        (two layers' 8 with FuseKda.commit_pairs = 8).
     kda_fused_verify(q_raw, k_raw, v_raw [B,T,P], f [B,T,H,D], b [B,T,H], conv_q_w, conv_k_w, conv_v_w [P,1,W] fp32,
                      conv_q_pool, conv_k_pool, conv_v_pool [S,P,W-1], A_log [H], dt_bias [P],
                      state_pool [S,H,D,D] fp32, slots [B], staging_q, staging_k, staging_v [B,TS,P,W-1],
@@ -799,19 +800,20 @@ def kda_commit(pool: torch.Tensor, slots: torch.Tensor, staging: torch.Tensor, a
     return None
 
 
-def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, *pairs_flat: torch.Tensor | None,
-                     pdl: bool = False, block: int | None = None, num_warps: int | None = None) -> None:
+def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pools: list[torch.Tensor],
+                     stagings: list[torch.Tensor], *, pdl: bool = False, block: int | None = None,
+                     num_warps: int | None = None) -> None:
     """kda_commit of up to COMMIT_MULTI_MAX (pool, staging) pairs sharing slots and accept_len, in one launch
-    (lingc.kda_commit_multi; pairs_flat = pool0, staging0, pool1, staging1, ...). Grid (B, the pairs' blocks end to
-    end): each program copies one block of one pair exactly as a kda_commit program would, so the pools get
-    kda_commit's bits."""
+    (lingc.kda_commit_multi). Grid (B, the pairs' blocks end to end): each program copies one block of one pair
+    exactly as a kda_commit program would, so the pools get kda_commit's bits."""
     op = "kda_commit_multi"
-    if not pairs_flat or len(pairs_flat) > 2 * COMMIT_MULTI_MAX:
-        _fail(op, f"want 1 to {COMMIT_MULTI_MAX} (pool, staging) pairs, got {len(pairs_flat)} tensors")
-    flat = list(pairs_flat) + [None] * (len(pairs_flat) % 2)
-    pairs = [(p, st) for p, st in zip(flat[0::2], flat[1::2]) if p is not None or st is not None]
-    if not pairs or any(p is None or st is None for p, st in pairs):
-        _fail(op, "every pool needs its staging and every staging its pool")
+    pools, stagings = list(pools), list(stagings)
+    if not 1 <= len(pools) <= COMMIT_MULTI_MAX:
+        _fail(op, f"want 1 to {COMMIT_MULTI_MAX} (pool, staging) pairs, got {len(pools)} pools")
+    if len(stagings) != len(pools) or any(t is None for t in pools + stagings):
+        _fail(op, f"every pool needs its staging and every staging its pool ({len(pools)} pools, "
+                  f"{len(stagings)} stagings)")
+    pairs = list(zip(pools, stagings))
     blk = block or COMMIT_BLOCK
     sets, total = [], 0
     for i, (pool, staging) in enumerate(pairs):
@@ -969,9 +971,9 @@ def kda_conv_qkv_ref(xq, xk, xv, wq, wk, wv, pool_q, pool_k, pool_v, slots):
     return torch.ops.lingc.kda_conv_qkv(xq, xk, xv, wq, wk, wv, pool_q, pool_k, pool_v, slots)
 
 
-def kda_commit_multi_ref(slots, accept_len, *pairs):
+def kda_commit_multi_ref(slots, accept_len, pools, stagings):
     """The lingc op, whose reference is one kda_commit per (pool, staging) pair."""
-    return torch.ops.lingc.kda_commit_multi(slots, accept_len, *pairs)
+    return torch.ops.lingc.kda_commit_multi(slots, accept_len, list(pools), list(stagings))
 
 
 def gated_rmsnorm_ref(x, weight, gate, eps):

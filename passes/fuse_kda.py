@@ -43,8 +43,8 @@ Before:
     verify_kda_commit = lingc.kda_commit(state_layers_0_conv_q, slots, staging_layers_0_conv_q, accept_len)
     ...                                                                      # conv_k, conv_v, recurrent
 After:
-    verify_L0_kda_commit_multi = lingc.kda_commit_multi(slots, accept_len, state_layers_0_conv_q,
-        staging_layers_0_conv_q, ..., state_layers_0_recurrent, staging_layers_0_recurrent)
+    verify_L0_kda_commit_multi = lingc.kda_commit_multi(slots, accept_len, [state_layers_0_conv_q, ...,
+        state_layers_0_recurrent], [staging_layers_0_conv_q, ..., staging_layers_0_recurrent])
 
 4. decode / step: a kda_conv_qkv whose outputs (through getitem and view) only one kda_recurrent reads -> one
 kda_fused_decode where the recurrence was (rewrite 1 made the kda_conv_qkv).
@@ -232,12 +232,9 @@ def _fuse_commits(graph: fx.Graph, group: list[fx.Node]) -> fx.Node | None:
     if not _independent(group) or not _can_delay(graph, group[:-1], last):
         return None
     slots, accept_len = last.args[1], last.args[3]
-    pairs = [a for c in group for a in (c.args[0], c.args[2])]
-    # every optional pair spelled out as None: torch 2.11's custom-op wrapper indexes each mutated argument
-    # (pool0..pool7) in the positional args and fails on a shorter call (2.13 does not)
-    pairs += [None] * (2 * COMMIT_MULTI_PAIRS - len(pairs))
     with graph.inserting_before(last):
-        fused = graph.call_function(OPS.kda_commit_multi, (slots, accept_len, *pairs))
+        fused = graph.call_function(OPS.kda_commit_multi, (slots, accept_len, [c.args[0] for c in group],
+                                                           [c.args[2] for c in group]))
     fused.meta = {k: group[0].meta[k] for k in KEEP_META if k in group[0].meta}
     layer, prefix = _layer(group[0].args[0]), group[0].name.split("_kda_commit")[0]     # prefix: 'verify'
     name = f"{prefix}_L{layer.split('.')[1]}_kda_commit_multi" if isinstance(layer, str) \

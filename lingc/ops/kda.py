@@ -121,31 +121,25 @@ def _(pool, slots, staging, accept_len):
 register("kda_commit")
 
 
-COMMIT_MULTI_PAIRS = 8    # (pool, staging) pairs in the kda_commit_multi signature
+COMMIT_MULTI_PAIRS = 8    # most (pool, staging) pairs of one kda_commit_multi (its Triton kernel's argument sets)
 
 
-@torch.library.custom_op("lingc::kda_commit_multi", mutates_args=("pool0", "pool1", "pool2", "pool3", "pool4",
-                                                                  "pool5", "pool6", "pool7"))
-def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pool0: torch.Tensor, staging0: torch.Tensor,
-                     pool1: Optional[torch.Tensor] = None, staging1: Optional[torch.Tensor] = None,
-                     pool2: Optional[torch.Tensor] = None, staging2: Optional[torch.Tensor] = None,
-                     pool3: Optional[torch.Tensor] = None, staging3: Optional[torch.Tensor] = None,
-                     pool4: Optional[torch.Tensor] = None, staging4: Optional[torch.Tensor] = None,
-                     pool5: Optional[torch.Tensor] = None, staging5: Optional[torch.Tensor] = None,
-                     pool6: Optional[torch.Tensor] = None, staging6: Optional[torch.Tensor] = None,
-                     pool7: Optional[torch.Tensor] = None, staging7: Optional[torch.Tensor] = None) -> None:
-    """kda_commit(pool_i, slots, staging_i, accept_len) for up to 8 (pool, staging) pairs of any trailing shapes
+# pools / stagings are lists, not optional pool0..pool7 arguments: torch 2.11's custom-op wrapper drops trailing
+# arguments equal to their default (None) and then indexes every mutated one, so an optional mutated pool fails
+@torch.library.custom_op("lingc::kda_commit_multi", mutates_args=("pools",))
+def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pools: list[torch.Tensor],
+                     stagings: list[torch.Tensor]) -> None:
+    """kda_commit(pools[i], slots, stagings[i], accept_len) for 1 to 8 (pool, staging) pairs of any trailing shapes
     and dtypes (one or two layers' conv windows and recurrent states) that share slots and accept_len."""
-    for pool, staging in ((pool0, staging0), (pool1, staging1), (pool2, staging2), (pool3, staging3),
-                          (pool4, staging4), (pool5, staging5), (pool6, staging6), (pool7, staging7)):
-        if pool is not None:
-            kda_commit(pool, slots, staging, accept_len)
+    if not 1 <= len(pools) <= COMMIT_MULTI_PAIRS or len(stagings) != len(pools):
+        raise ValueError(f"lingc.kda_commit_multi: want 1 to {COMMIT_MULTI_PAIRS} pools and as many stagings, got "
+                         f"{len(pools)} pools and {len(stagings)} stagings")
+    for pool, staging in zip(pools, stagings):
+        kda_commit(pool, slots, staging, accept_len)
 
 
 @kda_commit_multi.register_fake
-def _(slots, accept_len, pool0, staging0, pool1=None, staging1=None, pool2=None, staging2=None, pool3=None,
-      staging3=None, pool4=None, staging4=None, pool5=None, staging5=None, pool6=None, staging6=None, pool7=None,
-      staging7=None):
+def _(slots, accept_len, pools, stagings):
     return None
 
 

@@ -400,10 +400,10 @@ def test_commit_multi_equals_separate_commits(dtype, pairs) -> None:
     slots = torch.tensor([3, 0], dtype=torch.int32)
     accept = torch.tensor([2, 9], dtype=torch.int64)                                  # 9 > TS: clamped
     got, want, ref = ([p.clone() for p in pools] for _ in range(3))
-    K.kda_commit_multi(slots, accept, *(t for pair in zip(got, stagings) for t in pair), block=64)
+    K.kda_commit_multi(slots, accept, got, stagings, block=64)
     for p, st in zip(want, stagings):
         K.kda_commit(p, slots, st, accept)
-    K.kda_commit_multi_ref(slots, accept, *(t for pair in zip(ref, stagings) for t in pair))
+    K.kda_commit_multi_ref(slots, accept, ref, stagings)
     for i, (a, c, r) in enumerate(zip(got, want, ref)):
         assert torch.equal(a, c) and torch.equal(r, c), f"pair {i} differs from kda_commit"
 
@@ -415,8 +415,8 @@ def test_one_launch_ops_pdl_on_cpu_falls_back() -> None:
     y2 = K.kda_conv_qkv(x, x, x, weight, weight, weight, *p2, slots)
     assert all(torch.equal(a, c) for a, c in zip(y1 + tuple(p1), y2 + tuple(p2)))
     staging, accept = torch.randn(1, 2, 20, 3), torch.ones(1, dtype=torch.int32)
-    K.kda_commit_multi(slots, accept, p1[0], staging, pdl=True)
-    K.kda_commit_multi(slots, accept, p2[0], staging)
+    K.kda_commit_multi(slots, accept, [p1[0]], [staging], pdl=True)
+    K.kda_commit_multi(slots, accept, [p2[0]], [staging])
     assert torch.equal(p1[0], p2[0])
     raw, f, b, ws, pools, A_log, dt_bias, state, slots = _fused_inputs(1, 1, 2, 16, 4, torch.float32, seed=83)
     (p1, s1), (p2, s2) = _clones(pools, state), _clones(pools, state)
@@ -486,8 +486,12 @@ def test_bad_shapes_raise() -> None:
         K.kda_conv_qkv(x, x, x[:, :1], weight, weight, weight, conv_pool, conv_pool, conv_pool, cslots)
     accept = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="kda_commit_multi: want 1 to 8"):
-        K.kda_commit_multi(cslots, accept, *[conv_pool, torch.zeros(1, 2, 20, 3)] * 9)
+        K.kda_commit_multi(cslots, accept, [conv_pool] * 9, [torch.zeros(1, 2, 20, 3)] * 9)
+    with pytest.raises(ValueError, match="kda_commit_multi: want 1 to 8"):
+        K.kda_commit_multi(cslots, accept, [], [])
     with pytest.raises(ValueError, match="kda_commit_multi: every pool needs its staging"):
-        K.kda_commit_multi(cslots, accept, conv_pool, torch.zeros(1, 2, 20, 3), conv_pool)
+        K.kda_commit_multi(cslots, accept, [conv_pool, conv_pool], [torch.zeros(1, 2, 20, 3)])
     with pytest.raises(ValueError, match=r"kda_commit_multi: pair 1: staging is \[1, 2, 20, 2\]"):
-        K.kda_commit_multi(cslots, accept, conv_pool, torch.zeros(1, 2, 20, 3), conv_pool, torch.zeros(1, 2, 20, 2))
+        K.kda_commit_multi(cslots, accept, [conv_pool, conv_pool], [torch.zeros(1, 2, 20, 3), torch.zeros(1, 2, 20, 2)])
+    with pytest.raises(ValueError, match="lingc.kda_commit_multi: want 1 to 8 pools and as many stagings"):
+        torch.ops.lingc.kda_commit_multi(cslots, accept, [conv_pool], [])

@@ -140,9 +140,9 @@ def test_fused_verify_and_commit_nodes(tiny_partitioned, fused):
         assert [u.name for u in node.users] == [u.name for u in rec.users]            # the gated norm reads it
         layer = commits[4 * i:4 * i + 4]
         multi = nodes[f"verify_L{i}_kda_commit_multi"]
-        pairs = [str(a) for c in layer for a in (c.args[0], c.args[2])]
-        # the unused pairs are spelled out as None: torch 2.11's custom-op wrapper indexes every mutated pool
-        assert [str(a) for a in multi.args] == [str(layer[0].args[1]), str(layer[0].args[3])] + pairs + ["None"] * 8
+        assert [str(a) for a in multi.args[:2]] == [str(layer[0].args[1]), str(layer[0].args[3])]
+        assert [str(a) for a in multi.args[2]] == [str(c.args[0]) for c in layer]            # pools
+        assert [str(a) for a in multi.args[3]] == [str(c.args[2]) for c in layer]            # stagings
 
 
 # ---- numerics --------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_ops_equal_the_composites_they_replace(dtype):
     assert torch.equal(_bits(o), _bits(o_ref)) and torch.equal(_bits(got_state), _bits(want_state))
     assert all(torch.equal(a, c) for a, c in zip(got_pools, want_pools))
     accept = torch.tensor([3, 1], dtype=torch.int32)
-    OPS.kda_commit_multi(slots, accept, got_pools[0], got_st[0], state, got_st[3])
+    OPS.kda_commit_multi(slots, accept, [got_pools[0], state], [got_st[0], got_st[3]])
     OPS.kda_commit(want_pools[0], slots, want_st[0], accept)
     state_ref = state.clone()
     OPS.kda_commit(state_ref, slots, want_st[3], accept)
@@ -256,10 +256,9 @@ def test_commits_fuse_per_layer_and_per_run(tiny_partitioned):
     commits[2].prepend(commits[7])                                    # L0 q, L0 k, L1 state, L0 v, L0 state, ...
     after, record = FuseKda().run(program)
     multis = [n for n in after.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
-    pairs = [[a for a in n.args[2:] if a is not None] for n in multis]
-    assert [len(p) // 2 for p in pairs] == [2, 2, 3, 4] and op_count(after, "verify", "kda_commit") == 1
-    for node, args in zip(multis, pairs):
-        layers = {re.search(r"layers_(\d+)_", a.name).group(1) for a in args}
+    assert [len(n.args[2]) for n in multis] == [2, 2, 3, 4] and op_count(after, "verify", "kda_commit") == 1
+    for node in multis:
+        layers = {re.search(r"layers_(\d+)_", a.name).group(1) for a in node.args[2] + node.args[3]}
         assert len(layers) == 1, node.format_node()
     report = compare_stages(program, after, exact=True, tolerance=None)
     assert report["graphs"]["verify"]["problems"] == []
@@ -337,8 +336,7 @@ def test_two_layers_of_commits_per_launch(tiny_partitioned, monkeypatch):
     monkeypatch.setattr(FuseKda, "commit_pairs", 8)
     two, record = FuseKda().run(tiny_partitioned)
     multi = [n for n in two.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
-    assert [sum(a is not None for a in n.args) for n in multi] == [2 + 2 * 8, 2 + 2 * 4]
-    assert [len(n.args) for n in multi] == [2 + 2 * 8] * 2
+    assert [(len(n.args[2]), len(n.args[3])) for n in multi] == [(8, 8), (4, 4)]
     assert len([n for n in one.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]) == 3
     report = compare_stages(one, two, exact=True, tolerance=None)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items() if r["problems"]}
