@@ -38,7 +38,7 @@ After:
 
 3. verify (after acceptance): a run of consecutive kda_commit of one layer with the same slots and accept_len
 (at most 4: conv_q, conv_k, conv_v, recurrent) -> kda_commit_multi, where the last of them was (with
-FuseKda.commit_pairs = 8, off by default, two layers' runs -> one kda_commit_multi of 8 pairs).
+FuseKda.commit_pairs = 8, the default, two layers' runs -> one kda_commit_multi of 8 pairs; 4 keeps one layer).
 Before:
     verify_kda_commit = lingc.kda_commit(state_layers_0_conv_q, slots, staging_layers_0_conv_q, accept_len)
     ...                                                                      # conv_k, conv_v, recurrent
@@ -285,11 +285,11 @@ class FuseKda(Pass):
                "verify's convs + recurrence -> kda_fused_verify; commits -> kda_commit_multi")
     after = ("partition", "fuse_projections")
     changes_numerics = False
-    # (pool, staging) pairs per kda_commit_multi: 4, one layer's commits a launch (18 launches at the end of a
-    # Ling-3.0-tiny verify, 1.9 us each exposed on the H200); 8 (kernels/kda.py COMMIT_MULTI_MAX) puts two layers in
-    # one launch. Same bits either way. Not yet measured on the GPU, so not the default: an A/B for
-    # bench/device_step.py --variant 'c8:lingc.passes.fuse_kda.FuseKda.commit_pairs=8'
-    commit_pairs = LAYER_COMMITS
+    # (pool, staging) pairs per kda_commit_multi: 8 puts two layers' commits in one launch (9 launches at the end of a
+    # Ling-3.0-tiny verify instead of 18 at 1.9 us each exposed); LAYER_COMMITS (4) keeps one layer per launch. Same
+    # bits either way. H200, one process, baselines first and last (bench/results/step-ab-h200-20261201-o.json):
+    # verify 2.459 / 2.462 ms at 4 against 2.443 / 2.445 at 8
+    commit_pairs = COMMIT_MULTI_PAIRS
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused: dict[str, list[str]] = {"kda_conv_qkv": [], "kda_fused_decode": [], "kda_fused_verify": [],

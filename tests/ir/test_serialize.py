@@ -53,6 +53,7 @@ def test_round_trip_preserves_text_and_json(stage, request):
     assert program_text(loaded) == program_text(program)
     assert set(loaded.graphs) == set(program.graphs)
     split = {"draft", "verify", "extend"} | set(PROGRAMS) - {"nextn"}               # after partition
+    split |= {"step_greedy", "draft_greedy", "verify_greedy", "extend_greedy"}      # specialize_greedy's copies
     assert set(program.graphs) == (split if stage == "compiled" else set(PROGRAMS))
     for name in program.graphs:
         assert graph_to_json(loaded.graphs[name]) == graph_to_json(program.graphs[name])

@@ -40,13 +40,19 @@ COUNTS["verify"] = [("kda_conv_staged", 9, 0), ("kda_recurrent_staged", 3, 0), (
 COUNTS["nextn"] = COUNTS["verify"]                         # unsplit: the verify stage's nodes
 
 
+class OneLayerCommits(FuseKda):
+    """fuse_kda with one layer's commits per kda_commit_multi (commit_pairs 4): the per-layer structure tests read
+    one launch per layer; the default (8, two layers a launch) is test_two_layers_of_commits_per_launch."""
+    commit_pairs = 4
+
+
 def op_count(program: Program, graph: str, op: str) -> int:
     return op_counts(program.graphs[graph]).get(f"lingc.{op}", 0)
 
 
 @pytest.fixture(scope="module")
 def fused(tiny_partitioned: Program) -> tuple[Program, PassRecord]:
-    return FuseKda().run(tiny_partitioned)
+    return OneLayerCommits().run(tiny_partitioned)
 
 
 # ---- op counts and structure -----------------------------------------------------------------------------
@@ -65,7 +71,7 @@ def test_op_counts(tiny_partitioned, fused, graph):
 
 
 def test_op_counts_on_the_unsplit_nextn_program(tiny_program_bf16):
-    after, record = FuseKda().run(tiny_program_bf16)
+    after, record = OneLayerCommits().run(tiny_program_bf16)
     for graph in ("nextn", "decode", "step"):
         for op, before_n, after_n in COUNTS[graph]:
             assert (op_count(tiny_program_bf16, graph, op), op_count(after, graph, op)) == (before_n, after_n), op
@@ -254,7 +260,7 @@ def test_commits_fuse_per_layer_and_per_run(tiny_partitioned):
     graph = program.graphs["verify"]
     commits = [n for n in graph.nodes if n.target is OPS.kda_commit]
     commits[2].prepend(commits[7])                                    # L0 q, L0 k, L1 state, L0 v, L0 state, ...
-    after, record = FuseKda().run(program)
+    after, record = OneLayerCommits().run(program)
     multis = [n for n in after.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
     assert [len(n.args[2]) for n in multis] == [2, 2, 3, 4] and op_count(after, "verify", "kda_commit") == 1
     for node in multis:
@@ -327,16 +333,15 @@ def test_second_run_finds_nothing(fused):
     assert record.matches == 0 and program_text(again) == program_text(after)
 
 
-def test_two_layers_of_commits_per_launch(tiny_partitioned, monkeypatch):
-    """FuseKda.commit_pairs = 8 (an A/B, off by default): verify's commits go two layers to a kda_commit_multi of 8
-    pairs (test-tiny's 3 KDA layers: 3 launches -> 2, of 8 and 4 pairs), bit for bit."""
-    from lingc.passes.fuse_kda import FuseKda
-    from lingc.passes.verify import compare_stages
-    one, _ = FuseKda().run(tiny_partitioned)
-    monkeypatch.setattr(FuseKda, "commit_pairs", 8)
+def test_two_layers_of_commits_per_launch(tiny_partitioned):
+    """The default FuseKda.commit_pairs = 8: verify's commits go two layers to a kda_commit_multi of 8 pairs
+    (test-tiny's 3 KDA layers: 3 launches at one layer each -> 2, of 8 and 4 pairs), bit for bit."""
+    assert FuseKda.commit_pairs == 8
+    one, _ = OneLayerCommits().run(tiny_partitioned)
     two, record = FuseKda().run(tiny_partitioned)
     multi = [n for n in two.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
     assert [(len(n.args[2]), len(n.args[3])) for n in multi] == [(8, 8), (4, 4)]
+    assert [n.name for n in multi] == ["verify_L0_kda_commit_multi", "verify_L2_kda_commit_multi"]
     assert len([n for n in one.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]) == 3
     report = compare_stages(one, two, exact=True, tolerance=None)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items() if r["problems"]}

@@ -136,7 +136,7 @@ def test_programs_are_bit_exact_bf16_after_every_other_pass(tiny_program_bf16):
     names = [n for n in resolve(["all"], PASSES) if n.name not in ("pdl", "fuse_relay")]
     before = PassManager([p.name for p in names]).run(tiny_program_bf16).program
     after, record = FuseRelay().run(before)
-    assert record.matches == 9
+    assert record.matches == 9 + 8                  # + specialize_greedy's copies (no probs relay: one fewer)
     _exact(before, after)
 
 

@@ -103,7 +103,7 @@ def test_all_expands_to_every_registered_pass():
     with_opt_in = names(resolve(["all", "fuse_moe"], PASSES))
     assert set(with_opt_in) == set(PASSES) and with_opt_in[-1] == "pdl"
     assert {"partition", "fuse_swiglu", "bf16_router", "pdl"} <= set(PASSES)
-    assert order[0] == "partition" and order[-1] == "pdl"          # split first, schedule last
+    assert order[:2] == ["specialize_greedy", "partition"] and order[-1] == "pdl"   # copy, split, ..., schedule last
     for i, name in enumerate(order):                                # every declared constraint holds
         assert all(order.index(a) < i for a in (*PASSES[name].after, *PASSES[name].requires) if a in order), name
     assert names(resolve(["pdl", "all"], PASSES)) == order
@@ -187,11 +187,15 @@ def test_verify_passes_for_the_real_passes(tiny_program):
     assert [r.name for r in result.records] == names(resolve(["all"], PASSES))
     for r in result.records:
         assert r.verify["ok"] and r.verify["exact"] == (not r.changes_numerics), r.name
-    partition = result.records[0]                                   # the split is checked whole against parts
+    greedy, partition = result.records[:2]                          # copies against sources, split against parts
+    assert greedy.name == "specialize_greedy"
+    assert {"step_greedy vs step", "nextn_greedy vs nextn"} <= set(greedy.verify["graphs"])
     assert partition.name == "partition" and "draft+verify+extend" in partition.verify["graphs"]
-    assert all(g["max_abs_delta"] == 0.0 for g in partition.verify["graphs"].values())
-    assert set(result.program.graphs) == {"prefill", "decode", "mtp_prefill", "mtp_decode", "step",
-                                          "draft", "verify", "extend"}
+    assert "draft_greedy+verify_greedy+extend_greedy" in partition.verify["graphs"]
+    for r in (greedy, partition):
+        assert all(g["max_abs_delta"] == 0.0 for g in r.verify["graphs"].values())
+    assert set(result.program.graphs) == {"prefill", "decode", "mtp_prefill", "mtp_decode", "step", "step_greedy",
+                                          "draft", "verify", "extend", "draft_greedy", "verify_greedy", "extend_greedy"}
 
 
 def test_verify_catches_a_pass_that_changes_numerics_undeclared(tiny_program):
