@@ -171,7 +171,7 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
         step_names["step" + GREEDY_SUFFIX] = ("step" + GREEDY_SUFFIX,)
     if partitioned and all(g + GREEDY_SUFFIX in program.graphs for g in NEXTN_GRAPHS):
         step_names["nextn" + GREEDY_SUFFIX] = tuple(g + GREEDY_SUFFIX for g in NEXTN_GRAPHS)
-    floor_graphs = tuple(g for names in step_names.values() for g in names)
+    floor_graphs = step_names["step"] + step_names["nextn"]          # a greedy copy's floor is its source's
     if with_floor and floor_first:
         row["bytes"] = _floor_bytes(exe, floor_graphs)
     graphs = CudaGraphs(exe)
@@ -195,17 +195,27 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
         fill_context(floor_exe, model.config)
         row["bytes"] = _floor_bytes(floor_exe, floor_graphs)
         del floor_exe
-    for key, names in step_names.items():
-        if names and with_floor:
-            by_graph = {g: sum(row["bytes"][g].values()) for g in names}
-            floors = {g: b / bandwidth / 1e6 for g, b in by_graph.items()}
-            floors["total"] = sum(floors.values())
-            row[key]["floor_ms"] = floors
-            row[key]["floor_ratio"] = {g: row[key]["ms"][g] / floors[g] for g in floors}
+    if with_floor:
+        set_floors(row, step_names, bandwidth)
     del graphs, exe, program
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def set_floors(row: dict, step_names: dict[str, tuple[str, ...]], bandwidth: float) -> None:
+    """floor_ms and floor_ratio of every measured step from the row's bytes. A greedy copy (step_greedy, ...) gets
+    its general graph's floor: for the same request it moves the same weights, KDA state and MLA cache (it drops only
+    the sampling distributions, activations the floor leaves out), whereas an observed run of it would route other
+    tokens (those the general graphs' runs left in the relays) and so count other experts."""
+    for key, names in step_names.items():
+        if not names:
+            continue
+        by_graph = {g: sum(row["bytes"][g.removesuffix(GREEDY_SUFFIX)].values()) for g in names}
+        floors = {g: b / bandwidth / 1e6 for g, b in by_graph.items()}
+        floors["total"] = sum(floors.values())
+        row[key]["floor_ms"] = floors
+        row[key]["floor_ratio"] = {g: row[key]["ms"][g] / floors[g] for g in floors}
 
 
 def _replace_value(old, value):
