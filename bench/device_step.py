@@ -337,6 +337,9 @@ def main() -> None:
                     help="also run the 'all' row with these tunables overridden (module docstring); repeatable")
     ap.add_argument("--no-parity", action="store_true", help="skip the greedy parity run (A/B calls)")
     ap.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens of the end-to-end run")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="also run a row 'all+draft_vocab' (the opt-in pass) with a synthetic map of N evenly spaced "
+                    "token ids (random weights: the map's choice moves no time; acceptance is not measured)")
     ap.add_argument("--merge-peers", nargs="*", default=None, metavar="NAME=FILE",
                     help="no GPU work: add peer results (bench/peers.py JSON) to the --json file and re-summarize")
     args = ap.parse_args()
@@ -389,6 +392,8 @@ def main() -> None:
         sets.append(("+" + p, list(acc)))
     sets.append(("all", ["all"]))
     sets += [("all:pdl-chains", ["all"]), ("all+fuse_moe", ["all", "fuse_moe"])]
+    if args.draft_vocab:
+        sets.append(("all+draft_vocab", ["all", "draft_vocab"]))
     only = set(filter(None, args.only.split(",")))
     sets = [(name, passes, []) for name, passes in sets if not only or name in only]
     sets += [(f"all@{vname}", ["all"], assignments) for vname, assignments in variants]
@@ -399,7 +404,13 @@ def main() -> None:
         try:
             for module, attr, value in assignments:
                 setattr(module, attr, value)
-            row = measure_config(model, traced, passes, bandwidth, with_floor=name in ("none", "partition", "all"),
+            source = traced
+            if "draft_vocab" in passes:                # the synthetic map rides in the program's options
+                from lingc.passes.draft_vocab import OPTION
+                V = config.vocab_size
+                source = traced.copy()
+                source.options[OPTION] = list(range(0, V, V // args.draft_vocab))[:args.draft_vocab]
+            row = measure_config(model, source, passes, bandwidth, with_floor=name in ("none", "partition", "all"),
                                  floor_first=args.floor_first)
         except Exception as e:  # noqa: BLE001  (one failing config must not lose the others)
             import traceback
@@ -436,6 +447,21 @@ def main() -> None:
             program = PassManager(["all"]).run(full).program
             result["end_to_end"] = end_to_end(program, args.e2e_prompt)
             result["end_to_end_general_graphs"] = end_to_end(program, args.e2e_prompt, greedy_graphs=False)
+            if args.draft_vocab:
+                from lingc.passes.draft_vocab import OPTION
+                from lingc.runtime.engine import Engine, Request
+                hot = full.copy()
+                V = config.vocab_size
+                hot.options[OPTION] = list(range(0, V, V // args.draft_vocab))[:args.draft_vocab]
+                hot = PassManager(["all", "draft_vocab"]).run(hot).program
+                result["end_to_end_draft_vocab"] = end_to_end(hot, args.e2e_prompt)
+                prompt = list(range(1000, 1040))           # lossless: the same greedy tokens as plain decoding
+                toks = [Engine(p, "cuda", spec).generate(Request(prompt, 48, ignore_eos=True)).tokens
+                        for p, spec in ((hot, "nextn"), (program, "none"))]
+                result["draft_vocab_nextn_equals_plain"] = toks[0] == toks[1]
+                print("draft_vocab", result["end_to_end_draft_vocab"], "nextn == plain", toks[0] == toks[1],
+                      flush=True)
+                del hot
             del program
         except Exception as e:  # noqa: BLE001
             result["end_to_end"] = {"error": f"{type(e).__name__}: {e}"}

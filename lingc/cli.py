@@ -72,7 +72,11 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
                 prefill_tokens: int = typer.Option(32, help="tokens per prefill chunk"),
                 draft_tokens: int = typer.Option(6, help="verify width (NEXTN steps + 1)"),
                 tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks: runs the tp pass last and writes one "
-                                       "weight set per rank (must divide heads, experts, vocab; docs/tp.md)")) -> None:
+                                       "weight set per rank (must divide heads, experts, vocab; docs/tp.md)"),
+                draft_vocab: Optional[Path] = typer.Option(
+                    None, "--draft-vocab", help="JSON list of token ids: the greedy MTP draft proposes only these "
+                    "(lm_head rows of the map; the draft_vocab pass, added if missing; lossless, proposals change; "
+                    "SGLang's --speculative-token-map)")) -> None:
     """Trace the checkpoint's step programs, run the passes, and write an artifact (JSON IR + safetensors)."""
     from lingc.artifact import ArtifactError
     from lingc.checkpoint import CheckpointError
@@ -84,10 +88,19 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
         options = TraceOptions(max_len=max_len, prefill_tokens=prefill_tokens, draft_tokens=draft_tokens)
     except ValueError as e:
         _fail(str(e))
+    hot = None
+    if draft_vocab is not None:
+        import json
+        try:
+            hot = json.loads(draft_vocab.read_text())
+        except (OSError, ValueError) as e:
+            _fail(f"--draft-vocab {draft_vocab}: cannot read a JSON list of token ids ({e})")
+        if not isinstance(hot, list):
+            _fail(f"--draft-vocab {draft_vocab}: want a JSON list of token ids, got a {type(hot).__name__}")
     t0 = time.perf_counter()
     try:
         result = compile_checkpoint(checkpoint, out, _split(passes), _split(programs) or None, dtype, verify,
-                                    options, progress=True, tp=tp)
+                                    options, progress=True, tp=tp, draft_vocab=hot)
     except (PassOrderError, ConfigError, CheckpointError, ArtifactError, ValueError, OSError) as e:
         _fail(str(e))
     except VerifyError as e:
@@ -251,6 +264,9 @@ def demo(workdir: Path = typer.Option(Path(".lingc-demo"), help="where to put th
     for r in result.records:
         console.print(f"  {r.summary()}; verify {'bit-exact' if not r.changes_numerics else 'within tolerance'}")
     console.print(f"  programs: {', '.join(result.program.graphs)}")
+    opt_in = [name for name, cls in PASSES.items() if not cls.in_all]
+    console.print(f"  opt-in passes, not in all: {', '.join(opt_in)} (`lingc passes`; draft_vocab with "
+                  "`lingc compile --draft-vocab FILE`)")
     console.rule("3. lingc generate (greedy): NEXTN 5/6 vs plain decode")
     program = load_artifact(art_dir).program
     prompt = [11, 22, 33, 44, 55]

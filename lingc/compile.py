@@ -26,13 +26,21 @@ def default_programs(num_mtp_layers: int) -> list[str]:
 
 def compile_checkpoint(checkpoint: str | Path, out: str | Path, passes: list[str], programs: list[str] | None = None,
                        dtype: str = "bf16", verify: bool = False, options: TraceOptions | None = None,
-                       progress: bool = False, tp: int = 1) -> CompileResult:
+                       progress: bool = False, tp: int = 1, draft_vocab: list[int] | None = None) -> CompileResult:
     """Compile `checkpoint` with `passes` and write the artifact to `out`; returns the CompileResult.
 
-    tp > 1 runs the `tp` pass after every other pass and writes one weight set per rank (docs/tp.md)."""
+    tp > 1 runs the `tp` pass after every other pass and writes one weight set per rank (docs/tp.md).
+    draft_vocab: token ids for the draft_vocab pass (added to `passes` if missing; passes/draft_vocab.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    if draft_vocab is not None and "draft_vocab" not in passes:
+        passes = [*passes, "draft_vocab"]
+    if draft_vocab is not None and tp != 1:
+        raise ValueError("--draft-vocab does not combine with --tp (the token map is not sharded)")
     manager = PassManager(passes, verify=verify)          # validates pass names before any heavy work
+    if draft_vocab is None and any(p.name == "draft_vocab" for p in manager.passes):
+        raise ValueError("the draft_vocab pass needs a token map: lingc compile --draft-vocab FILE (a JSON list of "
+                         "token ids)")
     if tp != 1:                                           # a bad --tp fails before any weight is read
         from lingc.config import LingConfig
         from lingc.passes.tp import check_tp
@@ -40,6 +48,9 @@ def compile_checkpoint(checkpoint: str | Path, out: str | Path, passes: list[str
     model = load(checkpoint, dtype=DTYPES[dtype], progress=progress)
     programs = programs or default_programs(model.config.num_nextn_predict_layers)
     program = trace(model, programs, options)
+    if draft_vocab is not None:
+        from lingc.passes.draft_vocab import OPTION, check_token_map
+        program.options[OPTION] = check_token_map(draft_vocab, model.config.vocab_size, "--draft-vocab")
     result = manager.run(program)
     rank_weights = None
     if tp != 1:

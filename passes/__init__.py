@@ -2,6 +2,7 @@
 
 from lingc.passes.base import Pass, PassRecord
 from lingc.passes.bf16_router import Bf16Router
+from lingc.passes.draft_vocab import DraftVocab
 from lingc.passes.capture_metadata import CaptureMetadata
 from lingc.passes.fuse_add_norm import FuseAddNorm
 from lingc.passes.fuse_cat_norm import FuseCatNorm
@@ -25,7 +26,8 @@ from lingc.passes.tp import TensorParallel
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition, FuseSwiglu, FuseIndexChains,
                                                      CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
                                                      FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
-                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseCatNorm, Pdl)}
+                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseCatNorm, DraftVocab,
+                                                     Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

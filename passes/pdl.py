@@ -172,7 +172,7 @@ class Pdl(Pass):
     summary = "annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
-             "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm")
+             "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:

@@ -72,6 +72,15 @@ def test_embedding(dtype: torch.dtype, B: int, T: int, h: int) -> None:
     _same(meta.embedding(ids[:, ::2], table), torch.ops.lingc.embedding(ids[:, ::2], table))   # strided ids
 
 
+def test_embedding_maps_ids_through_an_int64_table() -> None:
+    """draft_vocab's map back from a hot index to its token: embedding(index [B, T], map [N, 1] int64), exact."""
+    table = torch.tensor([3, 17, 40, 99, 157000], dtype=torch.int64).view(-1, 1)
+    ids = torch.tensor([[4, 0], [2, 2]])
+    got = meta.embedding(ids, table)
+    _same(got, torch.ops.lingc.embedding(ids, table))
+    assert got.view(2, 2).tolist() == [[157000, 3], [40, 40]]
+
+
 @pytest.mark.parametrize("with_count", [False, True])
 @pytest.mark.parametrize("n", [1, 6])
 def test_emit_tokens(n: int, with_count: bool) -> None:

@@ -1,0 +1,114 @@
+"""draft_vocab (opt-in): the greedy MTP draft over a hot token subset.
+
+On test-tiny (V = 512) with every other id as the map: which lm_head GEMVs read the hot rows (the 4 draft forwards
+and extend's, in the greedy copies only), the new weights (lm_head's rows of the sorted map, the map itself), the map
+back from index to token, losslessness (a greedy request's tokens equal plain decoding's and the run without the
+pass; extend's proposal d1 is a hot token), a second run, and the errors: no map, a bad map, --tp, a bad file.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lingc.ops import OPS
+from lingc.passes.draft_vocab import (HOT_WEIGHT, OPTION, TOKEN_MAP, DraftVocab, DraftVocabError,
+                                      check_token_map)
+from lingc.passes.manager import PassManager
+from lingc.program import Program
+from lingc.runtime.engine import Engine, Request
+
+HOT = list(range(510, -1, -2))                  # every even id, given out of order (the pass sorts it)
+
+
+def _with_map(program: Program, ids) -> Program:
+    p = program.copy()
+    p.options[OPTION] = ids
+    return p
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_program: Program) -> tuple[Program, Program]:
+    """(all passes, all passes + draft_vocab) of the fp32 test-tiny program."""
+    base = PassManager(["all"]).run(tiny_program).program
+    hot = PassManager(["all", "draft_vocab"]).run(_with_map(tiny_program, HOT))
+    return base, hot.program
+
+
+def _lm_head_readers(program: Program, graph: str) -> dict[str, int]:
+    out = {"lm_head.weight": 0, HOT_WEIGHT: 0}
+    for node in program.graphs[graph].nodes:
+        for a in node.args:
+            if getattr(a, "op", None) == "get_attr" and a.target in out:
+                out[a.target] += 1
+    return out
+
+
+def test_only_the_greedy_mtp_stages_read_the_hot_rows(compiled):
+    _, program = compiled
+    assert _lm_head_readers(program, "draft_greedy") == {"lm_head.weight": 0, HOT_WEIGHT: 4}
+    assert _lm_head_readers(program, "extend_greedy") == {"lm_head.weight": 0, HOT_WEIGHT: 1}
+    for graph in ("draft", "extend", "verify", "verify_greedy", "step", "step_greedy", "mtp_decode", "decode"):
+        assert _lm_head_readers(program, graph)[HOT_WEIGHT] == 0, graph
+        assert _lm_head_readers(program, graph)["lm_head.weight"] >= 1, graph
+
+
+def test_weights_and_the_map_back(compiled):
+    base, program = compiled
+    index = torch.tensor(sorted(HOT))
+    assert torch.equal(program.weights[HOT_WEIGHT], base.weights["lm_head.weight"][index])
+    assert torch.equal(program.weights[TOKEN_MAP], index.view(-1, 1))
+    assert program.options[OPTION]["size"] == len(HOT)                 # the list itself is not kept in options
+    for graph, draws in (("draft_greedy", 4), ("extend_greedy", 1)):
+        samples = [n for n in program.graphs[graph].nodes if n.target is OPS.greedy_sample]
+        assert len(samples) == draws
+        for s in samples:
+            (token,) = s.users                                           # embedding(index, map) -> the token
+            assert token.target is OPS.embedding and token.args[1].target == TOKEN_MAP
+
+
+def test_greedy_tokens_are_lossless_and_proposals_are_hot(compiled):
+    base, program = compiled
+    prompt = [11, 22, 33, 44, 55, 66, 77]
+    runs = {}
+    for name, prog, spec in (("hot", program, "nextn"), ("base", base, "nextn"), ("plain", base, "none")):
+        engine = Engine(prog, spec=spec)
+        runs[name] = engine.generate(Request(prompt, 24, ignore_eos=True))
+        if name == "hot":
+            d1 = int(engine.relay["draft_first"][0])
+    assert runs["hot"].tokens == runs["base"].tokens == runs["plain"].tokens
+    assert runs["hot"].graphs == ("draft_greedy", "verify_greedy", "extend_greedy")
+    assert d1 in HOT                                                     # extend_greedy's proposal is a hot token
+
+
+def test_second_run_adds_nothing(compiled):
+    _, program = compiled
+    again, record = DraftVocab().run(program)
+    assert record.matches == 0 and set(again.weights) == set(program.weights)
+
+
+def test_errors(tiny_program, tmp_path):
+    with pytest.raises(DraftVocabError, match="needs a token map"):
+        PassManager(["all", "draft_vocab"]).run(tiny_program)
+    for ids, message in (([], "non-empty"), ([1, 2, 2, 3, 3], r"repeat, e.g. \[2, 3\]"),
+                         ([0, 512], r"\[512\] are outside the vocabulary \[0, 512\)"), ([1, 2.0], "integers")):
+        with pytest.raises(DraftVocabError, match=message):
+            check_token_map(ids, 512)
+    from lingc.compile import compile_checkpoint
+    with pytest.raises(ValueError, match="does not combine with --tp"):
+        compile_checkpoint("unused", tmp_path / "art", ["all"], tp=2, draft_vocab=[1, 2])
+    with pytest.raises(ValueError, match="needs a token map"):
+        compile_checkpoint("unused", tmp_path / "art", ["all", "draft_vocab"])
+
+
+def test_cli_reads_the_map_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from lingc.cli import app
+    bad = tmp_path / "map.json"
+    bad.write_text(json.dumps({"ids": [1, 2]}))
+    result = CliRunner().invoke(app, ["compile", str(tmp_path), "-o", str(tmp_path / "art"), "--passes", "all",
+                                      "--draft-vocab", str(bad)])
+    assert result.exit_code != 0 and "want a JSON list of token ids, got a dict" in " ".join(result.output.split())
