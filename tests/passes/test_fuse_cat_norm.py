@@ -15,21 +15,13 @@ from lingc.ops import OPS
 from lingc.passes.base import PassRecord, op_counts
 from lingc.passes.fuse_cat_norm import FuseCatNorm, _norms
 from lingc.passes.manager import PassManager
-from lingc.passes.matchers import is_free
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
+from pass_support import count, launches  # noqa: E402  (tests/passes is on sys.path)
 
 # MTP forwards per graph: the draft runs the MTP 4 times, extend and the two host-fed MTP programs once
 MTP_FORWARDS = {"prefill": 0, "decode": 0, "mtp_prefill": 1, "mtp_decode": 1, "step": 0, "draft": 4, "verify": 0,
                 "extend": 1}
-
-
-def _count(program: Program, graph: str, op: str) -> int:
-    return op_counts(program.graphs[graph]).get(op, 0)
-
-
-def _launches(program: Program, graph: str) -> int:
-    return sum(1 for n in program.graphs[graph].nodes if n.op == "call_function" and not is_free(n))
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +33,11 @@ def fused(tiny_partitioned: Program) -> tuple[Program, PassRecord]:
 def test_op_and_launch_counts(tiny_partitioned, fused, graph):
     after, _ = fused
     k = MTP_FORWARDS[graph]
-    assert _count(after, graph, "lingc.rmsnorm_cat") == k
-    assert _count(tiny_partitioned, graph, "aten.cat") - _count(after, graph, "aten.cat") == k
-    assert _count(tiny_partitioned, graph, "lingc.rmsnorm") - _count(after, graph, "lingc.rmsnorm") == 2 * k
-    assert _launches(tiny_partitioned, graph) - _launches(after, graph) == 2 * k
+    assert count(after, graph, "rmsnorm_cat") == k
+    cats = [op_counts(p.graphs[graph]).get("aten.cat", 0) for p in (tiny_partitioned, after)]
+    assert cats[0] - cats[1] == k
+    assert count(tiny_partitioned, graph, "rmsnorm") - count(after, graph, "rmsnorm") == 2 * k
+    assert launches(tiny_partitioned, graph) - launches(after, graph) == 2 * k
 
 
 def test_fused_node(tiny_partitioned, fused):

@@ -15,22 +15,15 @@ import torch
 
 from lingc.ir.text import program_text
 from lingc.ops import OPS
-from lingc.passes.base import PassRecord, op_counts
+from lingc.passes.base import PassRecord
 from lingc.passes.manager import PassManager
-from lingc.passes.matchers import calls, is_free
+from lingc.passes.matchers import calls
 from lingc.passes.specialize_greedy import SpecializeGreedy, _copy, specialize
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
+from pass_support import count, launches  # noqa: E402  (tests/passes is on sys.path)
 
 K = 5                                           # tiny_options: draft_tokens 6
-
-
-def _count(program: Program, graph: str, op: str) -> int:
-    return op_counts(program.graphs[graph]).get(op, 0)
-
-
-def _launches(program: Program, graph: str) -> int:
-    return sum(1 for n in program.graphs[graph].nodes if n.op == "call_function" and not is_free(n))
 
 
 @pytest.fixture(scope="module")
@@ -57,26 +50,26 @@ def test_op_counts(tiny_program, specialized, source):
     after, _ = specialized
     greedy = source + "_greedy"
     samples = 1 if source == "step" else K                 # step: 1; nextn: K - 1 draft forwards + extend
-    for op in ("lingc.filtered_probs", "lingc.sample_tokens", "lingc.chain_accept"):
-        assert _count(after, greedy, op) == 0
-    assert _count(tiny_program, source, "lingc.filtered_probs") == samples + (source == "nextn")   # + verify's
-    assert _count(after, greedy, "lingc.greedy_sample") == _count(tiny_program, source, "lingc.sample_tokens") == samples
-    assert _count(after, greedy, "lingc.greedy_accept") == _count(tiny_program, source, "lingc.chain_accept")
+    for op in ("filtered_probs", "sample_tokens", "chain_accept"):
+        assert count(after, greedy, op) == 0
+    assert count(tiny_program, source, "filtered_probs") == samples + (source == "nextn")   # + verify's
+    assert count(after, greedy, "greedy_sample") == count(tiny_program, source, "sample_tokens") == samples
+    assert count(after, greedy, "greedy_accept") == count(tiny_program, source, "chain_accept")
     # uniforms: step and the draft / extend draws need none; verify keeps simulate_accept's
-    assert _count(after, greedy, "lingc.uniform") == (0 if source == "step" else 1)
+    assert count(after, greedy, "uniform") == (0 if source == "step" else 1)
     # the sampling-parameter gathers go (temperature / top_k / top_p and, in nextn, the d1 distribution)
     reads = {n.args[0].target for n in calls(after.graphs[greedy], "gather_rows")}
     assert not reads & {"relay_temperature", "relay_top_k", "relay_top_p", "relay_draft_first_probs"}
     # every relay / state write of the source is still made, but the d1 distribution's
-    writes = lambda p, g: sorted(n.args[0].target for n in p.graphs[g].nodes if n.target is OPS.scatter_rows)  # noqa: E731
+    def writes(p: Program, g: str) -> list[str]:
+        return sorted(n.args[0].target for n in p.graphs[g].nodes if n.target is OPS.scatter_rows)
     dropped = ["relay_draft_first_probs"] if source == "nextn" else []
     assert writes(after, greedy) == sorted(set(writes(tiny_program, source)) - set(dropped))
-    assert _count(after, greedy, "lingc.emit_tokens") == _count(tiny_program, source, "lingc.emit_tokens") == 1
-    assert _count(after, greedy, "lingc.kda_commit") == _count(tiny_program, source, "lingc.kda_commit")
+    assert count(after, greedy, "emit_tokens") == count(tiny_program, source, "emit_tokens") == 1
+    assert count(after, greedy, "kda_commit") == count(tiny_program, source, "kda_commit")
     # at least every filtered_probs node goes (each is 7 kernels on the GPU), and the sample_tokens -> greedy_sample
     # swap is one node for one
-    assert _launches(tiny_program, source) - _launches(after, greedy) >= _count(tiny_program, source,
-                                                                                "lingc.filtered_probs")
+    assert launches(tiny_program, source) - launches(after, greedy) >= count(tiny_program, source, "filtered_probs")
 
 
 def test_verify_runs_each_copy_against_its_source(tiny_program, specialized):
@@ -96,7 +89,8 @@ def test_verify_catches_a_broken_copy(tiny_program, specialized):
     sample.replace_all_uses_with(wrong, delete_user_cb=lambda n: n is not wrong)
     report = compare_stages(tiny_program, broken, exact=True, tolerance=None, variants=SpecializeGreedy.variants)
     assert not report["ok"]
-    assert any("relay_root" in p or "relay_out_tokens" in p for p in report["graphs"]["step_greedy vs step"]["problems"])
+    problems = report["graphs"]["step_greedy vs step"]["problems"]
+    assert any("relay_root" in p or "relay_out_tokens" in p for p in problems)
 
 
 def test_partition_splits_the_copy(tiny_program):
