@@ -45,7 +45,7 @@ FUSED = {"prefill": (4, 12, 6), "decode": (4, 12, 6), "step": (4, 12, 5), "verif
 GATED = {"prefill": 3, "decode": 3, "step": 3, "verify": 3, "mtp_prefill": 0, "mtp_decode": 0, "extend": 0,
          "draft": 0}
 NUMERICS_GRAPHS = ("decode", "verify", "draft", "mtp_decode")
-EVERY_OTHER_PASS = [name for name in PASSES if name not in ("fuse_norm_linear", "pdl")]
+EVERY_OTHER_PASS = [name for name, cls in PASSES.items() if cls.in_all and name not in ("fuse_norm_linear", "pdl")]
 
 
 @pytest.fixture(scope="module", autouse=True)
