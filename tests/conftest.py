@@ -3,12 +3,18 @@ their six traced step programs (small shapes: `tiny_options`) and the fp32 progr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import lingc
+# pytest-xdist workers run with COLUMNS=80 in their environment; rich consoles (lingc.cli) fix their width from COLUMNS at
+# import, so CLI tests that pass a wider COLUMNS to CliRunner would see tables wrapped at 80. Drop it before lingc.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
+import lingc  # noqa: E402
 from lingc.init import write_random_checkpoint
 from lingc.presets import preset
 from lingc.program import Program
