@@ -1,4 +1,4 @@
-"""The `lingc` command line: thin typer commands over the library (init, compile, passes, diff, report, generate, demo, serve, bench)."""
+"""The `lingc` command line: thin typer commands over the library (init, compile, draft-vocab, passes, diff, report, generate, demo, serve, bench)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
                 draft_vocab: Optional[Path] = typer.Option(
                     None, "--draft-vocab", help="JSON list of token ids: the greedy MTP draft proposes only these "
                     "(lm_head rows of the map; the draft_vocab pass, added if missing; lossless, proposals change; "
-                    "SGLang's --speculative-token-map)")) -> None:
+                    "SGLang's --speculative-token-map; `lingc draft-vocab` counts one from a corpus)")) -> None:
     """Trace the checkpoint's step programs, run the passes, and write an artifact (JSON IR + safetensors)."""
     from lingc.artifact import ArtifactError
     from lingc.checkpoint import CheckpointError
@@ -119,6 +119,35 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
     ranks = f" ({tp} TP ranks: one weight set each)" if tp > 1 else ""
     console.print(f"programs: {', '.join(result.program.graphs)}{ranks}; wrote [bold]{shown}[/bold] "
                   f"in {time.perf_counter() - t0:.1f} s. Inspect: lingc diff {shown} --pass NAME, lingc report {shown}")
+
+
+@app.command("draft-vocab")
+def draft_vocab_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint directory (config.json + tokenizer.json)"),
+                    corpus: list[Path] = typer.Option(..., "--corpus", "-c", help="text file, or .jsonl with a "
+                                                      "\"text\" string or \"messages\" a line; repeat for more files"),
+                    size: int = typer.Option(32768, "--size", "-n", help="ids in the map (the draft's lm_head rows)"),
+                    out: Path = typer.Option(..., "--out", "-o", help="JSON file to write (lingc compile --draft-vocab "
+                                             "reads it)")) -> None:
+    """Count a corpus's tokens and write the most frequent ids as a draft_vocab token map.
+
+    The map lets the greedy MTP draft propose from those ids only (lingc compile --draft-vocab FILE): its lm_head
+    reads --size rows instead of the whole vocabulary. Count text like the traffic you serve; the printed coverage
+    (the corpus tokens whose id is in the map) bounds how often the draft can propose the next token. eos and the
+    tokenizer's special tokens are always kept.
+    """
+    from lingc.config import ConfigError
+    from lingc.token_map import TokenMapError, build_token_map, write_token_map
+    try:
+        token_map = build_token_map(checkpoint, corpus, size, progress=True)
+        write_token_map(token_map, out)
+    except (TokenMapError, ConfigError) as e:
+        _fail(str(e))
+    shown = escape(str(out))
+    console.print(f"wrote [bold]{shown}[/bold]: {len(token_map.ids)} ids covering {token_map.coverage:.1%} of "
+                  f"{token_map.corpus_tokens} corpus tokens ({token_map.distinct} distinct ids seen; "
+                  f"{len(token_map.kept)} kept as eos / special"
+                  + (f"; {token_map.out_of_vocab} tokens had ids past vocab_size" if token_map.out_of_vocab else "")
+                  + f"). Use: lingc compile {escape(str(checkpoint))} --passes all --draft-vocab {shown} -o ART")
 
 
 @app.command("passes")
