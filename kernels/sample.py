@@ -19,6 +19,8 @@ is bit-for-bit the reference's and independent of CHUNK and of the other rows.
 requests, the op specialize_greedy puts in its place): greedy_sample's stage 1 over the B*(K+1) rows, then
 chain_accept's stage 2 compiled for its greedy branch only (ALL_GREEDY), so the same bits as chain_accept's greedy
 rows, with no temperature, distributions or uniforms read.
+`vocab_expand(probs [..., N], inverse_map [V])` matches `torch.ops.lingc.vocab_expand` (draft_vocab's sampled draft:
+its distribution over the N hot tokens as one over V for chain_accept): a gather, one launch, exact.
 `sample_tokens(probs [B, T, V], u [B, T])` matches `torch.ops.lingc.sample_tokens` with the same inverse CDF
 (stage 1: chunk sums of probs; stage 2: one program per row picks the token).
 
@@ -32,9 +34,10 @@ Greedy rows and every accept decision are exact.
 Bytes: greedy reads B*T*V logits (4 B) once; chain_accept greedy reads (K+1)*V logits, sampled rows read
 (2K+1)*V probabilities in stage 1 and 2*CHUNK in stage 2; partials are 12 B per chunk.
 
-PDL placement (shared/docs/kernels.md section 1.5): nothing these kernels read is a weight, so with the
-constexpr PDL on every kernel calls `gdc_wait()` before its first load and `gdc_launch_dependents()` after its
-last load of data an earlier kernel wrote. With PDL off no GDC call is emitted.
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on every kernel calls `gdc_wait()` before
+its first load of data an earlier kernel wrote (vocab_expand loads its inverse map, a weight, before it; nothing
+else these kernels read is a weight) and `gdc_launch_dependents()` after its last such load. With PDL off no GDC call
+is emitted.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the refere
 CHUNK = 2048
 NUM_WARPS = 4
 MAX_CHUNKS = 8192
+EXPAND_BLOCK = 2048              # vocab_expand: output ids per program (157184 -> 77 programs a row)
 _NO_ID = 1 << 30                 # id of padding lanes, above every vocabulary id
 
 
@@ -478,6 +482,47 @@ def simulate_accept(accept_len: torch.Tensor, mean: torch.Tensor, u: torch.Tenso
     return out
 
 
+# ------------------------------------------------------------------------------------------- vocab_expand
+
+@triton.jit
+def _vocab_expand_kernel(p_ptr, inv_ptr, out_ptr, N, V, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < V
+    inv = tl.load(inv_ptr + cols, mask=m, other=-1)            # a weight (the inverse map): before the wait
+    if PDL:
+        pdl_wait()
+    hot = m & (inv >= 0)
+    p = tl.load(p_ptr + row * N + inv, mask=hot, other=0.0)
+    if PDL:
+        pdl_trigger()
+    tl.store(out_ptr + row * V + cols, p.to(tl.float32), mask=m)
+
+
+def vocab_expand(probs: torch.Tensor, inverse_map: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """fp32 [..., V] as torch.ops.lingc.vocab_expand: out[..., v] = probs[..., inverse_map[v]] (0 where it is -1);
+    one launch, grid (cdiv(V, EXPAND_BLOCK), rows), a gather (every output written once, so no zero-fill pass).
+    Exact: values are copied (widened to fp32)."""
+    if inverse_map.dim() != 1 or inverse_map.dtype not in (torch.int32, torch.int64) or probs.dim() < 1 \
+            or not probs.is_floating_point():
+        raise ValueError(f"vocab_expand: want probs [..., N] float and inverse_map [V] int32/int64, got "
+                         f"{list(probs.shape)} {probs.dtype} and {list(inverse_map.shape)} {inverse_map.dtype}")
+    N, V = probs.shape[-1], inverse_map.shape[0]
+    out = torch.empty((*probs.shape[:-1], V), dtype=torch.float32, device=probs.device)
+    rows = out.numel() // V if V else 0
+    if rows == 0 or V == 0:
+        return out
+    pdl, launch = _launch(pdl, probs.device)
+    _vocab_expand_kernel[(triton.cdiv(V, EXPAND_BLOCK), rows)](
+        probs.reshape(rows, N).contiguous(), inverse_map.contiguous(), out, N, V, BLOCK=EXPAND_BLOCK, PDL=pdl,
+        num_warps=NUM_WARPS, **launch)
+    return out
+
+
+def vocab_expand_ref(probs: torch.Tensor, inverse_map: torch.Tensor) -> torch.Tensor:
+    return torch.ops.lingc.vocab_expand(probs, inverse_map)
+
+
 LOWERINGS = {"greedy_sample": greedy_sample, "chain_accept": chain_accept, "greedy_accept": greedy_accept,
              "sample_tokens": sample_tokens,
-             "uniform": uniform, "simulate_accept": simulate_accept}
+             "uniform": uniform, "simulate_accept": simulate_accept, "vocab_expand": vocab_expand}

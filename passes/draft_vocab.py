@@ -1,29 +1,40 @@
-"""draft_vocab (opt-in): the greedy MTP draft proposes from a hot subset of the vocabulary (`lingc compile
---draft-vocab FILE`, a JSON list of token ids; SGLang's --speculative-token-map, FR-Spec).
+"""draft_vocab (opt-in): the MTP draft proposes from a hot subset of the vocabulary (`lingc compile --draft-vocab
+FILE`, a JSON list of token ids, `lingc draft-vocab` counts one from a corpus; SGLang's --speculative-token-map,
+FR-Spec).
 
 Why: every MTP forward ends in the full lm_head GEMV. At Ling-3.0-tiny's 157184 x 1536 that is 483 MB a forward,
 4 in the draft and 1 in extend: ~555 us of a 3.4 ms NEXTN step on the H200, a sixth of its bytes. A map of N hot
 tokens reads N / V of it.
 
-The rewrite, in the greedy copies of the MTP stages only (draft_greedy, extend_greedy: specialize_greedy's, so it
-runs after partition): an lm_head `linear` whose logits reach nothing but greedy_sample (directly or through
-pick_position) reads `draft_vocab.lm_head.weight` [N, h] (lm_head's rows of the map, gathered at compile time),
-and each greedy_sample's index i becomes the token map[i] (`embedding(i, draft_vocab.token_map [N, 1])`, one launch):
-    lm_head_linear = lingc.linear(x, w_lm_head_weight, torch.float32)                     # [1, 1, V]
-    draft_greedy_sample = lingc.greedy_sample(lm_head_linear)                             # [1, 1]
-  ->
-    lm_head_linear = lingc.linear(x, w_draft_vocab_lm_head_weight, torch.float32)         # [1, 1, N]
-    draft_greedy_sample_hot = lingc.greedy_sample(lm_head_linear)                         # index into the map
-    draft_greedy_sample_map = lingc.embedding(draft_greedy_sample_hot, w_draft_vocab_token_map)   # [1, 1, 1]
-    draft_greedy_sample = aten.view(draft_greedy_sample_map, [1, 1])                     # the token
-The map is sorted at compile time, so argmax ties go to the lowest token id as in the full argmax.
+The rewrite, in the MTP stages only (draft, extend and specialize_greedy's draft_greedy, extend_greedy; it runs after
+partition): an lm_head GEMV (a `linear`, or output 0 of fuse_norm_linear's `rmsnorm_linear` / `add_rmsnorm_linear`)
+reads `draft_vocab.lm_head.weight` [N, h] (lm_head's rows of the map, gathered at compile time) where its logits
+reach nothing but
+  * greedy_sample (the greedy copies; directly or through pick_position): each index i becomes the token map[i]
+    (`embedding(i, draft_vocab.token_map [N, 1])`, one launch):
+        lm_head_linear = lingc.linear(x, w_lm_head_weight, torch.float32)                     # [1, 1, V]
+        draft_greedy_sample = lingc.greedy_sample(lm_head_linear)                             # [1, 1]
+      ->
+        lm_head_linear = lingc.linear(x, w_draft_vocab_lm_head_weight, torch.float32)         # [1, 1, N]
+        draft_greedy_sample_hot = lingc.greedy_sample(lm_head_linear)                         # index into the map
+        draft_greedy_sample_map = lingc.embedding(draft_greedy_sample_hot, w_draft_vocab_token_map)   # [1, 1, 1]
+        draft_greedy_sample = aten.view(draft_greedy_sample_map, [1, 1])                     # the token
+    The map is sorted at compile time, so argmax ties go to the lowest token id as in the full argmax.
+  * filtered_probs (the general graphs, any sampling; directly or through pick_position): the request's
+    temperature / top-k / top-p distribution q over the N hot tokens is widened to V, zero off the map
+    (`vocab_expand(q, draft_vocab.inverse_map [V])`, one launch), and everything that read the distribution (the
+    draft's sample_tokens, the relay that carries it to verify's chain_accept) reads the widened one:
+        draft_filtered_probs = lingc.filtered_probs(lm_head_linear, T, k, p)                  # [1, 1, N]
+        draft_filtered_probs_full = lingc.vocab_expand(draft_filtered_probs, w_draft_vocab_inverse_map)  # [1, 1, V]
 
-Lossless: verify still checks each proposal against the target's own argmax, so a greedy request gets plain
-decoding's tokens with or without the pass (tests/passes/test_draft_vocab.py); only the proposals change (the best
-hot token), and with them the accept lengths. How much acceptance a map costs depends on the model and the map
-(FR-Spec reports small drops for the most frequent tokens of a corpus); with random weights it cannot be measured
-here. Untouched: the target, the general graphs (sampled requests draft over the full vocabulary), the host-fed MTP
-prefill that proposes a request's first d1. Not with `--tp` (the map is not sharded).
+Lossless either way: verify still checks each proposal against the target. Greedy rows accept while the proposal
+is the target's argmax, so a greedy request gets plain decoding's tokens (tests/passes/test_draft_vocab.py); sampled
+rows accept with min(1, p / q) and resample from norm(max(0, p - q)) with q the widened draft distribution, which is
+the speculative-sampling rule for any draft distribution (Leviathan et al. 2023), so the emitted tokens follow the
+target's. Only the proposals change (the best or a sampled hot token), and with them the accept lengths. How much
+acceptance a map costs depends on the model and the map (FR-Spec reports small drops for the most frequent tokens
+of a corpus); with random weights it cannot be measured here. Untouched: the target, the host-fed MTP prefill that
+proposes a request's first d1. Not with `--tp` (the map is not sharded).
 """
 
 from __future__ import annotations
@@ -41,9 +52,10 @@ from lingc.passes.base import Pass
 from lingc.passes.matchers import get_weight_node
 from lingc.steps import GREEDY_SUFFIX
 
-GRAPHS = ("draft" + GREEDY_SUFFIX, "extend" + GREEDY_SUFFIX)      # the MTP stages a greedy request runs
+GRAPHS = ("draft", "extend", "draft" + GREEDY_SUFFIX, "extend" + GREEDY_SUFFIX)   # the MTP stages
 LM_HEAD = "lm_head.weight"
 HOT_WEIGHT, TOKEN_MAP = "draft_vocab.lm_head.weight", "draft_vocab.token_map"
+INVERSE_MAP = "draft_vocab.inverse_map"      # [V] int32: a token's index in the map, -1 off it (vocab_expand)
 OPTION = "draft_vocab"                       # Program.options key: the token ids (compile --draft-vocab)
 
 
@@ -86,15 +98,15 @@ def _logits(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _greedy_readers(logits: fx.Node) -> list[fx.Node] | None:
-    """The greedy_sample nodes the logits reach (directly or through pick_position), or None if anything else reads
-    them."""
+def _readers(logits: fx.Node, op) -> list[fx.Node] | None:
+    """The `op` nodes (greedy_sample or filtered_probs) the logits reach, directly or through pick_position, or None
+    if anything else reads them."""
     out = []
     for user in logits.users:
-        if user.target is OPS.greedy_sample:
+        if user.target is op and user.args[0] is logits:
             out.append(user)
         elif user.target is OPS.pick_position and user.args[0] is logits and \
-                all(u.target is OPS.greedy_sample for u in user.users):
+                all(u.target is op and u.args[0] is user for u in user.users):
             out += list(user.users)
         else:
             return None
@@ -103,8 +115,9 @@ def _greedy_readers(logits: fx.Node) -> list[fx.Node] | None:
 
 class DraftVocab(Pass):
     name = "draft_vocab"
-    summary = ("greedy MTP draft over a hot token subset (--draft-vocab FILE): lm_head rows of the map, argmax "
-               "index mapped back to its token; lossless (verify checks every proposal)")
+    summary = ("MTP draft over a hot token subset (--draft-vocab FILE): lm_head rows of the map; a greedy index mapped "
+               "back to its token, a sampled distribution widened to the vocabulary; lossless (verify checks every "
+               "proposal)")
     after = ("specialize_greedy", "partition", "fuse_norm_linear", "fuse_projections", "bf16_router")
     requires = ("specialize_greedy", "partition")
     # declared as a change: the draft's proposals (relays) differ, though a greedy request's tokens do not; no graph
@@ -132,22 +145,34 @@ class DraftVocab(Pass):
                 continue
             for lin in [n for n in graph.nodes if n.op == "call_function" and _reads_lm_head(n)]:
                 logits = _logits(lin)
-                samples = _greedy_readers(logits) if logits is not None else None
-                if samples is None:
-                    skipped[f"{gname}:{lin.name}"] = "its logits reach more than greedy_sample"
+                samples = _readers(logits, OPS.greedy_sample) if logits is not None else None
+                dists = _readers(logits, OPS.filtered_probs) if logits is not None and samples is None else None
+                if samples is None and dists is None:
+                    skipped[f"{gname}:{lin.name}"] = "its logits reach more than greedy_sample or filtered_probs"
                     continue
                 hot = get_weight_node(graph, HOT_WEIGHT, lin)
                 lin.args = tuple(hot if _is_lm_head(a) else a for a in lin.args)
-                table = get_weight_node(graph, TOKEN_MAP, lin)
-                for sample in samples:
-                    self._map_back(graph, sample, table)
+                if samples is not None:
+                    table = get_weight_node(graph, TOKEN_MAP, lin)
+                    for sample in samples:
+                        self._map_back(graph, sample, table)
+                else:
+                    inverse = get_weight_node(graph, INVERSE_MAP, lin)
+                    for dist in dists:
+                        self._widen(graph, dist, inverse)
                 rewritten.append(f"{gname}:{lin.name}")
         if rewritten:
             index = torch.tensor(ids, dtype=torch.long)
             lm_head = program.weights[LM_HEAD]
             program.weights[HOT_WEIGHT] = lm_head.index_select(0, index.to(lm_head.device)).contiguous()
             program.weights[TOKEN_MAP] = index.view(-1, 1).contiguous()
+            inverse = torch.full((lm_head.shape[0],), -1, dtype=torch.int32)
+            inverse[index] = torch.arange(len(ids), dtype=torch.int32)
+            program.weights[INVERSE_MAP] = inverse
             program.weight_info[HOT_WEIGHT] = {"draft_vocab_rows_of": LM_HEAD}
+            for name in (TOKEN_MAP, INVERSE_MAP):         # only the graphs that read them keep a get_attr of them
+                if not any(n.op == "get_attr" and n.target == name for g in program.graphs.values() for n in g.nodes):
+                    del program.weights[name]
         for graph in program.graphs.values():
             for n in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:
                 graph.erase_node(n)
@@ -169,3 +194,14 @@ class DraftVocab(Pass):
             node._rename(name + tag)
         for user in users:
             user.replace_input_with(sample, view)
+
+    @staticmethod
+    def _widen(graph: fx.Graph, dist: fx.Node, inverse: fx.Node) -> None:
+        """dist (filtered_probs over the map) -> vocab_expand(dist, inverse_map) for every reader of dist."""
+        users = list(dist.users)
+        with graph.inserting_after(dist):
+            full = graph.call_function(OPS.vocab_expand, (dist, inverse))
+        full.meta = {k: dist.meta[k] for k in ("lingc.scope", "lingc.stage") if k in dist.meta}
+        full._rename(dist.name + "_full")
+        for user in users:
+            user.replace_input_with(dist, full)

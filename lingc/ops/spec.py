@@ -114,6 +114,24 @@ def _(probs, u):
 register("sample_tokens")
 
 
+@torch.library.custom_op("lingc::vocab_expand", mutates_args=())
+def vocab_expand(probs: torch.Tensor, inverse_map: torch.Tensor) -> torch.Tensor:
+    """A distribution over a token subset as one over the vocabulary: probs [..., N], inverse_map [V] int (the
+    subset index of token v, -1 for tokens outside it) -> fp32 [..., V], probs[..., inverse_map[v]] where that is
+    >= 0, else 0 (draft_vocab: the sampled draft's distribution, as verify's chain_accept reads it)."""
+    inv = inverse_map.long()
+    gathered = probs.float().index_select(-1, inv.clamp_min(0))
+    return torch.where(inv >= 0, gathered, torch.zeros((), dtype=torch.float32, device=probs.device))
+
+
+@vocab_expand.register_fake
+def _(probs, inverse_map):
+    return probs.new_empty((*probs.shape[:-1], inverse_map.shape[0]), dtype=torch.float32)
+
+
+register("vocab_expand")
+
+
 @torch.library.custom_op("lingc::chain_accept", mutates_args=())
 def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                  target_logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

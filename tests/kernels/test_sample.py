@@ -272,3 +272,31 @@ def test_simulate_accept_has_the_reference_integers() -> None:
         want = torch.ops.lingc.simulate_accept(accept, mean, u, 6)
         assert got.dtype == torch.int32 and torch.equal(got, want), (got, want)
     assert sample.LOWERINGS["simulate_accept"] is sample.simulate_accept
+
+
+# ---------------------------------------------------------------------------------------------------- vocab_expand
+
+@pytest.mark.parametrize("lead, N, Vx, idx", [((1, 1), 7, 4999, torch.int32), ((2, 3), 300, 4999, torch.int64),
+                                              ((5,), 1, 33, torch.int32)], ids=["1x1", "2x3-int64", "N=1"])
+def test_vocab_expand_has_the_reference_values(lead: tuple, N: int, Vx: int, idx: torch.dtype) -> None:
+    """A random map of N ids out of Vx (3 programs of EXPAND_BLOCK a row at Vx = 4999, the last ragged), fp32 and
+    bf16 probabilities: every cell written (poisoned outputs), the gathered values exact, zeros off the map."""
+    g = _gen(N)
+    hot = torch.randperm(Vx, generator=g)[:N]
+    inverse = torch.full((Vx,), -1, dtype=idx)
+    inverse[hot] = torch.arange(N, dtype=idx)
+    for dtype in DTYPES.values():
+        probs = torch.rand(*lead, N, generator=g).to(dtype)
+        with poisoned_empty():
+            got = sample.vocab_expand(probs, inverse)
+        want = torch.ops.lingc.vocab_expand(probs, inverse)
+        assert got.dtype == torch.float32 and got.shape == (*lead, Vx) and torch.equal(got, want)
+        assert torch.equal(got[..., hot], probs.float()) and int((got != 0).sum()) <= probs.numel()
+    assert sample.LOWERINGS["vocab_expand"] is sample.vocab_expand
+
+
+def test_vocab_expand_bad_arguments_rejected() -> None:
+    with pytest.raises(ValueError, match="inverse_map \\[V\\] int32/int64"):
+        sample.vocab_expand(torch.rand(1, 4), torch.zeros(4))
+    with pytest.raises(ValueError, match="inverse_map \\[V\\] int32/int64"):
+        sample.vocab_expand(torch.rand(1, 4), torch.zeros(2, 4, dtype=torch.int32))
