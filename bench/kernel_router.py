@@ -3,7 +3,8 @@ chain_accept, sample_tokens) at the Ling-3.0-tiny decode shapes, against the tor
 
 Shapes: router E=128, k=8, n_group=8, topk_group=4, scale 2.5, BM=16, N in {1, 2, 6} (decode, verify chains);
 greedy_sample V=157184, T in {1, 7}; chain_accept B=1, K=6, V=157184 (greedy: the decode hot path; sampled:
-temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}. (`uniform` moved to kernel_meta.py.)
+temperature 1 after filtered_probs); sample_tokens V=157184, T in {1, 7}; vocab_expand N=32768 -> V=157184, T in
+{1, 5} (`python3 bench/kernel_router.py vocab_expand` runs only those). (`uniform` moved to kernel_meta.py.)
 
 router_align is timed per kernel variant (kernels/router.py): `router_align[rows]`, `router_align[pairs]` and
 `router_align[split]` (the default "auto" takes split from SPLIT_FROM tokens up while N * (k + S) <= 64, pairs at 1),
@@ -191,16 +192,38 @@ def _sample_rows(dev: torch.device) -> list[dict]:
                          exact, torch.equal(got, sample_tokens(*copies[0], pdl=True)),
                          _time(sample_tokens, copies), _time(sample_tokens_ref, copies), T * V * 4,
                          pdl_time_us=_time(lambda *a: sample_tokens(*a, pdl=True), copies)))
+    return rows + _vocab_expand_rows(dev)
+
+
+def _vocab_expand_rows(dev: torch.device) -> list[dict]:
+    """vocab_expand (draft_vocab's sampled draft): a distribution over N = 32768 evenly spaced ids widened to V."""
+    from lingc.kernels.sample import vocab_expand, vocab_expand_ref
+
+    rows, N = [], 32768
+    g = torch.Generator(device=dev).manual_seed(2)
+    inverse = torch.full((V,), -1, dtype=torch.int32, device=dev)
+    inverse[torch.arange(0, V, V // N, device=dev)[:N]] = torch.arange(N, dtype=torch.int32, device=dev)
+    for T in (1, 5):
+        copies = [(torch.softmax(torch.randn(1, T, N, device=dev, generator=g), dim=-1), inverse)
+                  for _ in range(cold_copies(T * V * 4))]
+        got, want = vocab_expand(*copies[0]), vocab_expand_ref(*copies[0])
+        exact = torch.equal(got, want)
+        rows.append(_row("vocab_expand", f"B=1 T={T} N={N} V={V}", exact, 0.0 if exact else float("inf"), exact,
+                         torch.equal(got, vocab_expand(*copies[0], pdl=True)),
+                         _time(vocab_expand, copies), _time(vocab_expand_ref, copies), T * (N + V) * 4 + V * 4,
+                         pdl_time_us=_time(lambda *a: vocab_expand(*a, pdl=True), copies)))
     return rows
 
 
-def run(device: torch.device) -> list[dict]:
+def run(device: torch.device, only: str = "") -> list[dict]:
     import lingc  # noqa: F401  (registers the reference ops)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if only == "vocab_expand":
+        return _vocab_expand_rows(device)
     return _router_rows(device) + _sample_rows(device)
 
 
-if __name__ == "__main__":
-    for row in run(torch.device("cuda", torch.cuda.current_device())):
+if __name__ == "__main__":          # python3 bench/kernel_router.py [vocab_expand]   (JSON lines)
+    for row in run(torch.device("cuda", torch.cuda.current_device()), *sys.argv[1:2]):
         print(json.dumps(row))
