@@ -299,18 +299,22 @@ def greedy_parity(model, traced, passes: list[str], tokens: int = 48) -> dict:
             "first_divergence_vs_reference": next((i for i, (a, b) in enumerate(zip(plain, ref)) if a != b), None)}
 
 
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1}      # the sampled end-to-end request (--draft-vocab)
+
+
 def end_to_end(program, prompt_len: int, new_tokens: int = 1024, accept: float = 3.2, greedy_graphs: bool = True,
-               ) -> dict:
+               sampling: dict | None = None) -> dict:
     """What `lingc generate --simulate-accept-len 3.2 --max-new-tokens 1024 --ignore-eos` does, on the in-memory
     program (the artifact's weights would be the same tensors): TTFT, TPOT, tok/s, derived step time. A greedy
-    request, so the engine runs specialize_greedy's copies unless greedy_graphs is False (--no-greedy-graphs)."""
-    from lingc.runtime.engine import Engine, Request
+    request, so the engine runs specialize_greedy's copies unless greedy_graphs is False (--no-greedy-graphs), or,
+    with `sampling` (SamplingParams fields), a sampled one on the general graphs."""
+    from lingc.runtime.engine import Engine, Request, SamplingParams
     t0 = time.perf_counter()
     eng = Engine(program, "cuda", "nextn", simulate_accept_len=accept, greedy_graphs=greedy_graphs)
     startup = time.perf_counter() - t0
     prompt = [(7 * i + 3) % 150000 for i in range(prompt_len)]
     eng.generate(Request(prompt[:64], 16, ignore_eos=True))                          # warm-up
-    r = eng.generate(Request(prompt, new_tokens, ignore_eos=True))
+    r = eng.generate(Request(prompt, new_tokens, SamplingParams(**(sampling or {})), ignore_eos=True))
     decode_s = r.total_s - r.ttft_s
     out = {"prompt_tokens": prompt_len, "new_tokens": len(r.tokens), "engine_startup_s": startup,
            "ttft_ms": r.ttft_s * 1e3, "tpot_ms": r.tpot_s * 1e3, "tok_per_s": len(r.tokens) / r.total_s,
@@ -455,12 +459,16 @@ def main() -> None:
                 hot.options[OPTION] = list(range(0, V, V // args.draft_vocab))[:args.draft_vocab]
                 hot = PassManager(["all", "draft_vocab"]).run(hot).program
                 result["end_to_end_draft_vocab"] = end_to_end(hot, args.e2e_prompt)
+                # a sampled request runs the general graphs, which draft_vocab now rewrites too (vocab_expand)
+                result["end_to_end_sampled"] = end_to_end(program, args.e2e_prompt, sampling=SAMPLED)
+                result["end_to_end_draft_vocab_sampled"] = end_to_end(hot, args.e2e_prompt, sampling=SAMPLED)
                 prompt = list(range(1000, 1040))           # lossless: the same greedy tokens as plain decoding
                 toks = [Engine(p, "cuda", spec).generate(Request(prompt, 48, ignore_eos=True)).tokens
                         for p, spec in ((hot, "nextn"), (program, "none"))]
                 result["draft_vocab_nextn_equals_plain"] = toks[0] == toks[1]
                 print("draft_vocab", result["end_to_end_draft_vocab"], "nextn == plain", toks[0] == toks[1],
-                      flush=True)
+                      "\nsampled", result["end_to_end_sampled"], "\ndraft_vocab sampled",
+                      result["end_to_end_draft_vocab_sampled"], flush=True)
                 del hot
             del program
         except Exception as e:  # noqa: BLE001
