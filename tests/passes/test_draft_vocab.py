@@ -98,6 +98,20 @@ def test_greedy_tokens_are_lossless_and_proposals_are_hot(compiled):
     assert d1 in HOT                                                     # extend_greedy's proposal is a hot token
 
 
+def test_the_kernels_run_the_new_launches(compiled):
+    """On the Triton backend the widened distribution is the vocab_expand kernel (tests/kernels/test_sample.py checks
+    its values) and the map back an embedding kernel: no reference op is left in the MTP stages."""
+    from lingc.runtime.executor import Executor
+    exe = Executor(compiled[1], "cpu", backend="triton")
+    for graph, draws in (("draft", 4), ("extend", 1), ("draft_greedy", 4), ("extend_greedy", 1)):
+        counts = exe.kernel_counts(graph)
+        if graph.endswith("_greedy"):
+            assert counts.get("triton:embedding", 0) >= draws, counts
+        else:
+            assert counts.get("triton:vocab_expand") == draws, counts
+        assert not [k for k in counts if k.startswith("lingc.")], counts
+
+
 def test_sampled_request_whose_filter_keeps_one_token_gets_greedy_tokens(compiled):
     """top_k = 1 at temperature 0.9: the general graphs run (q over the map is one-hot on the best hot token, the
     target's p one-hot on its argmax), and chain_accept's accept / residual rule must then emit greedy decoding's
