@@ -74,7 +74,7 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
                 tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks: runs the tp pass last and writes one "
                                        "weight set per rank (must divide heads, experts, vocab; docs/tp.md)"),
                 draft_vocab: Optional[Path] = typer.Option(
-                    None, "--draft-vocab", help="JSON list of token ids: the greedy MTP draft proposes only these "
+                    None, "--draft-vocab", help="JSON list of token ids: the MTP draft proposes only these "
                     "(lm_head rows of the map; the draft_vocab pass, added if missing; lossless, proposals change; "
                     "SGLang's --speculative-token-map; `lingc draft-vocab` counts one from a corpus)")) -> None:
     """Trace the checkpoint's step programs, run the passes, and write an artifact (JSON IR + safetensors)."""
@@ -130,7 +130,7 @@ def draft_vocab_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint dire
                                              "reads it)")) -> None:
     """Count a corpus's tokens and write the most frequent ids as a draft_vocab token map.
 
-    The map lets the greedy MTP draft propose from those ids only (lingc compile --draft-vocab FILE): its lm_head
+    The map lets the MTP draft propose from those ids only (lingc compile --draft-vocab FILE): its lm_head
     reads --size rows instead of the whole vocabulary. Count text like the traffic you serve; the printed coverage
     (the corpus tokens whose id is in the map) bounds how often the draft can propose the next token. eos and the
     tokenizer's special tokens are always kept.

@@ -1,6 +1,6 @@
 """Build the draft_vocab token map (`lingc compile --draft-vocab FILE`) from a text corpus: the N most frequent ids.
 
-The draft_vocab pass lets the greedy MTP draft propose only from a hot subset of the vocabulary (FR-Spec; SGLang's
+The draft_vocab pass lets the MTP draft propose only from a hot subset of the vocabulary (FR-Spec; SGLang's
 `--speculative-token-map`), so its lm_head reads N rows instead of V. Which N decides how often the draft can
 propose the target's token at all; the usual choice is the ids a tokenizer emits most on text like the traffic.
 This module counts them:

@@ -119,7 +119,7 @@ class DraftVocab(Pass):
                "back to its token, a sampled distribution widened to the vocabulary; lossless (verify checks every "
                "proposal)")
     after = ("specialize_greedy", "partition", "fuse_norm_linear", "fuse_projections", "bf16_router")
-    requires = ("specialize_greedy", "partition")
+    requires = ("partition",)                 # the greedy copies are rewritten where specialize_greedy made them
     # declared as a change: the draft's proposals (relays) differ, though a greedy request's tokens do not; no graph
     # output changes (the step graphs have none), so --verify's gate is the tokens' equality it reports
     changes_numerics = True
@@ -141,7 +141,7 @@ class DraftVocab(Pass):
         for gname in GRAPHS:
             graph = program.graphs.get(gname)
             if graph is None:
-                skipped[gname] = "no such graph (draft_vocab runs on specialize_greedy's copies, after partition)"
+                skipped[gname] = "no such graph (draft / extend come from partition, their _greedy copies from specialize_greedy)"
                 continue
             for lin in [n for n in graph.nodes if n.op == "call_function" and _reads_lm_head(n)]:
                 logits = _logits(lin)

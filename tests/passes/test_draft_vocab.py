@@ -146,6 +146,14 @@ def test_chain_accept_with_a_draft_zero_off_the_map_emits_the_target_distributio
     assert float((accept_len == 2).double().mean()) == pytest.approx(float(torch.minimum(p, q).sum()), abs=0.01)
 
 
+def test_without_specialize_greedy_only_the_general_stages_change(tiny_program):
+    result = PassManager(["partition", "draft_vocab"]).run(_with_map(tiny_program, HOT))
+    record = result.records[-1]
+    assert record.matches == 5 and {"draft_greedy", "extend_greedy"} <= set(record.details["skipped"])
+    assert _lm_head_readers(result.program, "draft") == {"lm_head.weight": 0, HOT_WEIGHT: 4}
+    assert TOKEN_MAP not in result.program.weights and INVERSE_MAP in result.program.weights
+
+
 def test_second_run_adds_nothing(compiled):
     _, program = compiled
     again, record = DraftVocab().run(program)
