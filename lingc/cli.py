@@ -123,8 +123,9 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
 
 @app.command("draft-vocab")
 def draft_vocab_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint directory (config.json + tokenizer.json)"),
-                    corpus: list[Path] = typer.Option(..., "--corpus", "-c", help="text file, or .jsonl with a "
-                                                      "\"text\" string or \"messages\" a line; repeat for more files"),
+                    corpus: list[Path] = typer.Option(..., "--corpus", "-c", help="text file; .jsonl with a \"text\" string, "
+                                                      "\"messages\" or \"conversations\" a line; .json, a list of "
+                                                      "such rows (ShareGPT); repeat for more files"),
                     size: int = typer.Option(32768, "--size", "-n", help="ids in the map (the draft's lm_head rows)"),
                     out: Path = typer.Option(..., "--out", "-o", help="JSON file to write (lingc compile --draft-vocab "
                                              "reads it)")) -> None:

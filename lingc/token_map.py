@@ -12,8 +12,9 @@ This module counts them:
     coverage = the fraction of the corpus's tokens whose id is in the map: an upper bound on how often a draft
               restricted to the map can propose the next token
 
-Corpus files: `.jsonl` (one JSON object a line: its "text", or the "content" strings of its "messages", as chat
-datasets store them) or anything else as UTF-8 text. The result is written as a JSON list of ints, the format
+Corpus files: `.jsonl` (one JSON object a line: its "text", the "content" strings of its "messages" (OpenAI-style
+chat datasets) or the "value" strings of its "conversations" (ShareGPT)), `.json` (a list of such objects, loaded
+whole: ShareGPT's files are one JSON array), or anything else as UTF-8 text. The result is written as a JSON list of ints, the format
 `--draft-vocab` reads, through a temporary file and a rename (a failed run leaves no half-written map).
 Why not a library: it is a bincount over `tokenizers` output; SGLang / EAGLE ship the maps as torch pickles,
 which lingc never loads.
@@ -51,19 +52,37 @@ class TokenMap:
         return self.covered_tokens / self.corpus_tokens if self.corpus_tokens else 0.0
 
 
+def _row_texts(row, where: str) -> Iterator[str]:
+    """The texts of one corpus row: "text", or the turns of "messages" (content) / "conversations" (value)."""
+    if isinstance(row, dict) and isinstance(row.get("text"), str):
+        yield row["text"]
+    elif isinstance(row, dict) and isinstance(row.get("messages") or row.get("conversations"), list):
+        for m in row.get("messages") or row["conversations"]:
+            text = m.get("content", m.get("value")) if isinstance(m, dict) else None
+            if isinstance(text, str):
+                yield text
+    else:
+        raise TokenMapError(f"{where}: want an object with a \"text\" string or a \"messages\" / \"conversations\" "
+                            "list")
+
+
 def _jsonl_texts(path: Path, line: str, number: int) -> Iterator[str]:
     try:
         row = json.loads(line)
     except ValueError as e:
         raise TokenMapError(f"{path}:{number}: not a JSON object ({e})") from None
-    if isinstance(row, dict) and isinstance(row.get("text"), str):
-        yield row["text"]
-    elif isinstance(row, dict) and isinstance(row.get("messages"), list):
-        for m in row["messages"]:
-            if isinstance(m, dict) and isinstance(m.get("content"), str):
-                yield m["content"]
-    else:
-        raise TokenMapError(f"{path}:{number}: want an object with a \"text\" string or a \"messages\" list")
+    yield from _row_texts(row, f"{path}:{number}")
+
+
+def _json_texts(path: Path, f) -> Iterator[str]:
+    try:
+        rows = json.load(f)
+    except ValueError as e:
+        raise TokenMapError(f"{path}: not a JSON document ({e})") from None
+    if not isinstance(rows, list):
+        raise TokenMapError(f"{path}: want a JSON list of rows, got a {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        yield from _row_texts(row, f"{path}: row {i}")
 
 
 def corpus_texts(paths: Iterable[Path], advance: Callable[[int], None] = lambda n: None) -> Iterator[str]:
@@ -71,6 +90,10 @@ def corpus_texts(paths: Iterable[Path], advance: Callable[[int], None] = lambda 
     for path in paths:
         try:
             with open(path, encoding="utf-8") as f:
+                if path.suffix == ".json":
+                    yield from _json_texts(path, f)
+                    advance(path.stat().st_size)
+                    continue
                 for number, line in enumerate(f, start=1):
                     advance(len(line.encode("utf-8")))
                     if path.suffix == ".jsonl":

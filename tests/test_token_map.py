@@ -74,6 +74,15 @@ def test_jsonl_rows_give_text_and_message_contents(ck: Path, tmp_path: Path):
     assert tm.ids == [6, EOS]                               # w6 x3 beats w5 x2
 
 
+def test_sharegpt_json_and_conversations_rows(ck: Path, tmp_path: Path):
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "w3 w3"}, {"from": "gpt", "value": "w4"}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "w3"}]}]
+    tm = build_token_map(ck, [_text(tmp_path, "share.json", json.dumps(rows))], 2)
+    assert tm.ids == [3, EOS] and tm.corpus_tokens == 4
+    line = json.dumps(rows[0]) + "\n"
+    assert build_token_map(ck, [_text(tmp_path, "share.jsonl", line)], 3).ids == [3, 4, EOS]
+
+
 def test_several_files_are_counted_together(ck: Path, tmp_path: Path):
     a = _text(tmp_path, "a.txt", "w2 w2\n")
     b = _text(tmp_path, "b.jsonl", json.dumps({"text": "w4 w4 w4"}) + "\n")
@@ -90,6 +99,8 @@ def test_several_files_are_counted_together(ck: Path, tmp_path: Path):
     ("missing_file", "corpus file not found: "),
     ("bad_jsonl", "c.jsonl:2: not a JSON object"),
     ("jsonl_no_text", "c.jsonl:1: want an object with a \"text\" string"),
+    ("json_not_list", "c.json: want a JSON list of rows, got a dict"),
+    ("json_bad", "c.json: not a JSON document"),
     ("not_utf8", "c.txt: not UTF-8 text"),
     ("empty", "has no text to count"),
 ])
@@ -114,6 +125,10 @@ def test_bad_input_names_the_problem(ck: Path, tmp_path: Path, case: str, needle
         corpus = [_text(tmp_path, "c.jsonl", json.dumps({"text": "w1"}) + "\n{oops\n")]
     elif case == "jsonl_no_text":
         corpus = [_text(tmp_path, "c.jsonl", json.dumps({"prompt": "w1"}) + "\n")]
+    elif case == "json_not_list":
+        corpus = [_text(tmp_path, "c.json", json.dumps({"text": "w1"}))]
+    elif case == "json_bad":
+        corpus = [_text(tmp_path, "c.json", "[{")]
     elif case == "not_utf8":
         (tmp_path / "c.txt").write_bytes(b"w1 \xff\xfe w2\n")
     elif case == "empty":
