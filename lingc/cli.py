@@ -271,7 +271,8 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
     console.print(f"spec {spec}: {result.steps} decode steps, mean accept length {result.mean_accept_len:.2f}{sim}; "
                   f"TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
                   f"{summary['tok_per_s']:.1f} tok/s")
-    console.print(f"step graphs: {' -> '.join(result.graphs)}")
+    hot = f" (the draft proposes from {summary['draft_vocab']} hot ids: draft_vocab)" if summary.get("draft_vocab") else ""
+    console.print(f"step graphs: {' -> '.join(result.graphs)}{hot}")
 
 
 @app.command()

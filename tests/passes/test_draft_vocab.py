@@ -154,6 +154,17 @@ def test_without_specialize_greedy_only_the_general_stages_change(tiny_program):
     assert TOKEN_MAP not in result.program.weights and INVERSE_MAP in result.program.weights
 
 
+def test_generate_reports_the_map_size(compiled, tmp_path):
+    """`lingc generate --json` (Session.summary) says how many hot ids the draft proposes from; None without the pass
+    or without speculation."""
+    from lingc.runtime.session import Session
+    base, program = compiled
+    for prog, spec, want in ((program, "nextn", len(HOT)), (program, "none", None), (base, "nextn", None)):
+        engine = Engine(prog, spec=spec)
+        result = engine.generate(Request([11, 22], 3, ignore_eos=True))
+        assert Session(tmp_path, engine, None).summary([11, 22], result)["draft_vocab"] == want, (spec, want)
+
+
 def test_second_run_adds_nothing(compiled):
     _, program = compiled
     again, record = DraftVocab().run(program)
