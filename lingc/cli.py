@@ -297,7 +297,7 @@ def demo(workdir: Path = typer.Option(Path(".lingc-demo"), help="where to put th
     console.print(f"  programs: {', '.join(result.program.graphs)}")
     opt_in = [name for name, cls in PASSES.items() if not cls.in_all]
     console.print(f"  opt-in passes, not in all: {', '.join(opt_in)} (`lingc passes`; draft_vocab with "
-                  "`lingc compile --draft-vocab FILE`)")
+                  "`lingc compile --draft-vocab FILE`; `lingc draft-vocab` counts a map from a corpus)")
     console.rule("3. lingc generate (greedy): NEXTN 5/6 vs plain decode")
     program = load_artifact(art_dir).program
     prompt = [11, 22, 33, 44, 55]
