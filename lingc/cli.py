@@ -1,4 +1,5 @@
-"""The `lingc` command line: thin typer commands over the library (init, compile, draft-vocab, passes, diff, report, generate, demo, serve, bench)."""
+"""The `lingc` command line: thin typer commands over the library (init, compile, draft-vocab, passes, diff, report,
+generate, demo, serve, bench)."""
 
 from __future__ import annotations
 
@@ -123,9 +124,10 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
 
 @app.command("draft-vocab")
 def draft_vocab_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint directory (config.json + tokenizer.json)"),
-                    corpus: list[Path] = typer.Option(..., "--corpus", "-c", help="text file; .jsonl with a \"text\" string, "
-                                                      "\"messages\" or \"conversations\" a line; .json, a list of "
-                                                      "such rows (ShareGPT); repeat for more files"),
+                    corpus: list[Path] = typer.Option(..., "--corpus", "-c",
+                                                      help="text file; .jsonl with a \"text\" string, \"messages\" "
+                                                      "or \"conversations\" a line; .json, a list of such rows "
+                                                      "(ShareGPT); repeat for more files"),
                     size: int = typer.Option(32768, "--size", "-n", help="ids in the map (the draft's lm_head rows)"),
                     out: Path = typer.Option(..., "--out", "-o", help="JSON file to write (lingc compile --draft-vocab "
                                              "reads it)")) -> None:
@@ -271,7 +273,8 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
     console.print(f"spec {spec}: {result.steps} decode steps, mean accept length {result.mean_accept_len:.2f}{sim}; "
                   f"TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.1f} ms, "
                   f"{summary['tok_per_s']:.1f} tok/s")
-    hot = f" (the draft proposes from {summary['draft_vocab']} hot ids: draft_vocab)" if summary.get("draft_vocab") else ""
+    size = summary.get("draft_vocab")
+    hot = f" (the draft proposes from {size} hot ids: draft_vocab)" if size else ""
     console.print(f"step graphs: {' -> '.join(result.graphs)}{hot}")
 
 

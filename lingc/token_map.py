@@ -14,8 +14,10 @@ This module counts them:
 
 Corpus files: `.jsonl` (one JSON object a line: its "text", the "content" strings of its "messages" (OpenAI-style
 chat datasets) or the "value" strings of its "conversations" (ShareGPT)), `.json` (a list of such objects, loaded
-whole: ShareGPT's files are one JSON array), or anything else as UTF-8 text. The result is written as a JSON list of ints, the format
-`--draft-vocab` reads, through a temporary file and a rename (a failed run leaves no half-written map).
+whole: ShareGPT's files are one JSON array), or anything else as UTF-8 text. The result is written as a JSON list
+of ints, the format `--draft-vocab` reads, through a temporary file and a rename (a failed run leaves no half-written
+map).
+
 Why not a library: it is a bincount over `tokenizers` output; SGLang / EAGLE ship the maps as torch pickles,
 which lingc never loads.
 """

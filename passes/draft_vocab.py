@@ -141,7 +141,8 @@ class DraftVocab(Pass):
         for gname in GRAPHS:
             graph = program.graphs.get(gname)
             if graph is None:
-                skipped[gname] = "no such graph (draft / extend come from partition, their _greedy copies from specialize_greedy)"
+                skipped[gname] = ("no such graph (draft / extend come from partition, their _greedy copies from "
+                                  "specialize_greedy)")
                 continue
             for lin in [n for n in graph.nodes if n.op == "call_function" and _reads_lm_head(n)]:
                 logits = _logits(lin)
