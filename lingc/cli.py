@@ -75,7 +75,8 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
                 tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks: runs the tp pass last and writes one "
                                        "weight set per rank (must divide heads, experts, vocab; docs/tp.md)"),
                 draft_vocab: Optional[Path] = typer.Option(
-                    None, "--draft-vocab", help="JSON list of token ids: the MTP draft proposes only these "
+                    None, "--draft-vocab", help="token ids (a JSON list; or .npy, .safetensors, text): the MTP draft "
+                    "proposes only these "
                     "(lm_head rows of the map; the draft_vocab pass, added if missing; lossless, proposals change; "
                     "SGLang's --speculative-token-map; `lingc draft-vocab` counts one from a corpus)")) -> None:
     """Trace the checkpoint's step programs, run the passes, and write an artifact (JSON IR + safetensors)."""
@@ -91,13 +92,11 @@ def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint director
         _fail(str(e))
     hot = None
     if draft_vocab is not None:
-        import json
+        from lingc.token_map import TokenMapError, read_token_map
         try:
-            hot = json.loads(draft_vocab.read_text())
-        except (OSError, ValueError) as e:
-            _fail(f"--draft-vocab {draft_vocab}: cannot read a JSON list of token ids ({e})")
-        if not isinstance(hot, list):
-            _fail(f"--draft-vocab {draft_vocab}: want a JSON list of token ids, got a {type(hot).__name__}")
+            hot = read_token_map(draft_vocab)
+        except TokenMapError as e:
+            _fail(f"--draft-vocab {e}")
     t0 = time.perf_counter()
     try:
         result = compile_checkpoint(checkpoint, out, _split(passes), _split(programs) or None, dtype, verify,

@@ -20,6 +20,11 @@ map).
 
 Why not a library: it is a bincount over `tokenizers` output; SGLang / EAGLE ship the maps as torch pickles,
 which lingc never loads.
+
+`read_token_map(path)` reads a map for `--draft-vocab` from a JSON list, a text file of ids (whitespace or comma
+separated), a `.npy` integer array (numpy, no pickles) or a `.safetensors` file holding one 1-D integer tensor. An
+FR-Spec / SGLang `.pt` map converts with one line of the user's own torch, on a file they trust:
+    python -c "import torch, json; json.dump(torch.load('freq_32768.pt').tolist(), open('map.json', 'w'))"
 """
 
 from __future__ import annotations
@@ -189,6 +194,48 @@ def build_token_map(checkpoint: str | Path, corpus: list[Path], size: int, *,
     ids = hot_ids(counts, size, keep)
     return TokenMap(ids=ids, corpus_tokens=total, covered_tokens=int(counts[ids].sum()),
                     distinct=int(np.count_nonzero(counts)), out_of_vocab=out_of_vocab, kept=sorted(set(keep)))
+
+
+def _ints(values, path: Path, what: str) -> list[int]:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TokenMapError(f"{path}: want a 1-D list of integer token ids, got {what} of shape {list(arr.shape)} "
+                            f"and dtype {arr.dtype}")
+    return [int(x) for x in arr]
+
+
+def read_token_map(path: str | Path) -> list[int]:
+    """The token ids of a map file (module docstring: .json, .npy, .safetensors, else text); never unpickles.
+    Range, duplicates and sorting are checked where the map is used (passes/draft_vocab.py check_token_map)."""
+    path = Path(path)
+    try:
+        if path.suffix == ".npy":
+            return _ints(np.load(path, allow_pickle=False), path, "an array")
+        if path.suffix == ".safetensors":
+            from safetensors.numpy import load_file
+            tensors = load_file(str(path))
+            if len(tensors) != 1:
+                raise TokenMapError(f"{path}: want one tensor of token ids, found {sorted(tensors) or 'none'}")
+            (name, arr), = tensors.items()
+            return _ints(arr, path, f"tensor {name!r}")
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            ids = json.loads(text)
+            if not isinstance(ids, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in ids):
+                got = f"a {type(ids).__name__}" if not isinstance(ids, list) else "a list with non-integers"
+                raise TokenMapError(f"{path}: want a JSON list of token ids, got {got}")
+            return ids
+        words = text.replace(",", " ").split()
+        bad = [w for w in words if not w.lstrip("-").isdigit()]
+        if bad:
+            raise TokenMapError(f"{path}: want token ids separated by spaces, commas or newlines; found {bad[:3]}")
+        return [int(w) for w in words]
+    except TokenMapError:
+        raise
+    except (OSError, ValueError, UnicodeDecodeError) as e:      # unreadable, bad JSON / npy / safetensors header
+        raise TokenMapError(f"{path}: cannot read a token map ({e})") from None
+    except Exception as e:                                      # safetensors raises its own error types
+        raise TokenMapError(f"{path}: cannot read a token map ({type(e).__name__}: {e})") from None
 
 
 def write_token_map(token_map: TokenMap, out: str | Path) -> None:

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from lingc.cli import app
 from lingc.config import LingConfig
 from lingc.passes.draft_vocab import check_token_map
-from lingc.token_map import TokenMapError, build_token_map, hot_ids, write_token_map
+from lingc.token_map import TokenMapError, build_token_map, hot_ids, read_token_map, write_token_map
 
 EOS = 511
 
@@ -165,3 +165,40 @@ def test_write_failure_leaves_no_temporary_file(ck: Path, tmp_path: Path):
     with pytest.raises(TokenMapError, match="cannot write the token map"):
         write_token_map(tm, target)
     assert not target.exists() and not target.with_name("map.json.tmp").exists()
+
+
+def test_read_token_map_formats(tmp_path: Path):
+    """JSON, text, .npy and .safetensors maps read to the same ids; nothing is unpickled."""
+    from safetensors.numpy import save_file
+    ids = [5, 1, 300, 42]
+    (tmp_path / "m.json").write_text(json.dumps(ids))
+    (tmp_path / "m.txt").write_text("5, 1\n300 42\n")
+    np.save(tmp_path / "m.npy", np.array(ids, dtype=np.int64))
+    save_file({"token_map": np.array(ids, dtype=np.int32)}, str(tmp_path / "m.safetensors"))
+    for name in ("m.json", "m.txt", "m.npy", "m.safetensors"):
+        assert read_token_map(tmp_path / name) == ids, name
+
+
+@pytest.mark.parametrize("name, write, needle", [
+    ("d.json", lambda p: p.write_text(json.dumps({"ids": [1]})), "want a JSON list of token ids, got a dict"),
+    ("f.json", lambda p: p.write_text("[1, 2.5]"), "a list with non-integers"),
+    ("b.json", lambda p: p.write_text("[1, "), "cannot read a token map"),
+    ("f.npy", lambda p: np.save(p, np.array([1.0, 2.0])), "1-D list of integer token ids, got an array"),
+    ("o.npy", lambda p: np.save(p, np.array([{"a": 1}], dtype=object)), "cannot read a token map"),
+    ("two.safetensors", None, "want one tensor of token ids, found ['a', 'b']"),
+    ("m2.safetensors", None, "got tensor 'ids' of shape [2, 2]"),
+    ("t.txt", lambda p: p.write_text("1 2 x3"), "found ['x3']"),
+    ("missing.json", lambda p: None, "cannot read a token map"),
+])
+def test_read_token_map_errors_name_the_problem(tmp_path: Path, name: str, write, needle: str):
+    from safetensors.numpy import save_file
+    path = tmp_path / name
+    if name == "two.safetensors":
+        save_file({"a": np.array([1], dtype=np.int64), "b": np.array([2], dtype=np.int64)}, str(path))
+    elif name == "m2.safetensors":
+        save_file({"ids": np.array([[1, 2], [3, 4]], dtype=np.int64)}, str(path))
+    else:
+        write(path)
+    with pytest.raises(TokenMapError) as info:
+        read_token_map(path)
+    assert needle in str(info.value) and str(path) in str(info.value), str(info.value)
