@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lingc.runtime.engine import EngineError, Request, Result, SamplingParams
 from lingc.runtime.scheduler import QueueFull, Scheduler, ServerStats, ShuttingDown
+from lingc.runtime.session import draft_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -538,6 +539,7 @@ class Served:
                 "spec": getattr(self.engine, "spec", None), "tp": self.config.tp, "device": self.config.device,
                 "passes": self.passes, "context_length": self.limits.context, "max_len": opt["max_len"],
                 "vocab_size": self.limits.vocab_size, "draft_tokens": opt["draft_tokens"],
+                "draft_vocab": draft_vocab_size(self.engine) if getattr(self.engine, "spec", None) == "nextn" else None,
                 "tokenizer": self.tokenizer is not None, "chat_template": self.chat.template is not None,
                 "max_queue": self.config.max_queue, "queue_depth": self.scheduler.queue_depth,
                 "running": self.scheduler.running is not None, "start_time": self.stats.started,

@@ -12,6 +12,14 @@ from lingc.runtime.engine import Engine, EngineError, Result
 TOKENIZER_FILE = "tokenizer.json"
 
 
+def draft_vocab_size(engine) -> int | None:
+    """How many hot ids the draft proposes from (the draft_vocab pass), or None (no pass, or an engine without a
+    program, as TP's front end)."""
+    program = getattr(engine, "program", None)
+    hot = program.options.get("draft_vocab") if program is not None else None
+    return hot.get("size") if isinstance(hot, dict) else None
+
+
 @dataclass
 class Session:
     path: Path
@@ -37,15 +45,13 @@ class Session:
     def summary(self, prompt: list[int], r: Result) -> dict[str, Any]:
         """What `lingc generate --json` prints."""
         decode_s = max(r.total_s - r.ttft_s, 1e-9)
-        program = getattr(self.engine, "program", None)
-        hot = program.options.get("draft_vocab") if program is not None else None
         return {"prompt_tokens": len(prompt), "tokens": r.tokens, "text": self.decode(r.tokens),
                 "finish_reason": r.finish_reason, "spec": r.spec, "steps": r.steps,
                 "accept_lens": r.accept_lens, "mean_accept_len": r.mean_accept_len,
                 "simulated_accept_len": r.simulated_accept_len, "ttft_ms": r.ttft_s * 1e3, "tpot_ms": r.tpot_s * 1e3,
                 "tok_per_s": len(r.tokens) / r.total_s if r.total_s else 0.0,
                 "step_ms": decode_s / r.steps * 1e3 if r.steps else 0.0, "graphs": list(r.graphs),
-                "draft_vocab": hot.get("size") if isinstance(hot, dict) and r.spec == "nextn" else None}
+                "draft_vocab": draft_vocab_size(self.engine) if r.spec == "nextn" else None}
 
 
 def open_session(artifact: str | Path, spec: str = "nextn", device: str = "cpu",

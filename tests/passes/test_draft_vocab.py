@@ -157,8 +157,12 @@ def test_without_specialize_greedy_only_the_general_stages_change(tiny_program):
 def test_generate_reports_the_map_size(compiled, tmp_path):
     """`lingc generate --json` (Session.summary) says how many hot ids the draft proposes from; None without the pass
     or without speculation."""
-    from lingc.runtime.session import Session
+    from types import SimpleNamespace
+
+    from lingc.runtime.session import Session, draft_vocab_size
     base, program = compiled
+    assert draft_vocab_size(SimpleNamespace(program=program)) == len(HOT)        # also /get_server_info's
+    assert draft_vocab_size(SimpleNamespace(program=base)) is None and draft_vocab_size(SimpleNamespace()) is None
     for prog, spec, want in ((program, "nextn", len(HOT)), (program, "none", None), (base, "nextn", None)):
         engine = Engine(prog, spec=spec)
         result = engine.generate(Request([11, 22], 3, ignore_eos=True))
