@@ -120,14 +120,14 @@ def count_tokens(tokenizer, texts: Iterable[str], vocab_size: int) -> tuple[np.n
     total = out_of_vocab = 0
     batch: list[str] = []
 
-    def flush() -> None:
+    def flush() -> None:            # one bincount a batch: an O(vocab) pass per line would dominate a large corpus
         nonlocal total, out_of_vocab
-        for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
-            ids = np.asarray(enc.ids, dtype=np.int64)
-            total += ids.size
-            inside = ids[ids < vocab_size]
-            out_of_vocab += ids.size - inside.size
-            counts[:] += np.bincount(inside, minlength=vocab_size)
+        encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
+        ids = np.concatenate([np.asarray(enc.ids, dtype=np.int64) for enc in encodings] or [np.zeros(0, np.int64)])
+        inside = ids[ids < vocab_size]
+        total += ids.size
+        out_of_vocab += ids.size - inside.size
+        counts[:] += np.bincount(inside, minlength=vocab_size)
         batch.clear()
 
     for text in texts:
@@ -147,12 +147,8 @@ def hot_ids(counts: np.ndarray, size: int, keep: Iterable[int] = ()) -> list[int
         raise TokenMapError(f"--size {size} is smaller than the {len(kept)} ids always kept (eos and special "
                             f"tokens: {kept[:8]}{' ...' if len(kept) > 8 else ''})")
     order = np.lexsort((np.arange(counts.size), -counts))       # count descending, then id ascending
-    chosen = set(kept)
-    for i in order:
-        if len(chosen) == size or counts[i] == 0:
-            break
-        chosen.add(int(i))
-    return sorted(chosen)
+    order = order[(counts[order] > 0) & ~np.isin(order, kept)]
+    return sorted(kept + order[: size - len(kept)].tolist())
 
 
 def special_ids(tokenizer) -> list[int]:
