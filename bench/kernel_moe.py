@@ -327,6 +327,46 @@ def _tune_rows(p: Problem) -> list[dict]:
     return rows
 
 
+def _pairs_rows(p: Problem) -> list[dict]:
+    """fuse_align_into_moe: router_topk -> moe_up_act_pairs -> moe_down_pairs -> combine_add_rmsnorm (the pair grid,
+    no align) against router_align -> moe_up_act -> moe_down -> combine_add_rmsnorm, PDL on, cold weights, the
+    shared expert fused (k + 1 pairs a token, E + 1 experts) as in lingc's step; the outputs bit for bit."""
+    from lingc.kernels.moe import (combine_add_rmsnorm, interleave_w13, moe_down, moe_down_pairs, moe_up_act,
+                                   moe_up_act_pairs)
+    from lingc.kernels.router import router_align, router_topk
+    dev = p.x[0].device
+    g = torch.Generator(device=dev).manual_seed(1)
+    w13i = [interleave_w13(torch.randn(E + 1, 2 * INTER, H, device=dev, generator=g).mul(0.02).to(torch.bfloat16))
+            for _ in range(COPIES)]
+    w2 = [torch.randn(E + 1, H, INTER, device=dev, generator=g).mul(0.02).to(torch.bfloat16) for _ in range(COPIES)]
+    logits = [torch.randn(p.T, E, device=dev, generator=g) for _ in range(CALLS)]
+    bias = torch.randn(E, device=dev, generator=g).mul(0.1)
+    norm_w = torch.rand(H, device=dev, generator=g).add(0.5).to(torch.bfloat16)
+    route = (8, 4, TOP_K, 2.5)
+
+    def aligned(c: int, w: int):
+        weights, _, *al = router_align(logits[c], bias, *route, E + 1, BLOCK_M, 1, pdl=True)
+        act = moe_up_act(p.x[c], w13i[w], *al, TOP_K + 1, BLOCK_M, 0.0, pdl=True)
+        return combine_add_rmsnorm(p.x[c], moe_down(act, w2[w], *al, BLOCK_M, pdl=True), weights, norm_w, 1e-6,
+                                   pdl=True)
+
+    def pairs(c: int, w: int):
+        weights, ids = router_topk(logits[c], bias, *route, 1, pdl=True)
+        act = moe_up_act_pairs(p.x[c], w13i[w], ids, 0.0, pdl=True)
+        return combine_add_rmsnorm(p.x[c], moe_down_pairs(act, w2[w], ids, pdl=True), weights, norm_w, 1e-6,
+                                   pdl=True)
+
+    same = all(torch.equal(a, b) for c in range(CALLS) for a, b in zip(aligned(c, c % COPIES), pairs(c, c % COPIES)))
+    rows = []
+    t_al = _time(p.calls(aligned))
+    t_pairs = _time(p.calls(pairs))
+    t_al2 = _time(p.calls(aligned))
+    t_pairs2 = _time(p.calls(pairs))
+    rows.append({"kernel": "moe_pairs_chain", "shape": p.shape + " shared=1", "ok": same, "bit_exact_vs_align": same,
+                 "time_us": [t_pairs, t_pairs2], "align_chain_time_us": [t_al, t_al2]})
+    return rows
+
+
 def run(device: torch.device, sections: tuple[str, ...] = ()) -> list[dict]:
     """Every section at T = 1 and 6, or only the named ones (e.g. ("_combine_norm_rows",))."""
     import lingc  # noqa: F401  (registers the reference ops)
@@ -340,7 +380,8 @@ def run(device: torch.device, sections: tuple[str, ...] = ()) -> list[dict]:
     rows: list[dict] = []
     for T in (1, 6):
         p = Problem(T, device, g, stacks)
-        for section in (_gemm_rows, _combine_align_rows, _combine_norm_rows, _chain_rows, _fused_rows, _tune_rows):
+        for section in (_gemm_rows, _combine_align_rows, _combine_norm_rows, _chain_rows, _fused_rows, _tune_rows,
+                        _pairs_rows):
             if sections and section.__name__ not in sections:
                 continue
             try:
@@ -352,5 +393,5 @@ def run(device: torch.device, sections: tuple[str, ...] = ()) -> list[dict]:
 
 
 if __name__ == "__main__":
-    for row in run(torch.device("cuda")):
+    for row in run(torch.device("cuda"), tuple(sys.argv[1:])):
         print(json.dumps(row))

@@ -105,6 +105,12 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
+# the pair grid (moe_up_act_pairs / moe_down_pairs, fuse_align_into_moe): one program row per (token, expert) pair,
+# the expert's first pair doing the expert's rows, at most PAIR_GRID_TOKENS tokens (a token per row slot of the
+# MIN_TILE_M tile) and PAIR_GRID_MAX pairs (one vector of ids); past either, the launcher aligns the ids itself
+PAIR_GRID_TOKENS = 16
+PAIR_GRID_MAX = 64
+PAIR_GRID_FALLBACK_BM = 16   # block_m of that fallback (lingc.modules.MOE_BLOCK_M)
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
 ACT_BLOCK = 1024             # silu_and_mul: output columns per program (I = 512: one program per row)
@@ -149,6 +155,13 @@ def _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride
     _gemm_tile's loop loads (zeros past K and N). block_expert through L2 (.cg): under PDL this runs before the
     wait, and its writer (the align) is two kernels back (module docstring)."""
     expert = tl.load(block_expert_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
+    return _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K, K_CHUNKS)
+
+
+@triton.jit
+def _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr):
+    """_preload_tile of a known expert."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -174,6 +187,30 @@ def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.cons
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=offs_m < BLOCK_M, other=num_pairs)  # [TILE_M]
     return expert, pairs
+
+
+@triton.jit
+def _pair_rows(ids_ptr, p, num_pairs, PAIR_ROWS: tl.constexpr, TILE_M: tl.constexpr, PR_BLOCK: tl.constexpr,
+               CG: tl.constexpr = False):
+    """BY_IDS: pair p's expert, whether p is that expert's first pair (flat order), and the expert's pairs as a
+    [TILE_M] row tile, slot r holding token r's pair (num_pairs where token r did not pick the expert). A token
+    picks an expert at most once (router_topk's ids are distinct per row), so a slot holds at most one pair and an
+    earlier pair of the expert is an earlier token's; the launcher keeps N <= TILE_M. The expert is a scalar load
+    (the weight addresses wait on nothing else); the ids as a [TILE_M, PR_BLOCK] (token, pick) tile beside it.
+    CG: through L2 only (.cg), for the down-GEMM's PRELOAD before its PDL wait (module docstring)."""
+    rows = tl.arange(0, TILE_M)
+    cols = tl.arange(0, PR_BLOCK)
+    idx = rows[:, None] * PAIR_ROWS + cols[None, :]                                     # [TILE_M, PR_BLOCK]
+    mask = (cols < PAIR_ROWS)[None, :] & (idx < num_pairs)
+    if CG:
+        expert = tl.load(ids_ptr + p, cache_modifier=".cg")
+        ids = tl.load(ids_ptr + idx, mask=mask, other=-1, cache_modifier=".cg")
+    else:
+        expert = tl.load(ids_ptr + p)
+        ids = tl.load(ids_ptr + idx, mask=mask, other=-1)
+    pairs = tl.min(tl.where(ids == expert, idx, num_pairs), axis=1)                    # [TILE_M]; -1 never matches
+    first = tl.sum(((pairs < num_pairs) & (rows < p // PAIR_ROWS)).to(tl.int32), axis=0) == 0
+    return expert.to(tl.int64), pairs, first
 
 
 @triton.jit
@@ -264,24 +301,38 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0):
+                     K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
+                     BY_IDS: tl.constexpr = False, PAIR_ROWS: tl.constexpr = 1, PR_BLOCK: tl.constexpr = 16):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
-    if K_CHUNKS > 0:          # PRELOAD (the down-GEMM): the align is two kernels back, see the module docstring
-        total = tl.load(total_ptr, cache_modifier=".cg")
-        if pid_m * BLOCK_M >= total:
-            return
-        ws = _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K,
-                           K_CHUNKS)
-        # the block's pairs too (the same align wrote them): after the wait only the act rows
-        expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M, True)
-    if PDL:
-        if PREFETCH:
-            _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we,
-                           stride_wn, BLOCK_M, BLOCK_N, K_LINES, LINE)
-        pdl_wait()
-    if K_CHUNKS == 0:
+    if BY_IDS:                # the pair grid (sorted_ptr = the router's ids): program row pid_m = pair pid_m
+        if K_CHUNKS > 0:      # PRELOAD: the router is two kernels back, as the align is (module docstring)
+            expert, pairs, first = _pair_rows(sorted_ptr, pid_m, num_pairs, PAIR_ROWS, TILE_M, PR_BLOCK, True)
+            if not first:
+                return
+            ws = _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K, K_CHUNKS)
+        if PDL:
+            pdl_wait()
+        if K_CHUNKS == 0:
+            expert, pairs, first = _pair_rows(sorted_ptr, pid_m, num_pairs, PAIR_ROWS, TILE_M, PR_BLOCK)
+            if not first:
+                return
+    else:
+        if K_CHUNKS > 0:          # PRELOAD (the down-GEMM): the align is two kernels back, see the module docstring
+            total = tl.load(total_ptr, cache_modifier=".cg")
+            if pid_m * BLOCK_M >= total:
+                return
+            ws = _preload_tile(w_ptr, block_expert_ptr, pid_m, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K,
+                               K_CHUNKS)
+            # the block's pairs too (the same align wrote them): after the wait only the act rows
+            expert, pairs = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M, TILE_M, True)
+        if PDL:
+            if PREFETCH:
+                _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we,
+                               stride_wn, BLOCK_M, BLOCK_N, K_LINES, LINE)
+            pdl_wait()
+    if K_CHUNKS == 0 and not BY_IDS:
         # total, the block's expert and its pairs in one L2 round trip, not two (the block exists whether in use or
         # not). Same bits as loading them after the check; with the held norm input (kernels/linear.py) and the
         # 16-warp norms, decode 1.231 -> 1.211 / 1.220 ms on the H200 (step-ab-h200-20261201-j.json; alone: noise)
@@ -497,6 +548,76 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
     return out
 
 
+def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, top_k: int, limit: float,
+               swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
+               preload: bool = False) -> torch.Tensor:
+    """The grouped GEMMs on the pair grid (BY_IDS): program row p = pair p of the router's ids [N, k'] (k' picks +
+    shared per token), which runs the GEMM for every pair of its expert if p is that expert's first pair and exits
+    otherwise; no align. top_k: pairs per A row (k' for the up-GEMM, 1 for the down-GEMM). Past PAIR_GRID_TOKENS
+    tokens or PAIR_GRID_MAX pairs (prefill, large batches) it aligns the ids itself (moe_align, one more launch)
+    and runs the align-grid kernel: the same values."""
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
+        raise ValueError(f"{op}: topk_ids is {list(topk_ids.shape)} {topk_ids.dtype}, want [N, k] int32")
+    n_tokens, pair_rows = topk_ids.shape
+    num_pairs = topk_ids.numel()
+    if not topk_ids.is_contiguous():
+        topk_ids, preload = topk_ids.contiguous(), False      # a copy launch right before: no pre-wait reads of it
+    if n_tokens > PAIR_GRID_TOKENS or num_pairs > PAIR_GRID_MAX:
+        from lingc.kernels.moe_align import moe_align
+        aligned = moe_align(topk_ids, w.shape[0], PAIR_GRID_FALLBACK_BM, pdl=pdl)
+        return _grouped_gemm(op, a, w, *aligned, top_k, PAIR_GRID_FALLBACK_BM, limit, swiglu, pdl, out, config)
+    _float_dtype(a, op, "activations")
+    if a.dim() != 2 or w.dim() != 3 or w.shape[2] != a.shape[1] or w.dtype != a.dtype:
+        raise ValueError(f"{op}: activations {list(a.shape)} {a.dtype} and weights {list(w.shape)} {w.dtype}: "
+                         "want [R, K] and [E, N, K] of one dtype")
+    if a.shape[0] * top_k != num_pairs:
+        raise ValueError(f"{op}: {a.shape[0]} activation rows x {top_k} != {num_pairs} pairs of topk_ids "
+                         f"{list(topk_ids.shape)}")
+    num_experts, n, k = w.shape
+    if swiglu and n % 2:
+        raise ValueError(f"{op}: interleaved w13 has {n} rows, want an even number (gate/up pairs)")
+    out = _out(op, out, (num_pairs, n // 2 if swiglu else n), a)
+    if num_pairs == 0 or n == 0:
+        return out
+    if k == 0:
+        raise ValueError(f"{op}: empty reduction (K = 0)")
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if w.stride(2) != 1:
+        raise ValueError(f"{op}: weights must be contiguous along K (stride {w.stride()})")
+    pdl = pdl and pdl_supported(a.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    interpret = _interpreting()
+    _moe_gemm_kernel[(triton.cdiv(n, config.block_n), num_pairs)](
+        a, w, out, topk_ids, topk_ids, topk_ids,
+        num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
+        TOP_K=top_k, BLOCK_M=MIN_TILE_M, TILE_M=MIN_TILE_M,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
+        SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
+        LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False, K_LINES=1, LINE=PREFETCH_LINE,
+        K_CHUNKS=preload_chunks(preload and pdl, k, config.block_k, num_pairs),
+        BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows),
+        num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
+    return out
+
+
+def moe_up_act_pairs(x: torch.Tensor, w13_interleaved: torch.Tensor, topk_ids: torch.Tensor, limit: float, *,
+                     pdl: bool = False, out: torch.Tensor | None = None, config: GemmConfig | None = None,
+                     ) -> torch.Tensor:
+    """moe_up_act on the pair grid: x [N, h], topk_ids [N, k] int32 -> [NP, I]; the bits of moe_up_act over
+    moe_align(topk_ids) (each pair row is its own dot, whatever block it sits in)."""
+    return _pair_gemm("moe_up_act_pairs", x, w13_interleaved, topk_ids, topk_ids.shape[-1], limit, True, pdl, out,
+                      config or UP_CONFIG)
+
+
+def moe_down_pairs(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, *, pdl: bool = False,
+                   out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """moe_down on the pair grid: act [NP, I], topk_ids [N, k] -> [NP, h]; the weight tile preloaded before the PDL
+    wait as moe_down's (the ids' writer, the router, is two kernels back)."""
+    return _pair_gemm("moe_down_pairs", act, w2, topk_ids, 1, 0.0, False, pdl, out, config or DOWN_CONFIG,
+                      preload=DOWN_PRELOAD)
+
+
 def moe_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
            total: torch.Tensor, top_k: int, block_m: int, *, pdl: bool = False, out: torch.Tensor | None = None,
            config: GemmConfig | None = None) -> torch.Tensor:
@@ -658,4 +779,6 @@ LOWERINGS = {
     "silu_and_mul": silu_and_mul,
     "moe_down": moe_down,
     "moe_combine": moe_combine,
+    "moe_up_act_pairs": moe_up_act_pairs,
+    "moe_down_pairs": moe_down_pairs,
 }

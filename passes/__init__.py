@@ -6,6 +6,7 @@ from lingc.passes.draft_vocab import DraftVocab
 from lingc.passes.capture_metadata import CaptureMetadata
 from lingc.passes.fuse_add_norm import FuseAddNorm
 from lingc.passes.fuse_cat_norm import FuseCatNorm
+from lingc.passes.fuse_align_into_moe import FuseAlignIntoMoe
 from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
 from lingc.passes.fuse_combine_norm import FuseCombineNorm
 from lingc.passes.fuse_index_chains import FuseIndexChains
@@ -26,8 +27,8 @@ from lingc.passes.tp import TensorParallel
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition, FuseSwiglu, FuseIndexChains,
                                                      CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
                                                      FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
-                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseCatNorm, DraftVocab,
-                                                     Pdl)}
+                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseCatNorm, FuseAlignIntoMoe,
+                                                     DraftVocab, Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

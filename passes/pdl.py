@@ -64,12 +64,16 @@ def _router_chain(topk: fx.Node) -> list[fx.Node]:
 
 
 def _moe_chain(align: fx.Node) -> list[fx.Node]:
-    chain = [align] if align.target is OPS.moe_align else []     # a router_align heads the router chain
+    """The MoE chain from its align (moe_align, or router_align: that one ends the router chain), or from
+    fuse_align_into_moe's moe_up_act_pairs (the router_topk before it ends the router chain)."""
+    chain = [align] if align.target in (OPS.moe_align, OPS.moe_up_act_pairs) else []
     node = align
-    for wanted in ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,), (OPS.moe_down,),
-                   (OPS.moe_combine, OPS.combine_add_rmsnorm)):
+    for wanted in ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,),
+                   (OPS.moe_down, OPS.moe_down_pairs), (OPS.moe_combine, OPS.combine_add_rmsnorm)):
         nxt = next((c for c in consumers(node) if c.target in wanted), None)
         if nxt is None:
+            if wanted[0] in (OPS.silu_and_mul, OPS.moe_up) and chain and chain[0].target is OPS.moe_up_act_pairs:
+                continue          # the pair chain starts at its up-GEMM
             if wanted == (OPS.silu_and_mul,):
                 continue          # fused into moe_up_act
             break
@@ -113,7 +117,7 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
 # produces any of those buffers, since a PDL kernel's programs start only after the kernel two back has completed
 # (kernels/pdl.py). Indices are the op's positional arguments.
 PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14),
-                  "moe_down": (2, 3, 4), "mla_attention": (0,)}
+                  "moe_down": (2, 3, 4), "moe_down_pairs": (2,), "mla_attention": (0,)}
 
 
 def _prewait_safe(node: fx.Node, short: str) -> bool:
@@ -172,7 +176,7 @@ class Pdl(Pass):
     summary = "annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched"
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
-             "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab")
+             "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab", "fuse_align_into_moe")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
@@ -183,7 +187,8 @@ class Pdl(Pass):
         for gname, graph in program.graphs.items():
             found: list[tuple[str, list[fx.Node]]] = []
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
-            found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align") for n in calls(graph, op)]
+            found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align", "moe_up_act_pairs")
+                      for n in calls(graph, op)]
             found += [("kda", _kda_chain(n))
                       for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged", "kda_fused_verify",
                                  "kda_fused_decode")

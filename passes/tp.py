@@ -69,6 +69,7 @@ from lingc.ops.dist import fold_sum
 from lingc.ops.norm_linear import WEIGHT_ARG
 from lingc.program import Program
 from lingc.passes.base import Pass
+from lingc.passes.fuse_align_into_moe import unfuse as unfuse_pairs
 from lingc.passes.fuse_combine_norm import unfuse as unfuse_combine_norm
 from lingc.passes.fuse_moe import unfuse
 from lingc.passes.matchers import calls, consumers, get_weight_node
@@ -236,6 +237,8 @@ def _insert_collective(graph: fx.Graph, node: fx.Node, op: Any, args: tuple, suf
 def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -> fx.Node:
     """moe_combine and its align -> ep_align + ep_combine (the module docstring); returns the ep_combine."""
     down = combine.args[0]
+    if down.target is OPS.moe_down_pairs:          # fuse_align_into_moe: back to moe_align + the aligned GEMMs
+        down = unfuse_pairs(graph, down, int(program.weights[down.args[1].target].shape[0]))
     if down.target is not OPS.moe_down:
         raise TPError(f"tp: {combine.name} does not read a moe_down; cannot shard this MoE layer")
     ups = [n for n in down.all_input_nodes if n.target in (OPS.moe_up, OPS.moe_up_act, OPS.silu_and_mul)]

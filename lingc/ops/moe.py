@@ -259,6 +259,43 @@ def _(act, w2, sorted_pairs, block_expert, total, block_m):
 register("moe_down")
 
 
+@torch.library.custom_op("lingc::moe_up_act_pairs", mutates_args=())
+def moe_up_act_pairs(x: torch.Tensor, w13_interleaved: torch.Tensor, topk_ids: torch.Tensor,
+                     limit: float) -> torch.Tensor:
+    """moe_up_act with the pairs taken from the router's ids, no align: x [N, h], topk_ids [N, k] int32 -> [NP, I].
+
+    Pair p = n * k + j is token n with expert topk_ids[n, j] (row p of the output, as moe_up_act's). Same values
+    as moe_up_act over moe_align(topk_ids): the align only groups the pairs for the kernels (fuse_align_into_moe).
+    """
+    n, k = topk_ids.shape
+    tokens = torch.arange(n * k, device=x.device) // k
+    h = _grouped_gemm(x[tokens], w13_interleaved, topk_ids.reshape(-1).long())      # [NP, 2I] interleaved
+    return swiglu(h[:, 0::2], h[:, 1::2], limit, h.dtype)
+
+
+@moe_up_act_pairs.register_fake
+def _(x, w13_interleaved, topk_ids, limit):
+    return x.new_empty((topk_ids.numel(), w13_interleaved.shape[1] // 2))
+
+
+register("moe_up_act_pairs")
+
+
+@torch.library.custom_op("lingc::moe_down_pairs", mutates_args=())
+def moe_down_pairs(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """moe_down with the pairs taken from the router's ids: act [NP, I], topk_ids [N, k] -> [NP, h] (row p: expert
+    topk_ids.flatten()[p])."""
+    return _grouped_gemm(act, w2, topk_ids.reshape(-1).long())
+
+
+@moe_down_pairs.register_fake
+def _(act, w2, topk_ids):
+    return act.new_empty((act.shape[0], w2.shape[1]))
+
+
+register("moe_down_pairs")
+
+
 @torch.library.custom_op("lingc::moe_combine", mutates_args=())
 def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
                 shared_out: torch.Tensor | None = None) -> torch.Tensor:

@@ -258,7 +258,8 @@ def test_bad_inputs_raise_value_error() -> None:
 
 
 def test_lowerings_cover_the_reference_ops() -> None:
-    assert set(LOWERINGS) == {"moe_up", "moe_up_act", "silu_and_mul", "moe_down", "moe_combine", "combine_add_rmsnorm"}
+    assert set(LOWERINGS) == {"moe_up", "moe_up_act", "silu_and_mul", "moe_down", "moe_combine", "combine_add_rmsnorm",
+                              "moe_up_act_pairs", "moe_down_pairs"}
     for name in LOWERINGS:
         assert hasattr(torch.ops.lingc, name)
 

@@ -29,7 +29,8 @@ def _verify_graph(between: bool) -> tuple[fx.Graph, fx.Node]:
 def test_prewait_indices_name_the_early_inputs():
     names = [a.name for a in OPS.kda_fused_decode._schema.arguments]
     want = {"kda_fused_decode": ["conv_q_pool", "conv_k_pool", "conv_v_pool", "state_pool", "slots"],
-            "moe_down": ["sorted_pairs", "block_expert", "total"], "mla_attention": ["q_nope"]}
+            "moe_down": ["sorted_pairs", "block_expert", "total"], "moe_down_pairs": ["topk_ids"],
+            "mla_attention": ["q_nope"]}
     want["kda_fused_verify"] = want["kda_fused_decode"]
     for short, idx in PREWAIT_INPUTS.items():
         args = [a.name for a in getattr(OPS, short)._schema.arguments]
@@ -49,7 +50,8 @@ def test_pdl_keeps_every_early_loading_kernel_in_lingc_graphs(tiny_partitioned: 
     scheduled, record = Pdl().run(fused)
     assert record.details["no_pdl"] == []
     early = [n for g in scheduled.graphs.values() for n in g.nodes
-             if n.target in (OPS.kda_fused_decode, OPS.kda_fused_verify, OPS.moe_down, OPS.mla_attention)]
+             if n.target in (OPS.kda_fused_decode, OPS.kda_fused_verify, OPS.moe_down, OPS.moe_down_pairs,
+                             OPS.mla_attention)]
     assert early and all("lingc.pdl" in n.meta for n in early)
 
 

@@ -1,0 +1,173 @@
+"""fuse_align_into_moe: the MoE GEMMs group the router's pairs by expert themselves; the align goes away.
+
+Before (per MoE layer; after fuse_moe_align, fuse_swiglu and fuse_shared_expert; k' = k picks + S shared per token):
+    L1_mlp_router_align = lingc.router_align(L1_mlp_gate_linear, w_..._expert_bias, 8, 4, 8, 2.5, 129, 16, 1)
+    L1_mlp_getitem = getitem(L1_mlp_router_align, 0)                                     # weights f32[N, k']
+    L1_mlp_getitem_2 = getitem(L1_mlp_router_align, 2)                                   # sorted_pairs, 3, 4
+    L1_mlp_moe_up_act = lingc.moe_up_act(x, w_..._w13_interleaved_with_shared, sp, be, tot, 9, 16, 0.0)
+    L1_mlp_moe_down = lingc.moe_down(L1_mlp_moe_up_act, w_..._w2_with_shared, sp, be, tot, 16)
+After:
+    L1_mlp_router_topk = lingc.router_topk(L1_mlp_gate_linear, w_..._expert_bias, 8, 4, 8, 2.5, 1)
+    L1_mlp_getitem = getitem(L1_mlp_router_topk, 0)                                      # weights, as before
+    L1_mlp_router_topk_ids = getitem(L1_mlp_router_topk, 1)                              # ids i32[N, k']
+    L1_mlp_moe_up_act = lingc.moe_up_act_pairs(x, w_..._w13_interleaved_with_shared, L1_mlp_router_topk_ids, 0.0)
+    L1_mlp_moe_down = lingc.moe_down_pairs(L1_mlp_moe_up_act, w_..._w2_with_shared, L1_mlp_router_topk_ids)
+(router_topk + moe_align, without fuse_moe_align, is rewritten the same way: the moe_align goes.)
+
+Why: at a verify chain's 6 tokens the align is most of router_align's time (one program routes each row, then
+the last one aligns the 54 pairs: 8.8 us against 4.2 for router_topk in the CUDA-graph chain on the H200), while
+the GEMMs can find their rows from the ids in a few instructions: the up / down kernels run on a pair grid, one
+program row per (token, expert) pair; the expert's first pair (flat order) runs the GEMM tile for every token
+that picked that expert, the others exit (kernels/moe.py `_pair_rows`). Values: moe_up_act_pairs(x, w, ids) ==
+moe_up_act(x, w, *moe_align(ids)) bit for bit (a pair row's dot does not depend on the block it sits in; tests and
+bench/kernel_moe.py `_pairs_rows` on the H200). Past 16 tokens the launchers align the ids themselves (prefill,
+large batches): the same values, one more launch per GEMM.
+
+Left alone: the prefill graphs (prefill, mtp_prefill: their chunks are past 16 tokens, where the pair-grid launchers
+would align twice) and layers whose align outputs anything else reads (fuse_moe's moe_fused, tp's ep_align) or whose up-GEMM
+is the plain moe_up (+ silu_and_mul: without fuse_swiglu). `lingc compile --tp N` runs after this pass and turns a
+paired layer back into moe_up_act / moe_down over its ep_align (passes/tp.py).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from lingc.ops import OPS
+from lingc.modules import MOE_BLOCK_M
+from lingc.program import Program, TensorMeta
+from lingc.passes.base import Pass
+from lingc.passes.matchers import calls
+
+KEEP_META = ("lingc.scope", "lingc.stage")
+
+
+def _getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
+    out: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.target is operator.getitem:
+            out.setdefault(user.args[1], []).append(user)
+    return out
+
+
+def _layer(src: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
+    """(router, its align's readers = the up-GEMM and down-GEMM) for a router_align or moe_align, or why not."""
+    if any(u.target is not operator.getitem for u in src.users):
+        return f"{src.name}: a reader takes its outputs as a tuple"
+    first = 2 if src.target is OPS.router_align else 0             # sorted_pairs, block_expert, total
+    reads = _getitems(src)
+    aligned = [g for i in range(first, first + 3) for g in reads.get(i, [])]
+    readers = list(dict.fromkeys(u for g in aligned for u in g.users))
+    ups = [r for r in readers if r.target is OPS.moe_up_act]
+    downs = [r for r in readers if r.target is OPS.moe_down]
+    if len(ups) != 1 or len(downs) != 1 or len(readers) != 2:
+        return f"{src.name}: its blocks are read by {sorted(str(r.target) for r in readers)}, not one moe_up_act " \
+               "and one moe_down"
+    if src.target is OPS.router_align:
+        router = src
+    else:
+        ids = src.args[0]
+        router = ids.args[0] if ids.target is operator.getitem else None
+        if router is None or router.target is not OPS.router_topk or ids.args[1] != 1:
+            return f"{src.name}: its ids do not come from a router_topk"
+    if downs[0].args[0] is not ups[0]:
+        return f"{downs[0].name} does not read {ups[0].name}"
+    shared_at = 8 if router.target is OPS.router_align else 6      # fused_shared, the last optional argument
+    top_k = router.args[4] + (router.args[shared_at] if len(router.args) > shared_at else 0)
+    if ups[0].args[5] != top_k or ups[0].args[6] != MOE_BLOCK_M:
+        return f"{ups[0].name}: {ups[0].args[5]} pairs a token, the router gives {top_k}"
+    return router, ups[0], downs[0]
+
+
+def _router_topk(graph: fx.Graph, router: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(router_topk, its ids getitem): router_align becomes router_topk (weights and ids keep their getitems)."""
+    if router.target is OPS.router_align:
+        with graph.inserting_before(router):
+            # router_align(logits, bias, n_group, topk_group, k, scale, E, BM[, S]) -> router_topk(..., scale[, S])
+            topk = graph.call_function(OPS.router_topk, (*router.args[:6], *router.args[8:]))
+        topk.meta = {k: router.meta[k] for k in KEEP_META if k in router.meta}
+        if isinstance(router.meta.get("lingc.tensor"), (list, tuple)):
+            topk.meta["lingc.tensor"] = list(router.meta["lingc.tensor"][:2])      # weights, ids
+        topk._rename(router.name.replace("router_align", "router_topk") if "router_align" in router.name
+                     else router.name + "_topk")
+        for read in list(router.users):
+            if read.args[1] < 2:
+                read.args = (topk, read.args[1])
+        router = topk
+    ids = next((g for g in _getitems(router).get(1, [])), None)
+    if ids is None:
+        with graph.inserting_after(router):
+            ids = graph.call_function(operator.getitem, (router, 1))
+        ids.meta = {k: router.meta[k] for k in KEEP_META if k in router.meta}
+        ids._rename(f"{router.name}_ids")
+        weights = next((g for g in _getitems(router).get(0, [])), None)
+        shape = getattr(weights.meta.get("lingc.tensor"), "shape", None) if weights is not None else None
+        if shape is not None:
+            ids.meta["lingc.tensor"] = TensorMeta(tuple(shape), torch.int32)
+    return router, ids
+
+
+def _pair(graph: fx.Graph, src: fx.Node, router: fx.Node, up: fx.Node, down: fx.Node) -> fx.Node:
+    """Rewrite one layer (module docstring); returns its router_topk."""
+    router, ids = _router_topk(graph, router)
+    # in place: names, meta (shapes, scope) and readers stay
+    up.target, up.args = OPS.moe_up_act_pairs, (up.args[0], up.args[1], ids, up.args[7])
+    down.target, down.args = OPS.moe_down_pairs, (up, down.args[1], ids)
+    for g in [g for gs in _getitems(src).values() for g in gs]:     # the align's outputs: dead now
+        if not g.users:
+            graph.erase_node(g)
+    if not src.users:
+        graph.erase_node(src)
+    return router
+
+
+def unfuse(graph: fx.Graph, down: fx.Node, num_experts: int) -> fx.Node:
+    """moe_up_act_pairs + moe_down_pairs -> moe_align(ids) + moe_up_act + moe_down, in place (the tp pass shards the
+    aligned form); returns the moe_down."""
+    up, ids = down.args[0], down.args[2]
+    top_k = ids.meta["lingc.tensor"].shape[-1] if "lingc.tensor" in ids.meta else _pairs_per_token(ids)
+    with graph.inserting_before(up):
+        align = graph.call_function(OPS.moe_align, (ids, num_experts, MOE_BLOCK_M))
+        outs = [graph.call_function(operator.getitem, (align, i)) for i in range(3)]
+    align.meta = {k: up.meta[k] for k in KEEP_META if k in up.meta}
+    align._rename(up.name.replace("moe_up_act", "moe_align") if "moe_up_act" in up.name else up.name + "_align")
+    for o, field in zip(outs, ("sorted_pairs", "block_expert", "total")):
+        o.meta = dict(align.meta)
+        o._rename(f"{align.name}_{field}")
+    up.target, up.args = OPS.moe_up_act, (up.args[0], up.args[1], *outs, top_k, MOE_BLOCK_M, up.args[3])
+    down.target, down.args = OPS.moe_down, (up, down.args[1], *outs, MOE_BLOCK_M)
+    return down
+
+
+def _pairs_per_token(ids: fx.Node) -> int:
+    """k' of a router_topk's ids getitem: its top_k plus its fused_shared."""
+    router = ids.args[0]
+    return router.args[4] + (router.args[6] if len(router.args) > 6 else 0)
+
+
+class FuseAlignIntoMoe(Pass):
+    name = "fuse_align_into_moe"
+    summary = "router_align (or moe_align) + moe_up_act + moe_down -> router_topk + the pair-grid GEMMs (no align)"
+    after = ("partition", "fuse_swiglu", "fuse_moe_align", "fuse_shared_expert", "fuse_moe", "bf16_router",
+             "fuse_norm_linear", "fuse_combine_norm", "specialize_greedy")
+    changes_numerics = False
+
+    def apply(self, program: Program) -> dict[str, Any]:
+        paired: list[str] = []
+        skipped: list[str] = []
+        for gname, graph in program.graphs.items():
+            if gname.endswith("prefill"):
+                continue          # a prefill chunk is past PAIR_GRID_TOKENS: the aligned GEMMs, one align
+            for src in [*calls(graph, "router_align"), *calls(graph, "moe_align")]:
+                found = _layer(src)
+                if isinstance(found, str):
+                    skipped.append(f"{gname}: {found}")
+                    continue
+                router = _pair(graph, src, *found)
+                paired.append(f"{gname}:{router.name}")
+            graph.lint()
+        return {"matches": len(paired), "paired": paired, "skipped": skipped}
