@@ -46,6 +46,9 @@ def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Cou
         w13, w2, block_expert, total, block_m = args[1], args[2], args[5], args[6], args[8]
         counts["experts"] += _distinct_experts(block_expert, total, block_m) * (_size(w13[0]) + _size(w2[0]))
         return counts
+    if op in ("moe_up_act_pairs", "moe_down_pairs"):                        # (a, stack, topk_ids, ...)
+        counts["experts"] += int(torch.unique(args[2]).numel()) * _size(args[1][0])
+        return counts
     if op in MOE_OPS:
         stack = next(a for a in tensors if id(a) in weight_ids)
         block_expert, total = tensors[-2], tensors[-1]                # (..., sorted_pairs, block_expert, total)

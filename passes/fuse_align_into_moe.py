@@ -23,7 +23,8 @@ moe_up_act(x, w, *moe_align(ids)) bit for bit (a pair row's dot does not depend 
 bench/kernel_moe.py `_pairs_rows` on the H200). Past 16 tokens the launchers align the ids themselves (prefill,
 large batches): the same values, one more launch per GEMM.
 
-Left alone: the prefill graphs (prefill, mtp_prefill: their chunks are past 16 tokens, where the pair-grid launchers
+Left alone: layers with fewer than MIN_TOKENS tokens a call (decode, the draft's one-token MTP forwards: measured
+slower there, see MIN_TOKENS), the prefill graphs (prefill, mtp_prefill: their chunks are past 16 tokens, where the pair-grid launchers
 would align twice) and layers whose align outputs anything else reads (fuse_moe's moe_fused, tp's ep_align) or whose up-GEMM
 is the plain moe_up (+ silu_and_mul: without fuse_swiglu). `lingc compile --tp N` runs after this pass and turns a
 paired layer back into moe_up_act / moe_down over its ep_align (passes/tp.py).
@@ -44,6 +45,11 @@ from lingc.passes.base import Pass
 from lingc.passes.matchers import calls
 
 KEEP_META = ("lingc.scope", "lingc.stage")
+# Layers run on fewer tokens a call keep the aligned GEMMs. H200, Ling-3.0-tiny, one process (bench/device_step.py
+# --variant, bench/results/step-ab-h200-20261202.json): with every layer paired, verify 2.444 / 2.442 -> 2.390 /
+# 2.386 ms but the decode step 1.212 / 1.202 -> 1.232 / 1.235 (about 1 us a MoE layer at one token, where the align
+# is cheap: router_align "rows", and the pair grid's prologue is on the path); so a layer is paired from 2 tokens up
+MIN_TOKENS = 2
 
 
 def _getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
@@ -80,6 +86,9 @@ def _layer(src: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
     top_k = router.args[4] + (router.args[shared_at] if len(router.args) > shared_at else 0)
     if ups[0].args[5] != top_k or ups[0].args[6] != MOE_BLOCK_M:
         return f"{ups[0].name}: {ups[0].args[5]} pairs a token, the router gives {top_k}"
+    pairs = getattr(ups[0].meta.get("lingc.tensor"), "shape", (None,))[0]
+    if isinstance(pairs, int) and pairs // top_k < MIN_TOKENS:
+        return f"{ups[0].name}: {pairs // top_k} token(s) a call, below MIN_TOKENS = {MIN_TOKENS}"
     return router, ups[0], downs[0]
 
 

@@ -89,3 +89,23 @@ def test_fused_norm_linear_ops_count_the_same_weight_bytes(tiny_program_bf16) ->
     assert {OPS.rmsnorm_linear, OPS.add_rmsnorm_linear} <= targets and record.matches > 0
     want, got = weight_bytes(parted), weight_bytes(fused)
     assert want["step"] > 0 and got == want
+
+
+def test_pair_grid_moe_ops_count_the_same_expert_bytes(tiny_program_bf16) -> None:
+    """fuse_align_into_moe's moe_up_act_pairs / moe_down_pairs read the experts the router chose, as the aligned
+    GEMMs do: the same expert bytes per graph (verify and extend are paired; the step and draft are not)."""
+    from lingc.ops import OPS
+    from lingc.passes.fuse_align_into_moe import FuseAlignIntoMoe
+    from lingc.passes.manager import PassManager
+
+    def expert_bytes(program) -> dict[str, int]:
+        exe = Executor(program, "cpu")
+        exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
+        return {g: step_bytes(exe, g)["experts"] for g in ("step", "draft", "verify", "extend")}
+
+    aligned = PassManager(["partition", "fuse_swiglu", "fuse_moe_align", "fuse_shared_expert"]).run(
+        tiny_program_bf16).program
+    paired, record = FuseAlignIntoMoe().run(aligned)
+    assert record.matches == 6 and OPS.moe_down_pairs in {n.target for n in paired.graphs["verify"].nodes}
+    want, got = expert_bytes(aligned), expert_bytes(paired)
+    assert want["verify"] > 0 and got == want

@@ -30,13 +30,12 @@ def test_graph_text_shows_shapes_and_dtypes(tiny_program, tiny_program_bf16):
 def test_pass_annotations_and_weight_info_print(tiny_program):
     program = PassManager(["all"]).run(tiny_program).program
     text = graph_text("decode", program.graphs["decode"], program.weight_info)
-    # fuse_align_into_moe: no align; router_topk ends the router chain, the MoE chain starts at the pair-grid up-GEMM
+    # fuse_moe_align put the align inside router_align, which ends the router chain; the MoE chain starts at the up-GEMM
     # (layer 3 keeps its shared expert; layer 1's is expert 16 after fuse_shared_expert: 4 + 1 pairs)
     assert line_of(text, "L3_mlp_moe_up_act").endswith("# f32[4,64]  pdl=moe@L3 1/3 layout=gu_interleaved")
     assert line_of(text, "L1_mlp_moe_up_act").endswith("# f32[5,64]  pdl=moe@L1 1/3 layout=gu_interleaved")
-    assert "lingc.moe_up_act_pairs(" in line_of(text, "L3_mlp_moe_up_act")
-    # fuse_norm_linear runs the post-attention norm inside the gate's GEMV: the router chain is norm+gate -> top-k
-    assert line_of(text, "L3_mlp_router_topk").endswith("pdl=router@L3 2/2 early")
+    # fuse_norm_linear runs the post-attention norm inside the gate's GEMV: the router chain is norm+gate -> align
+    assert line_of(text, "L3_mlp_router_align").endswith("pdl=router@L3 2/2 early")
     assert line_of(text, "L3_post_attention_layernorm_add_rmsnorm_linear").endswith(
         "# (f32[1,1,16], f32[1,1,128], f32[1,1,128])  pdl=router@L3 1/2 dtype=bf16")
     assert line_of(text, "w_L3_mlp_experts_w13_interleaved").endswith("# f32[16,128,128] layout=gu_interleaved")

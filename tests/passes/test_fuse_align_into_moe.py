@@ -21,7 +21,7 @@ from lingc.program import Program
 from pass_support import count
 
 BEFORE = ["fuse_swiglu", "fuse_moe_align", "fuse_shared_expert"]
-PAIRED = ("decode", "mtp_decode", "step", "draft", "verify", "extend")
+PAIRED = ("verify", "extend")               # 6 tokens a call; the rest run 1 (MIN_TOKENS) or are prefill
 ROUTERS = {"prefill": 5, "decode": 5, "mtp_prefill": 1, "mtp_decode": 1, "step": 5, "draft": 4, "verify": 5, "extend": 1}
 
 
@@ -49,7 +49,7 @@ def test_op_counts(aligned, paired, graph):
         assert count(after, graph, "moe_down_pairs") == n
         for op in ("router_align", "moe_align", "moe_up_act", "moe_down"):
             assert count(after, graph, op) == 0, op
-    else:                                           # prefill chunks keep the aligned GEMMs
+    else:                                           # one-token layers and prefill chunks keep the aligned GEMMs
         assert count(after, graph, "router_align") == count(after, graph, "moe_down") == n
         assert count(after, graph, "moe_up_act_pairs") == 0
 
@@ -57,11 +57,13 @@ def test_op_counts(aligned, paired, graph):
 def test_record(paired):
     _, record = paired
     assert record.name == "fuse_align_into_moe" and not record.changes_numerics
-    assert record.matches == sum(ROUTERS[g] for g in PAIRED) == 21
-    assert record.details["skipped"] == []
+    assert record.matches == sum(ROUTERS[g] for g in PAIRED) == 6
+    one_token = [r for r in record.details["skipped"] if "1 token(s) a call, below MIN_TOKENS = 2" in r]
+    assert len(one_token) == len(record.details["skipped"]) == sum(ROUTERS[g] for g in ("decode", "mtp_decode",
+                                                                                       "step", "draft")) == 15
 
 
-@pytest.mark.parametrize("graph", ["decode", "verify"])
+@pytest.mark.parametrize("graph", ["verify", "extend"])
 def test_rewritten_nodes(aligned, paired, graph):
     after, _ = paired
     before = {n.name: n for n in aligned.graphs[graph].nodes}
@@ -86,7 +88,7 @@ def test_rewritten_nodes(aligned, paired, graph):
 def test_programs_are_bit_exact(request, aligned, dtype):
     before = aligned if dtype == "fp32" else _run(request.getfixturevalue("tiny_program_bf16_partitioned"), BEFORE)
     after, record = FuseAlignIntoMoe().run(before)
-    assert record.matches == 21
+    assert record.matches == 6
     report = compare_stages(before, after, exact=True, tolerance=None)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
     assert all(r["max_abs_delta"] == 0.0 for r in report["graphs"].values())
@@ -124,7 +126,7 @@ def test_pair_ops_equal_the_aligned_ops(shape):
 def test_moe_fused_layers_are_left_alone(tiny_partitioned):
     before = _run(tiny_partitioned, [*BEFORE, "fuse_moe"])
     after, record = FuseAlignIntoMoe().run(before)
-    assert record.matches == 0 and count(after, "decode", "moe_fused") == 5
+    assert record.matches == 0 and count(after, "verify", "moe_fused") == 5
     assert any("moe_fused" in reason for reason in record.details["skipped"])
 
 
@@ -147,3 +149,13 @@ def test_in_all_and_after_the_moe_passes():
     for earlier in ("fuse_moe_align", "fuse_shared_expert", "fuse_swiglu"):
         assert order.index(earlier) < order.index("fuse_align_into_moe")
     assert order.index("fuse_align_into_moe") < order.index("pdl")
+
+
+def test_min_tokens_one_pairs_the_decode_layers_too(aligned, monkeypatch):
+    import lingc.passes.fuse_align_into_moe as pass_module
+    monkeypatch.setattr(pass_module, "MIN_TOKENS", 1)
+    after, record = FuseAlignIntoMoe().run(aligned)
+    assert record.matches == 21 and record.details["skipped"] == []
+    assert count(after, "decode", "moe_up_act_pairs") == 5 and count(after, "decode", "router_align") == 0
+    report = compare_stages(aligned, after, exact=True, tolerance=None)
+    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}

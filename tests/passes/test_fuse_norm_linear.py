@@ -161,9 +161,8 @@ def test_pdl_router_chain_starts_at_the_fused_norm(bf16_all):
     _, after = bf16_all
     new = {n.name: n for n in after.graphs["decode"].nodes}
     assert new["L1_post_attention_layernorm_add_rmsnorm_linear"].meta["lingc.pdl"]["chain"] == "router@L1"
-    # fuse_align_into_moe (in EVERY_OTHER_PASS) turned router_align back into router_topk: the chain's end
-    assert new["L1_mlp_router_topk"].meta["lingc.pdl"] == {"chain": "router@L1", "index": 1, "length": 2,
-                                                           "early_launch": True}
+    assert new["L1_mlp_router_align"].meta["lingc.pdl"] == {"chain": "router@L1", "index": 1, "length": 2,
+                                                            "early_launch": True}
 
 
 def test_runs_after_the_passes_it_builds_on_and_before_pdl():
