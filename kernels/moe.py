@@ -503,14 +503,9 @@ def preload_chunks(preload: bool, k: int, block_k: int, num_pairs: int) -> int:
     return triton.cdiv(k, block_k) if preload and k <= PRELOAD_MAX_K and num_pairs <= PRELOAD_MAX_PAIRS else 0
 
 
-def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
-                  block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
-                  swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
-                  prefetch: bool = False, preload: bool = False) -> torch.Tensor:
-    """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K].
-    prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring).
-    preload: the whole weight tile into registers first, before the PDL wait (the down-GEMM; K <= PRELOAD_MAX_K and
-    at most PRELOAD_MAX_PAIRS pairs)."""
+def _check_gemm(op: str, a: torch.Tensor, w: torch.Tensor, swiglu: bool, config: GemmConfig) -> tuple[int, int, int]:
+    """A grouped GEMM's operands (a [R, K], w [E, N, K] of one float dtype, even N for SwiGLU, a sane tiling):
+    (E, N, K), or ValueError naming the op."""
     _float_dtype(a, op, "activations")
     if a.dim() != 2 or w.dim() != 3 or w.shape[2] != a.shape[1] or w.dtype != a.dtype:
         raise ValueError(f"{op}: activations {list(a.shape)} {a.dtype} and weights {list(w.shape)} {w.dtype}: "
@@ -520,20 +515,36 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         raise ValueError(f"{op}: interleaved w13 has {n} rows, want an even number (gate/up pairs)")
     if config.block_n % 2 or config.block_k < 16:
         raise ValueError(f"{op}: bad tiling {config}")
+    return num_experts, n, k
+
+
+def _launch_setup(op: str, a: torch.Tensor, w: torch.Tensor, k: int,
+                  pdl: bool) -> tuple[torch.Tensor, bool, dict, bool]:
+    """For a non-empty launch (K > 0, weights contiguous along K): (a with unit stride along K, pdl where supported,
+    the launch keywords, whether the interpreter runs it)."""
+    if k == 0:
+        raise ValueError(f"{op}: empty reduction (K = 0)")
+    if w.stride(2) != 1:
+        raise ValueError(f"{op}: weights must be contiguous along K (stride {w.stride()})")
+    pdl = pdl and pdl_supported(a.device)
+    return a if a.stride(1) == 1 else a.contiguous(), pdl, {"launch_pdl": True} if pdl else {}, _interpreting()
+
+
+def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
+                  block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
+                  swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
+                  prefetch: bool = False, preload: bool = False) -> torch.Tensor:
+    """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K].
+    prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring).
+    preload: the whole weight tile into registers first, before the PDL wait (the down-GEMM; K <= PRELOAD_MAX_K and
+    at most PRELOAD_MAX_PAIRS pairs)."""
+    num_experts, n, k = _check_gemm(op, a, w, swiglu, config)
     num_pairs = a.shape[0] * top_k
     _check_align(op, sorted_pairs, block_expert, total, num_pairs, num_experts, block_m)
     out = _out(op, out, (num_pairs, n // 2 if swiglu else n), a)
     if num_pairs == 0 or n == 0:
         return out
-    if k == 0:
-        raise ValueError(f"{op}: empty reduction (K = 0)")
-    if a.stride(1) != 1:
-        a = a.contiguous()
-    if w.stride(2) != 1:
-        raise ValueError(f"{op}: weights must be contiguous along K (stride {w.stride()})")
-    pdl = pdl and pdl_supported(a.device)
-    launch = {"launch_pdl": True} if pdl else {}
-    interpret = _interpreting()
+    a, pdl, launch, interpret = _launch_setup(op, a, w, k, pdl)
     grid = (triton.cdiv(n, config.block_n), min(block_expert.numel(), num_pairs))
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
@@ -566,28 +577,14 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         from lingc.kernels.moe_align import moe_align
         aligned = moe_align(topk_ids, w.shape[0], PAIR_GRID_FALLBACK_BM, pdl=pdl)
         return _grouped_gemm(op, a, w, *aligned, top_k, PAIR_GRID_FALLBACK_BM, limit, swiglu, pdl, out, config)
-    _float_dtype(a, op, "activations")
-    if a.dim() != 2 or w.dim() != 3 or w.shape[2] != a.shape[1] or w.dtype != a.dtype:
-        raise ValueError(f"{op}: activations {list(a.shape)} {a.dtype} and weights {list(w.shape)} {w.dtype}: "
-                         "want [R, K] and [E, N, K] of one dtype")
+    num_experts, n, k = _check_gemm(op, a, w, swiglu, config)
     if a.shape[0] * top_k != num_pairs:
         raise ValueError(f"{op}: {a.shape[0]} activation rows x {top_k} != {num_pairs} pairs of topk_ids "
                          f"{list(topk_ids.shape)}")
-    num_experts, n, k = w.shape
-    if swiglu and n % 2:
-        raise ValueError(f"{op}: interleaved w13 has {n} rows, want an even number (gate/up pairs)")
     out = _out(op, out, (num_pairs, n // 2 if swiglu else n), a)
     if num_pairs == 0 or n == 0:
         return out
-    if k == 0:
-        raise ValueError(f"{op}: empty reduction (K = 0)")
-    if a.stride(1) != 1:
-        a = a.contiguous()
-    if w.stride(2) != 1:
-        raise ValueError(f"{op}: weights must be contiguous along K (stride {w.stride()})")
-    pdl = pdl and pdl_supported(a.device)
-    launch = {"launch_pdl": True} if pdl else {}
-    interpret = _interpreting()
+    a, pdl, launch, interpret = _launch_setup(op, a, w, k, pdl)
     _moe_gemm_kernel[(triton.cdiv(n, config.block_n), num_pairs)](
         a, w, out, topk_ids, topk_ids, topk_ids,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),

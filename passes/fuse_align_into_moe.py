@@ -42,7 +42,7 @@ from lingc.ops import OPS
 from lingc.modules import MOE_BLOCK_M
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls
+from lingc.passes.matchers import calls, getitems
 
 KEEP_META = ("lingc.scope", "lingc.stage")
 # Layers run on fewer tokens a call keep the aligned GEMMs. H200, Ling-3.0-tiny, one process (bench/device_step.py
@@ -52,20 +52,12 @@ KEEP_META = ("lingc.scope", "lingc.stage")
 MIN_TOKENS = 2
 
 
-def _getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
-    out: dict[int, list[fx.Node]] = {}
-    for user in node.users:
-        if user.target is operator.getitem:
-            out.setdefault(user.args[1], []).append(user)
-    return out
-
-
 def _layer(src: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
     """(router, its align's readers = the up-GEMM and down-GEMM) for a router_align or moe_align, or why not."""
     if any(u.target is not operator.getitem for u in src.users):
         return f"{src.name}: a reader takes its outputs as a tuple"
     first = 2 if src.target is OPS.router_align else 0             # sorted_pairs, block_expert, total
-    reads = _getitems(src)
+    reads = getitems(src)
     aligned = [g for i in range(first, first + 3) for g in reads.get(i, [])]
     readers = list(dict.fromkeys(u for g in aligned for u in g.users))
     ups = [r for r in readers if r.target is OPS.moe_up_act]
@@ -107,13 +99,13 @@ def _router_topk(graph: fx.Graph, router: fx.Node) -> tuple[fx.Node, fx.Node]:
             if read.args[1] < 2:
                 read.args = (topk, read.args[1])
         router = topk
-    ids = next((g for g in _getitems(router).get(1, [])), None)
+    ids = next((g for g in getitems(router).get(1, [])), None)
     if ids is None:
         with graph.inserting_after(router):
             ids = graph.call_function(operator.getitem, (router, 1))
         ids.meta = {k: router.meta[k] for k in KEEP_META if k in router.meta}
         ids._rename(f"{router.name}_ids")
-        weights = next((g for g in _getitems(router).get(0, [])), None)
+        weights = next((g for g in getitems(router).get(0, [])), None)
         shape = getattr(weights.meta.get("lingc.tensor"), "shape", None) if weights is not None else None
         if shape is not None:
             ids.meta["lingc.tensor"] = TensorMeta(tuple(shape), torch.int32)
@@ -126,7 +118,7 @@ def _pair(graph: fx.Graph, src: fx.Node, router: fx.Node, up: fx.Node, down: fx.
     # in place: names, meta (shapes, scope) and readers stay
     up.target, up.args = OPS.moe_up_act_pairs, (up.args[0], up.args[1], ids, up.args[7])
     down.target, down.args = OPS.moe_down_pairs, (up, down.args[1], ids)
-    for g in [g for gs in _getitems(src).values() for g in gs]:     # the align's outputs: dead now
+    for g in [g for gs in getitems(src).values() for g in gs]:     # the align's outputs: dead now
         if not g.users:
             graph.erase_node(g)
     if not src.users:

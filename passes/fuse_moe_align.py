@@ -29,25 +29,16 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls
+from lingc.passes.matchers import calls, getitems
 
 KEEP_META = ("lingc.scope", "lingc.stage")
-
-
-def _getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
-    """Output index -> the getitem nodes reading it."""
-    out: dict[int, list[fx.Node]] = {}
-    for user in node.users:
-        if user.target is operator.getitem:
-            out.setdefault(user.args[1], []).append(user)
-    return out
 
 
 def _align_of(topk: fx.Node) -> fx.Node | None:
     """The moe_align that reads the top-k's ids (same stage), or None."""
     if any(u.target is not operator.getitem for u in topk.users):
         return None                                    # a tuple read whole: leave it alone
-    for ids in _getitems(topk).get(1, []):
+    for ids in getitems(topk).get(1, []):
         for user in ids.users:
             if (user.target is OPS.moe_align and user.args[0] is ids
                     and user.meta.get("lingc.stage") == topk.meta.get("lingc.stage")
@@ -59,7 +50,7 @@ def _align_of(topk: fx.Node) -> fx.Node | None:
 def _fuse(graph: fx.Graph, topk: fx.Node, align: fx.Node) -> fx.Node:
     """Insert router_align before the top-k and re-point every getitem of both ops at it."""
     _, num_experts, block_m = align.args
-    align_reads = _getitems(align)
+    align_reads = getitems(align)
     with graph.inserting_before(topk):
         # router_topk's optional 7th argument (fused_shared) is router_align's 9th
         fused = graph.call_function(OPS.router_align, (*topk.args[:6], num_experts, block_m, *topk.args[6:]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Iterator
 
 import torch
@@ -19,7 +20,6 @@ VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
 
 def is_free(node: fx.Node) -> bool:
     """True for nodes that cost no kernel launch: inputs, weights, views, tuple element reads."""
-    import operator
     return node.op in ("placeholder", "get_attr") or node.target in VIEW_OPS or node.target is operator.getitem
 
 
@@ -54,6 +54,15 @@ def calls(graph: fx.Graph, op_short: str) -> list[fx.Node]:
     """Every call of torch.ops.lingc.<op_short> in graph order."""
     target = OPS[op_short]
     return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
+    """Output index -> the getitem nodes reading it (a multi-output op's readers)."""
+    out: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.target is operator.getitem:
+            out.setdefault(user.args[1], []).append(user)
+    return out
 
 
 def producer(node: fx.Node) -> fx.Node:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from lingc.ops.linear import ROW_INVARIANT_ROWS
 from lingc.ops.registry import register
 
 
@@ -85,8 +86,18 @@ register("gated_rmsnorm")
 
 @torch.library.custom_op("lingc::sigmoid_gate", mutates_args=())
 def sigmoid_gate(x: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
-    """Gated MLA: x [B, T, H, V] * sigmoid(gate_logits [B, T, H]) computed in fp32, cast back, multiplied in x.dtype."""
-    gate = torch.sigmoid(gate_logits.float()).to(x.dtype)
+    """Gated MLA: x [B, T, H, V] * sigmoid(gate_logits [B, T, H]) computed in fp32, cast back, multiplied in x.dtype.
+
+    torch's CPU sigmoid takes a vectorised or a scalar path by the size and layout of what it is given, and the two
+    round differently (an ulp on an AMD EPYC host). So up to ROW_INVARIANT_ROWS tokens each token's H logits go
+    through it on their own, dense: a verify chain's gates get a decode step's bits, and a column view of a fused
+    projection (fuse_projections) the bits of the unfused linear's output."""
+    rows = gate_logits.float().reshape(-1, gate_logits.shape[-1])
+    if rows.shape[0] <= ROW_INVARIANT_ROWS:
+        gate = torch.cat([torch.sigmoid(rows[i:i + 1].contiguous()) for i in range(rows.shape[0])])
+    else:
+        gate = torch.sigmoid(rows.contiguous())
+    gate = gate.view(gate_logits.shape).to(x.dtype)
     return (x * gate.unsqueeze(-1)).contiguous()
 
 

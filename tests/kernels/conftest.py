@@ -11,7 +11,9 @@ that bf16 results can be compared bit for bit; without it bf16 outputs are off b
 and the fused residual is not bit-identical to torch's `residual + x`.
 
 It also keeps bf16 as raw uint16 inside `tl.dot` and would multiply the bit patterns; `_bf16_dots` widens bf16
-operands to fp32 first, which is what the GPU's bf16 MMA does (exact products, fp32 accumulation).
+operands to fp32 first, which is what the GPU's bf16 MMA does (exact products, fp32 accumulation), and computes
+fp32 dots in float64 rounded once per element, so an element's bits do not depend on the BLAS kernel numpy picks
+for its column (they did on an AMD EPYC host).
 
 Speed only: the interpreter re-patches triton.language (`inspect.getmembers` over tl, tl.tensor and tl.math, ~1 ms)
 at every call of a nested @triton.jit helper, although the launch has already patched the same modules with the same
@@ -87,7 +89,14 @@ def _bf16_dots(monkeypatch: pytest.MonkeyPatch) -> None:
         return h
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+        a, b = widen(a), widen(b)
+        if a.dtype.scalar == tl.float32 and b.dtype.scalar == tl.float32 and d.dtype.scalar == tl.float32:
+            # one rounding per element: numpy's fp32 matmul goes through a BLAS whose kernels round an output
+            # element differently by its column position (OpenBLAS on an AMD EPYC host), which made two kernels
+            # that put the same dot in other columns (moe_up_act's interleaved w13) differ in the last bit
+            prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+            return interpreter.TensorHandle(prod + d.data, d.dtype.scalar)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
