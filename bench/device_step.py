@@ -10,6 +10,8 @@ the same process. Peers run in the same process on the same model: the reference
 under torch.compile(mode="max-autotune") and transformers' BailingHybridForCausalLM eager. The request is greedy;
 where the pass set has specialize_greedy (`all`), a row also times its copies (step_greedy; draft_greedy ->
 verify_greedy -> extend_greedy), which the engine runs for a temperature-0 request: the summary's *_greedy keys.
+The general NEXTN graphs are also replayed for a sampled request (SAMPLED: temperature 0.8, top-p 0.95), whose
+filtered_probs rows run the top-p search that greedy rows skip: the summary's *_sampled keys (floor: the general's).
 
     python3 bench/device_step.py --json $OUT/step.json [--peers] [--e2e] [--only all]
         [--variant 'NAME:lingc.kernels.moe.UP_CONFIG={"block_n": 16}' ...] [--no-parity]
@@ -50,7 +52,10 @@ DRAFT_TOKENS = 6
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 # the measured steps: the general graphs (any request) and, where the program has them, specialize_greedy's copies
 # (what the engine runs for a temperature-0 request, as here)
-STEP_KEYS = ("step", "nextn", "step" + GREEDY_SUFFIX, "nextn" + GREEDY_SUFFIX)
+# "nextn_sampled": the general NEXTN graphs replayed for a sampled request (SAMPLED: temperature 0.8, top-p 0.95),
+# whose filtered_probs rows run the top-p threshold search; the other rows' relays are greedy (those rows exit at once)
+SAMPLED_SUFFIX = "_sampled"
+STEP_KEYS = ("step", "nextn", "step" + GREEDY_SUFFIX, "nextn" + GREEDY_SUFFIX, "nextn" + SAMPLED_SUFFIX)
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
             "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_combine_norm",
             "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe")
@@ -81,10 +86,14 @@ def fill_context(exe, config, seed: int = 0) -> None:
     reset_request(exe)
 
 
-def reset_request(exe, simulate: float = 0.0) -> None:
+def reset_request(exe, simulate: float = 0.0, sampling: dict | None = None) -> None:
+    """Slot 0's request relays back to the benchmark's start: greedy, or `sampling` (SAMPLED's keys)."""
     r = {k[len("relay_"):]: v for k, v in exe.buffers.tensors.items() if k.startswith("relay_")}
     r["seq_len"][0] = CONTEXT
     r["temperature"][0], r["top_k"][0], r["top_p"][0] = 0.0, 0, 1.0
+    if sampling:
+        r["temperature"][0], r["top_p"][0] = sampling["temperature"], sampling["top_p"]
+        r["seed"][0], r["rng_counter"][0] = sampling["seed"], 0
     r["simulate_accept"][0] = simulate
     r["root"][0], r["draft_first"][0] = 11, 12
 
@@ -171,11 +180,13 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
         step_names["step" + GREEDY_SUFFIX] = ("step" + GREEDY_SUFFIX,)
     if partitioned and all(g + GREEDY_SUFFIX in program.graphs for g in NEXTN_GRAPHS):
         step_names["nextn" + GREEDY_SUFFIX] = tuple(g + GREEDY_SUFFIX for g in NEXTN_GRAPHS)
+    if partitioned:
+        step_names["nextn" + SAMPLED_SUFFIX] = NEXTN_GRAPHS          # the same graphs as "nextn", sampled relays
     floor_graphs = step_names["step"] + step_names["nextn"]          # a greedy copy's floor is its source's
     if with_floor and floor_first:
         row["bytes"] = _floor_bytes(exe, floor_graphs)
     graphs = CudaGraphs(exe)
-    graphs.capture([g for names in step_names.values() for g in names])
+    graphs.capture(list(dict.fromkeys(g for names in step_names.values() for g in names)))
     row["compile_capture_s"] = time.perf_counter() - t0
     fill_context(exe, model.config)
     row["launches"] = {g: len(exe.lowered[g].launches) for names in step_names.values() for g in names}
@@ -184,10 +195,12 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     for key, names in step_names.items():
         if not names:
             continue
+        sampling = SAMPLED if key.endswith(SAMPLED_SUFFIX) else None
+        reset_request(exe, sampling=sampling)
         first = time_graphs(graphs, names)
-        reset_request(exe)
+        reset_request(exe, sampling=sampling)
         second = time_graphs(graphs, names)
-        reset_request(exe)
+        reset_request(exe, sampling=sampling)
         row[key] = {"ms": first, "ms_repeat": second, "host": host_lead(graphs, names)}
         reset_request(exe)
     if with_floor and not floor_first:     # counted after timing, on a fresh executor: the timed one never ran eagerly
@@ -491,11 +504,12 @@ def summarize(result: dict) -> None:
     best = rows.get("all")
     table = []
     for name, r in rows.items():
-        for sfx in ("", GREEDY_SUFFIX):
+        for sfx in ("", GREEDY_SUFFIX, SAMPLED_SUFFIX):
             ms = (r.get("step" + sfx, {}).get("ms", {}), r.get("nextn" + sfx, {}).get("ms", {}))
             if sfx and not any(ms):
                 continue
-            step, nextn, verify = ms[0].get("total"), ms[1].get("total"), ms[1].get("verify" + sfx)
+            verify_key = "verify" + (sfx if sfx == GREEDY_SUFFIX else "")      # the sampled row runs the general graphs
+            step, nextn, verify = ms[0].get("total"), ms[1].get("total"), ms[1].get(verify_key)
             table.append(f"{name + sfx:25s} step {step or 0:8.3f} ms   nextn {nextn or 0:8.3f} ms   "
                          f"verify {verify or 0:8.3f} ms")
     if best:
@@ -504,7 +518,9 @@ def summarize(result: dict) -> None:
                            ("nextn_verify", ("nextn", "verify")),
                            ("decode_step" + GREEDY_SUFFIX, ("step" + GREEDY_SUFFIX, "total")),
                            ("nextn_step" + GREEDY_SUFFIX, ("nextn" + GREEDY_SUFFIX, "total")),
-                           ("nextn_verify" + GREEDY_SUFFIX, ("nextn" + GREEDY_SUFFIX, "verify" + GREEDY_SUFFIX))):
+                           ("nextn_verify" + GREEDY_SUFFIX, ("nextn" + GREEDY_SUFFIX, "verify" + GREEDY_SUFFIX)),
+                           ("nextn_step" + SAMPLED_SUFFIX, ("nextn" + SAMPLED_SUFFIX, "total")),
+                           ("nextn_verify" + SAMPLED_SUFFIX, ("nextn" + SAMPLED_SUFFIX, "verify"))):
             sec, g = graph
             if sec in best and "floor_ms" in best[sec]:
                 summary[key] = {"time_ms": best[sec]["ms"][g], "floor_ms": best[sec]["floor_ms"][g],
