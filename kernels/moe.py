@@ -73,7 +73,7 @@ import triton.language as tl
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
-from lingc.ops.moe import align_sizes
+from lingc.ops.moe import PAIR_GRID_PICKS, PAIR_GRID_TOKENS, align_sizes
 
 
 class GemmConfig(NamedTuple):
@@ -106,10 +106,8 @@ DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
 # the pair grid (moe_up_act_pairs / moe_down_pairs, fuse_align_into_moe): one program row per (token, expert) pair,
-# the expert's first pair doing the expert's rows, at most PAIR_GRID_TOKENS tokens (a token per row slot of the
-# MIN_TILE_M tile) and PAIR_GRID_MAX pairs (one vector of ids); past either, the launcher aligns the ids itself
-PAIR_GRID_TOKENS = 16
-PAIR_GRID_MAX = 64
+# the expert's first pair doing the expert's rows; at most PAIR_GRID_TOKENS tokens (a token per row slot of the
+# MIN_TILE_M tile) and PAIR_GRID_PICKS pairs a token (lingc/ops/moe.py); past either, the launcher aligns the ids
 PAIR_GRID_FALLBACK_BM = 16   # block_m of that fallback (lingc.modules.MOE_BLOCK_M)
 PREFETCH_LINE = 64           # elements per prefetch request (128 B of bf16)
 MIN_TILE_M = 16              # tl.dot needs M >= 16; smaller block_m is padded with masked rows
@@ -565,15 +563,15 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
     """The grouped GEMMs on the pair grid (BY_IDS): program row p = pair p of the router's ids [N, k'] (k' picks +
     shared per token), which runs the GEMM for every pair of its expert if p is that expert's first pair and exits
     otherwise; no align. top_k: pairs per A row (k' for the up-GEMM, 1 for the down-GEMM). Past PAIR_GRID_TOKENS
-    tokens or PAIR_GRID_MAX pairs (prefill, large batches) it aligns the ids itself (moe_align, one more launch)
-    and runs the align-grid kernel: the same values."""
+    tokens or PAIR_GRID_PICKS pairs a token (prefill, large batches) it aligns the ids itself (moe_align, one more
+    launch) and runs the align-grid kernel: the same values."""
     if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
         raise ValueError(f"{op}: topk_ids is {list(topk_ids.shape)} {topk_ids.dtype}, want [N, k] int32")
     n_tokens, pair_rows = topk_ids.shape
     num_pairs = topk_ids.numel()
     if not topk_ids.is_contiguous():
         topk_ids, preload = topk_ids.contiguous(), False      # a copy launch right before: no pre-wait reads of it
-    if n_tokens > PAIR_GRID_TOKENS or num_pairs > PAIR_GRID_MAX:
+    if n_tokens > PAIR_GRID_TOKENS or pair_rows > PAIR_GRID_PICKS:
         from lingc.kernels.moe_align import moe_align
         aligned = moe_align(topk_ids, w.shape[0], PAIR_GRID_FALLBACK_BM, pdl=pdl)
         return _grouped_gemm(op, a, w, *aligned, top_k, PAIR_GRID_FALLBACK_BM, limit, swiglu, pdl, out, config)

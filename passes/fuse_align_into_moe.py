@@ -20,14 +20,15 @@ the GEMMs can find their rows from the ids in a few instructions: the up / down 
 program row per (token, expert) pair; the expert's first pair (flat order) runs the GEMM tile for every token
 that picked that expert, the others exit (kernels/moe.py `_pair_rows`). Values: moe_up_act_pairs(x, w, ids) ==
 moe_up_act(x, w, *moe_align(ids)) bit for bit (a pair row's dot does not depend on the block it sits in; tests and
-bench/kernel_moe.py `_pairs_rows` on the H200). Past 16 tokens the launchers align the ids themselves (prefill,
-large batches): the same values, one more launch per GEMM.
+bench/kernel_moe.py `_pairs_rows` on the H200). Past PAIR_GRID_TOKENS = 16 tokens or PAIR_GRID_PICKS = 32 pairs a
+token (lingc/ops/moe.py) the launchers align the ids themselves: the same values, one more launch per GEMM.
 
 Left alone: layers with fewer than MIN_TOKENS tokens a call (decode, the draft's one-token MTP forwards: measured
-slower there, see MIN_TOKENS), the prefill graphs (prefill, mtp_prefill: their chunks are past 16 tokens, where the pair-grid launchers
-would align twice) and layers whose align outputs anything else reads (fuse_moe's moe_fused, tp's ep_align) or whose up-GEMM
-is the plain moe_up (+ silu_and_mul: without fuse_swiglu). `lingc compile --tp N` runs after this pass and turns a
-paired layer back into moe_up_act / moe_down over its ep_align (passes/tp.py).
+slower there, see MIN_TOKENS) or past the pair grid's limits (the launchers would align twice), the prefill graphs
+(prefill, mtp_prefill: chunks past 16 tokens) and layers whose align outputs anything else reads (fuse_moe's
+moe_fused, tp's ep_align) or whose up-GEMM is the plain moe_up (+ silu_and_mul: without fuse_swiglu).
+`lingc compile --tp N` runs after this pass and turns a paired layer back into moe_up_act / moe_down over its
+ep_align (passes/tp.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.modules import MOE_BLOCK_M
+from lingc.ops.moe import PAIR_GRID_PICKS, PAIR_GRID_TOKENS
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
 from lingc.passes.matchers import calls, getitems
@@ -74,13 +76,17 @@ def _layer(src: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
             return f"{src.name}: its ids do not come from a router_topk"
     if downs[0].args[0] is not ups[0]:
         return f"{downs[0].name} does not read {ups[0].name}"
-    shared_at = 8 if router.target is OPS.router_align else 6      # fused_shared, the last optional argument
-    top_k = router.args[4] + (router.args[shared_at] if len(router.args) > shared_at else 0)
+    top_k = _pairs_per_token(router)
     if ups[0].args[5] != top_k or ups[0].args[6] != MOE_BLOCK_M:
-        return f"{ups[0].name}: {ups[0].args[5]} pairs a token, the router gives {top_k}"
+        return f"{ups[0].name}: {ups[0].args[5]} pairs a token in blocks of {ups[0].args[6]}, the router gives " \
+               f"{top_k} (blocks of {MOE_BLOCK_M} wanted)"
+    if top_k > PAIR_GRID_PICKS:
+        return f"{ups[0].name}: {top_k} pairs a token, past PAIR_GRID_PICKS = {PAIR_GRID_PICKS}"
     pairs = getattr(ups[0].meta.get("lingc.tensor"), "shape", (None,))[0]
     if isinstance(pairs, int) and pairs // top_k < MIN_TOKENS:
         return f"{ups[0].name}: {pairs // top_k} token(s) a call, below MIN_TOKENS = {MIN_TOKENS}"
+    if isinstance(pairs, int) and pairs // top_k > PAIR_GRID_TOKENS:     # the launchers would align twice
+        return f"{ups[0].name}: {pairs // top_k} tokens a call, past PAIR_GRID_TOKENS = {PAIR_GRID_TOKENS}"
     return router, ups[0], downs[0]
 
 
@@ -130,7 +136,7 @@ def unfuse(graph: fx.Graph, down: fx.Node, num_experts: int) -> fx.Node:
     """moe_up_act_pairs + moe_down_pairs -> moe_align(ids) + moe_up_act + moe_down, in place (the tp pass shards the
     aligned form); returns the moe_down."""
     up, ids = down.args[0], down.args[2]
-    top_k = ids.meta["lingc.tensor"].shape[-1] if "lingc.tensor" in ids.meta else _pairs_per_token(ids)
+    top_k = _pairs_per_token(ids.args[0])
     with graph.inserting_before(up):
         align = graph.call_function(OPS.moe_align, (ids, num_experts, MOE_BLOCK_M))
         outs = [graph.call_function(operator.getitem, (align, i)) for i in range(3)]
@@ -144,10 +150,10 @@ def unfuse(graph: fx.Graph, down: fx.Node, num_experts: int) -> fx.Node:
     return down
 
 
-def _pairs_per_token(ids: fx.Node) -> int:
-    """k' of a router_topk's ids getitem: its top_k plus its fused_shared."""
-    router = ids.args[0]
-    return router.args[4] + (router.args[6] if len(router.args) > 6 else 0)
+def _pairs_per_token(router: fx.Node) -> int:
+    """k' of a router_topk or router_align: its top_k plus its fused_shared (the last optional argument)."""
+    shared_at = 8 if router.target is OPS.router_align else 6
+    return router.args[4] + (router.args[shared_at] if len(router.args) > shared_at else 0)
 
 
 class FuseAlignIntoMoe(Pass):
@@ -162,7 +168,7 @@ class FuseAlignIntoMoe(Pass):
         skipped: list[str] = []
         for gname, graph in program.graphs.items():
             if gname.endswith("prefill"):
-                continue          # a prefill chunk is past PAIR_GRID_TOKENS: the aligned GEMMs, one align
+                continue          # a prefill chunk is past PAIR_GRID_TOKENS (not seen in a symbolic shape)
             for src in [*calls(graph, "router_align"), *calls(graph, "moe_align")]:
                 found = _layer(src)
                 if isinstance(found, str):

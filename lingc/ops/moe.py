@@ -259,6 +259,13 @@ def _(act, w2, sorted_pairs, block_expert, total, block_m):
 register("moe_down")
 
 
+# The pair-grid kernels (lingc.kernels.moe, BY_IDS) give each token a row slot of a 16-row MMA tile and read a
+# token's picks as one row of a [16, pairs per token] tile: at most PAIR_GRID_TOKENS tokens and PAIR_GRID_PICKS pairs a
+# token. Past them the launchers align the ids themselves, and fuse_align_into_moe leaves such layers aligned.
+PAIR_GRID_TOKENS = 16
+PAIR_GRID_PICKS = 32
+
+
 @torch.library.custom_op("lingc::moe_up_act_pairs", mutates_args=())
 def moe_up_act_pairs(x: torch.Tensor, w13_interleaved: torch.Tensor, topk_ids: torch.Tensor,
                      limit: float) -> torch.Tensor:

@@ -49,6 +49,17 @@ def test_pairs_equal_the_aligned_gemms(case):
     torch.testing.assert_close(act.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_many_pairs_stay_on_the_pair_grid(monkeypatch):
+    """16 tokens x 9 pairs (144 pairs): within the pair grid's limits (16 tokens, 32 pairs a token), so no moe_align;
+    the bits of the aligned GEMMs."""
+    import lingc.kernels.moe_align as align_module
+    ids, w13, w2, x = _case(16, 32, 8, 1, seed=5)
+    want = moe_up_act(x, w13, *moe_align(ids, 33, BLOCK_M), 9, BLOCK_M, 0.0)
+    monkeypatch.setattr(align_module, "moe_align", lambda *a, **k: pytest.fail("the pair grid aligned the ids"))
+    got = moe_up_act_pairs(x, w13, ids, 0.0)
+    assert torch.equal(got, want)
+
+
 def test_pdl_flag_keeps_the_bits():
     ids, w13, w2, x = _case(6, 16, 4, 1, seed=3)
     act = moe_up_act_pairs(x, w13, ids, 0.0)

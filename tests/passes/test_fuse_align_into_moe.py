@@ -159,3 +159,12 @@ def test_min_tokens_one_pairs_the_decode_layers_too(aligned, monkeypatch):
     assert count(after, "decode", "moe_up_act_pairs") == 5 and count(after, "decode", "router_align") == 0
     report = compare_stages(aligned, after, exact=True, tolerance=None)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+
+
+def test_layers_past_the_pair_grid_stay_aligned(aligned, monkeypatch):
+    """A layer with more tokens a call than the pair grid's row slots would be aligned twice by the launchers."""
+    import lingc.passes.fuse_align_into_moe as pass_module
+    monkeypatch.setattr(pass_module, "PAIR_GRID_TOKENS", 5)          # verify's and extend's 6 tokens are past it
+    after, record = FuseAlignIntoMoe().run(aligned)
+    assert record.matches == 0 and count(after, "verify", "router_align") == 5
+    assert sum("6 tokens a call, past PAIR_GRID_TOKENS = 5" in r for r in record.details["skipped"]) == 6
