@@ -42,6 +42,9 @@ COPIES = cold_copies(E * 2 * INTER * H * 2)   # weight copies alternated for col
 LIMIT_CLAMP = 7.0
 TUNE = [(16, 128, 4, 4), (32, 64, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5), (32, 128, 2, 4),
         (128, 64, 4, 4)]        # (block_n, block_k, num_warps, num_stages)
+# the up-GEMM's swap-AB tilings (GemmConfig.swap_ab: the weight tile as the MMA's M operand; other bits)
+TUNE_UP_SWAP = [(64, 128, 4, 4, True), (64, 128, 4, 3, True), (64, 128, 4, 6, True), (128, 128, 4, 4, True),
+                (128, 128, 8, 4, True), (64, 64, 4, 6, True)]
 
 
 def _time(calls: list[Callable]) -> float | None:
@@ -304,8 +307,8 @@ def _tune_rows(p: Problem) -> list[dict]:
     al = p.align[0]
     base_up = moe_up_act(p.x[0], p.w13i[0], *al, TOP_K, BLOCK_M, 0.0)
     base_down = moe_down(p.act[0], p.w2[0], *al, BLOCK_M)
-    for cfg in [UP_CONFIG, *map(GemmConfig._make, TUNE)]:
-        label = f"bn{cfg.block_n}-bk{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
+    for cfg in [UP_CONFIG, *map(GemmConfig._make, TUNE + TUNE_UP_SWAP)]:
+        label = f"bn{cfg.block_n}-bk{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}" + ("-swap" * cfg.swap_ab)
         try:
             same = torch.equal(moe_up_act(p.x[0], p.w13i[0], *al, TOP_K, BLOCK_M, 0.0, config=cfg), base_up)
             t = _time(p.calls(lambda c, w: moe_up_act(p.x[c], p.w13i[w], *p.align[c], TOP_K, BLOCK_M, 0.0,

@@ -22,6 +22,11 @@ Numerics:
   * GEMMs accumulate in fp32 and round once to the activation dtype. BLOCK_K, the row tile and the dot
     instruction are fixed (never chosen from NP), and each output element is its own row-by-column dot, so
     a pair row's bits do not depend on its position in a block, on the other pairs, or on NP (decode == verify).
+    One exception, measured rather than built in: the pair grid (verify, extend) runs swap-AB tiles on tensor cores
+    (UP_PAIRS_CONFIG / DOWN_PAIRS_CONFIG: the weight tile as the MMA's M operand, another instruction) where
+    decode's aligned launches run the unswapped ones; on the H200 the two give the same bits at 1-16 tokens
+    (bench/results/kernels-moe-swap-h200-20261202.json), and the step benchmark's greedy parity (NEXTN == plain
+    decoding) checks it end to end. IEEE dots keep one tiling for both.
     Against the reference (F.linear / bmm per pair) the summation order differs: tolerance, not bits.
     bf16/fp16 GEMMs use the tensor cores (mma with fp32 accumulation); fp32 inputs, and every dtype under the
     interpreter (its tl.dot cannot multiply bf16, which it stores as uint16), run an IEEE fp32 dot instead.
@@ -82,6 +87,7 @@ class GemmConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = False    # the dot as W [BN, BK] @ A^T [BK, TILE_M] (the weight as the MMA's M operand); no preload
 
 
 # Tunables. Decode has 8 active blocks, so the N-tiles must supply the CTAs: the up-GEMM (N = 2I = 1024)
@@ -91,6 +97,16 @@ class GemmConfig(NamedTuple):
 # do not enter the arithmetic; bench/results/kernels-moe-stages-h200-20261130.json).
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
 DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)   # moe_down
+# The pair grid's tilings (moe_up_act_pairs / moe_down_pairs: verify and extend, 2-16 tokens): swap-AB, 64 weight
+# rows a program, 3 stages. On the H200 (bf16) they give the unswapped tiles' bits at 1-16 tokens, and at 6 tokens
+# with the shared expert (54 pairs) the up-GEMM took 34.4 vs 36.5-37.0 us, the down-GEMM 18.7 vs 20.1
+# (bench/results/kernels-moe-swap-h200-20261202.json). The step, greedy verify: 2.388 -> 2.316 ms (the up-GEMM's
+# alone: 2.355; step-ab-h200-20261202-d.json). At one token (decode's aligned launches) the swapped tiling was slower
+# (10.9 vs 10.6 us; decode 1.226 vs 1.193 ms with 144 programs; -c.json), so UP_CONFIG / DOWN_CONFIG stay unswapped.
+# IEEE dots (fp32 inputs, the interpreter) ignore these and run UP_CONFIG / DOWN_CONFIG: there the orientation
+# changes the summation order, and the pair grid must keep the aligned launches' bits.
+UP_PAIRS_CONFIG = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
+DOWN_PAIRS_CONFIG = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
 # the down-GEMM's pre-wait L2 prefetch: off by default. With it and the MLA split's on, the H200 decode step measured
 # 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); with it alone 1.474 against 1.413
 # (NEXTN 4.079 vs 3.987 ms; step-ab-h200-20261130-e.json). LINGC_MOE_DOWN_PREFETCH=1 turns it on
@@ -234,8 +250,14 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
                     TOP_K: tl.constexpr, TILE_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
-                    LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr, ws, K_CHUNKS: tl.constexpr):
-    """_gemm_tile on a block's expert and pairs already loaded (_block_rows)."""
+                    LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr, ws, K_CHUNKS: tl.constexpr,
+                    SWAP_AB: tl.constexpr = False):
+    """_gemm_tile on a block's expert and pairs already loaded (_block_rows). SWAP_AB (the pipelined loop only):
+    the dot runs as acc^T [BLOCK_N, TILE_M] += W [BLOCK_N, BK] @ A^T [BK, TILE_M], the weight tile as the MMA's
+    M operand (at BLOCK_N >= 64 and 4 warps a Hopper wgmma reading both operands from shared memory), then one
+    transpose before the epilogue. Each output element is still its own row-by-column dot over the same BLOCK_K
+    steps, the same for every row count; on the H200 (bf16) its bits equal the unswapped tile's (measured, not
+    guaranteed by construction: another MMA instruction), while an IEEE (fp32) dot's summation order differs."""
     valid = pairs < num_pairs
     rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -251,7 +273,27 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
         else:
             a = tl.load(a_ptrs + c * BLOCK_K, mask=a_mask, other=0.0)
         acc = _acc_dot(a, ws[c], acc, IEEE_DOT)
-    if K_CHUNKS == 0:
+    if K_CHUNKS == 0 and SWAP_AB:
+        a_t_ptrs = a_ptr + rows[None, :] * stride_am + offs_k[:, None]                              # [BK, TILE_M]
+        w_t_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+        acc_t = tl.zeros((BLOCK_N, TILE_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a_mask = valid[None, :]
+                w = tl.load(w_t_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            else:
+                k_ok = k0 + offs_k < K
+                a_mask = valid[None, :] & k_ok[:, None]
+                w = tl.load(w_t_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if A_CG:
+                a = tl.load(a_t_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
+            else:
+                a = tl.load(a_t_ptrs, mask=a_mask, other=0.0)
+            acc_t = _acc_dot(w, a, acc_t, IEEE_DOT)
+            a_t_ptrs += BLOCK_K
+            w_t_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)
+    if K_CHUNKS == 0 and not SWAP_AB:
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a_mask = valid[:, None]
@@ -300,7 +342,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                      K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
-                     BY_IDS: tl.constexpr = False, PAIR_ROWS: tl.constexpr = 1, PR_BLOCK: tl.constexpr = 16):
+                     BY_IDS: tl.constexpr = False, PAIR_ROWS: tl.constexpr = 1, PR_BLOCK: tl.constexpr = 16,
+                     SWAP_AB: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
@@ -340,7 +383,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
             return
     _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
                     stride_om, limit, TOP_K, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT,
-                    LIBDEVICE_EXP, False, ws, K_CHUNKS)
+                    LIBDEVICE_EXP, False, ws, K_CHUNKS, SWAP_AB)
     if PDL:
         pdl_trigger()
 
@@ -511,7 +554,7 @@ def _check_gemm(op: str, a: torch.Tensor, w: torch.Tensor, swiglu: bool, config:
     num_experts, n, k = w.shape
     if swiglu and n % 2:
         raise ValueError(f"{op}: interleaved w13 has {n} rows, want an even number (gate/up pairs)")
-    if config.block_n % 2 or config.block_k < 16:
+    if config.block_n % 2 or config.block_k < 16 or (config.swap_ab and config.block_n < 16):
         raise ValueError(f"{op}: bad tiling {config}")
     return num_experts, n, k
 
@@ -552,9 +595,16 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
-        K_CHUNKS=preload_chunks(preload, k, config.block_k, num_pairs),
+        K_CHUNKS=preload_chunks(preload and not config.swap_ab, k, config.block_k, num_pairs),
+        SWAP_AB=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
+
+
+def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> GemmConfig:
+    """The pair grid's tiling: `pairs` where the dot runs on tensor cores, else (IEEE dots: fp32, the interpreter)
+    the aligned launches' `aligned`, whose summation order the pair grid must keep."""
+    return aligned if _interpreting() or a.dtype == torch.float32 else pairs
 
 
 def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, top_k: int, limit: float,
@@ -590,8 +640,8 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False, K_LINES=1, LINE=PREFETCH_LINE,
-        K_CHUNKS=preload_chunks(preload and pdl, k, config.block_k, num_pairs),
-        BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows),
+        K_CHUNKS=preload_chunks(preload and pdl and not config.swap_ab, k, config.block_k, num_pairs),
+        BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows), SWAP_AB=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
@@ -602,14 +652,15 @@ def moe_up_act_pairs(x: torch.Tensor, w13_interleaved: torch.Tensor, topk_ids: t
     """moe_up_act on the pair grid: x [N, h], topk_ids [N, k] int32 -> [NP, I]; the bits of moe_up_act over
     moe_align(topk_ids) (each pair row is its own dot, whatever block it sits in)."""
     return _pair_gemm("moe_up_act_pairs", x, w13_interleaved, topk_ids, topk_ids.shape[-1], limit, True, pdl, out,
-                      config or UP_CONFIG)
+                      config or _pairs_config(UP_PAIRS_CONFIG, UP_CONFIG, x))
 
 
 def moe_down_pairs(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, *, pdl: bool = False,
                    out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """moe_down on the pair grid: act [NP, I], topk_ids [N, k] -> [NP, h]; the weight tile preloaded before the PDL
     wait as moe_down's (the ids' writer, the router, is two kernels back)."""
-    return _pair_gemm("moe_down_pairs", act, w2, topk_ids, 1, 0.0, False, pdl, out, config or DOWN_CONFIG,
+    return _pair_gemm("moe_down_pairs", act, w2, topk_ids, 1, 0.0, False, pdl, out,
+                      config or _pairs_config(DOWN_PAIRS_CONFIG, DOWN_CONFIG, act),
                       preload=DOWN_PRELOAD)
 
 

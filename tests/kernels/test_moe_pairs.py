@@ -1,7 +1,8 @@
 """lingc.kernels.moe's pair-grid GEMMs (moe_up_act_pairs, moe_down_pairs; fuse_align_into_moe) in the Triton
 interpreter: bit for bit the aligned GEMMs over moe_align of the same ids (and so the reference ops within the
 aligned kernels' tolerance), every output row written (poisoned buffers), experts picked by several tokens, a
-shared pair per token, 16 tokens (one per row slot), the moe_align fallback past 16, PDL on == off, bad ids."""
+shared pair per token, 16 tokens (one per row slot), the moe_align fallback past 16, PDL on == off, bad ids, and the
+pair grid's swap-AB tiling (GemmConfig.swap_ab)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from kernel_support import poisoned_empty
-from lingc.kernels.moe import (LOWERINGS, interleave_w13, moe_down, moe_down_pairs, moe_up_act, moe_up_act_pairs)
+import lingc.kernels.moe as moe_kernels
+from lingc.kernels.moe import (DOWN_CONFIG, DOWN_PAIRS_CONFIG, LOWERINGS, UP_CONFIG, UP_PAIRS_CONFIG, GemmConfig,
+                               interleave_w13, moe_down, moe_down_pairs, moe_up_act, moe_up_act_pairs)
 from lingc.kernels.moe_align import moe_align
 
 BLOCK_M = 16
@@ -77,3 +80,41 @@ def test_bad_ids_name_the_op():
 
 def test_lowered():
     assert LOWERINGS["moe_up_act_pairs"] is moe_up_act_pairs and LOWERINGS["moe_down_pairs"] is moe_down_pairs
+
+
+SWAP = GemmConfig(block_n=32, block_k=32, num_warps=4, num_stages=2, swap_ab=True)   # K = 48: a masked last block
+
+
+def test_swap_ab_tiling():
+    """swap_ab (W [BN, BK] @ A^T as the dot): the pair grid equals the aligned launch under it bit for bit, and it is
+    within fp32 rounding of the unswapped tiles (the interpreter's IEEE dot sums in another order)."""
+    ids, w13, w2, x = _case(6, 16, 4, 1, seed=9)
+    x, w13, w2 = x.float(), w13.float(), w2.float()
+    aligned = moe_align(ids, 17, BLOCK_M)
+    with poisoned_empty():
+        act = moe_up_act_pairs(x, w13, ids, 0.3, config=SWAP)
+        down = moe_down_pairs(act, w2, ids, config=SWAP)
+    assert torch.equal(act, moe_up_act(x, w13, *aligned, 5, BLOCK_M, 0.3, config=SWAP))
+    assert torch.equal(down, moe_down(act, w2, *aligned, BLOCK_M, config=SWAP))
+    torch.testing.assert_close(act, moe_up_act_pairs(x, w13, ids, 0.3, config=UP_CONFIG), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(down, moe_down_pairs(act, w2, ids, config=DOWN_CONFIG), rtol=1e-5, atol=1e-6)
+
+
+def test_pair_grid_tiling_choice(monkeypatch):
+    """The pair grid runs UP_PAIRS_CONFIG / DOWN_PAIRS_CONFIG on tensor cores only; IEEE dots (fp32, the interpreter)
+    keep the aligned launches' tilings, so the pair grid keeps their bits there."""
+    ids, w13, w2, x = _case(6, 16, 4, 1, seed=10)
+    act = moe_up_act_pairs(x, w13, ids, 0.0)
+    assert torch.equal(act, moe_up_act_pairs(x, w13, ids, 0.0, config=UP_CONFIG))
+    assert torch.equal(moe_down_pairs(act, w2, ids), moe_down_pairs(act, w2, ids, config=DOWN_CONFIG))
+    assert moe_kernels._pairs_config(UP_PAIRS_CONFIG, UP_CONFIG, x) == UP_CONFIG          # interpreting
+    monkeypatch.setattr(moe_kernels, "_interpreting", lambda: False)
+    assert moe_kernels._pairs_config(UP_PAIRS_CONFIG, UP_CONFIG, x) == UP_PAIRS_CONFIG    # bf16 on the GPU
+    assert moe_kernels._pairs_config(DOWN_PAIRS_CONFIG, DOWN_CONFIG, x.float()) == DOWN_CONFIG
+    assert UP_PAIRS_CONFIG.swap_ab and DOWN_PAIRS_CONFIG.swap_ab
+
+
+def test_bad_swap_tiling():
+    ids, w13, w2, x = _case(2, 16, 4, 1, seed=11)
+    with pytest.raises(ValueError, match="moe_up_act_pairs: bad tiling"):
+        moe_up_act_pairs(x, w13, ids, 0.0, config=GemmConfig(8, 32, 4, 2, swap_ab=True))
