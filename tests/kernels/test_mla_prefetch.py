@@ -1,6 +1,6 @@
 """The MLA split kernel compiled for sm_90 without a GPU. The pre-wait L2 prefetch (kernels/mla.py PREFETCH): the
 prefetches come before `griddepcontrol.wait`; without PREFETCH none exists. The row addressing: with the page size a
-constexpr, the only integer division left is the program's request (pid // query blocks), none per cache row. In the
+constexpr, the only integer division left is the program's query split (m // T), none per cache row. In the
 interpreter (PDL off) the split is unchanged, which tests/kernels/test_mla.py checks."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sig = dict(qlat_ptr="*bf16", qrope_ptr="*bf16", kv_ptr="*bf16", pages_ptr="*i32"
            stride_rt="i32", stride_rh="i32", stride_page="i32", stride_row="i32", stride_pages_b="i32",
            stride_pos_b="i32", stride_pos_t="i32")
 const = dict(PS=16, H=16, R=512, RR=64, BLOCK_H=16, BLOCK_R=512, BLOCK_E=64, SPLIT=64, BLOCK_N=32, IEEE=False, PDL=True,
-             PREFETCH=prefetch, NUM_PAGES=1024, L_LINES=16, CHUNKS=K._split_chunks(512), QPP=1)
+             PREFETCH=prefetch, NUM_PAGES=1024, L_LINES=16, CHUNKS=K._split_chunks(512))
 sig.update({k: "constexpr" for k in const})
 ptx = triton.compile(ASTSource(fn=K._split_kernel, signature=sig, constexprs=const),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
@@ -44,7 +44,7 @@ def _probe(prefetch: bool) -> tuple[list[int], list[int], list[int]]:
 
 
 def test_row_addressing_has_no_runtime_division() -> None:
-    assert len(_probe(False)[2]) == 1        # pid // (query blocks a request); none per cache row
+    assert len(_probe(False)[2]) == 1        # m // T (its remainder is formed from it); none per cache row
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
