@@ -112,8 +112,6 @@ BLOCK_N_FP32 = 16
 # by a runtime value in the row addressing), the H200 measured 16.7 vs 18.1 us at 1 query and 40.7 vs 46.1 us at 6
 # (bench/results/kernels-mla-split-h200-20261130.json), same bits; 2 or 8 chunks were slower at one of the two.
 SPLIT_CHUNKS = 4
-# queries of a verify chain per split program (a power of two; T = 1 always runs 1): read at launch
-SPLIT_QPP = int(os.environ.get("LINGC_MLA_QPP", "1"))
 SMALL_ACC = 16 * 512     # BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
@@ -193,48 +191,37 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   PREFETCH: tl.constexpr = False, NUM_PAGES: tl.constexpr = 1, L_LINES: tl.constexpr = 1,
-                  CHUNKS: tl.constexpr = 1, QPP: tl.constexpr = 1):
-    """Unnormalised softmax partials over the visible rows of split s, all heads at once, of QPP consecutive queries
-    of one request (program row r = query t0 + r // BLOCK_H, head r % BLOCK_H): each cache tile is loaded once for
-    them. Row r's arithmetic is that of a QPP = 1 program: its own scores row, its own mask (rows <= its position),
-    and, on the rows past its own end that another query of the program sees, p = 0 exactly (adding exact zeros
-    leaves the MMA sums alone); a query that sees none of the split keeps m = -inf and stores nothing."""
-    pid = tl.program_id(0)
+                  CHUNKS: tl.constexpr = 1):
+    """Unnormalised softmax partial of query m over its visible rows of split s, all heads at once."""
+    m = tl.program_id(0)
     s = tl.program_id(1)
-    NQB = (T + QPP - 1) // QPP                                                       # query blocks per request
-    b = pid // NQB
-    t0 = (pid - b * NQB) * QPP
-    BLOCK_M: tl.constexpr = QPP * BLOCK_H
+    b, t = m // T, m % T
     RC: tl.constexpr = BLOCK_R // CHUNKS
-    offs_r = tl.arange(0, BLOCK_M)
-    hh = offs_r % BLOCK_H                                                            # [BLOCK_M] head of each row
-    t_r = t0 + offs_r // BLOCK_H                                                     # [BLOCK_M] query of each row
+    offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, RC)
     offs_e = tl.arange(0, BLOCK_E)
-    mask_r, mask_e = (hh < H) & (t_r < T), offs_e < RR
+    mask_h, mask_e = offs_h < H, offs_e < RR
     if PDL:
         if PREFETCH:
-            if t0 + QPP >= T:  # the chain's last query sees every row the others do: one request per line
-                _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, T - 1, s, PS, CAP, stride_page, stride_row,
+            if t == T - 1:     # the chain's last query sees every row the others do: one request per line
+                _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS, CAP, stride_page, stride_row,
                                 stride_pages_b, stride_pos_b, stride_pos_t, R + RR, SPLIT, NUM_PAGES, L_LINES)
         pdl_wait()
-    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t_r * stride_pos_t, mask=t_r < T, other=-1).to(tl.int32)
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
     start = s * SPLIT
-    end_r = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # row r's visible rows [start, end_r)
-    end = tl.max(end_r, axis=0)                                    # the program's: empty if start > every position
-    m_row = b * T + t_r                                                              # [BLOCK_M] query index
+    end = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # visible rows [start, end); empty if start > pos
     dot_ty = kv_ptr.dtype.element_ty
     q_lat = ()
     acc = ()
     for j in tl.static_range(CHUNKS):
         cols = j * RC + offs_c
-        q_lat = q_lat + (tl.load(qlat_ptr + (m_row * H + hh)[:, None].to(tl.int64) * R + cols[None, :],
-                                 mask=mask_r[:, None] & (cols < R)[None, :], other=0.0),)      # [BLOCK_M, RC]
-        acc = acc + (tl.zeros([BLOCK_M, RC], tl.float32),)
-    q_rope = tl.load(qrope_ptr + b.to(tl.int64) * stride_rb + t_r[:, None] * stride_rt + hh[:, None] * stride_rh
-                     + offs_e[None, :], mask=mask_r[:, None] & mask_e[None, :], other=0.0).to(dot_ty)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+        q_lat = q_lat + (tl.load(qlat_ptr + (m * H + offs_h[:, None]).to(tl.int64) * R + cols[None, :],
+                                 mask=mask_h[:, None] & (cols < R)[None, :], other=0.0),)      # [BLOCK_H, RC]
+        acc = acc + (tl.zeros([BLOCK_H, RC], tl.float32),)
+    q_rope = tl.load(qrope_ptr + b.to(tl.int64) * stride_rb + t * stride_rt + offs_h[:, None] * stride_rh
+                     + offs_e[None, :], mask=mask_h[:, None] & mask_e[None, :], other=0.0).to(dot_ty)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
     for j0 in range(start, end, BLOCK_N):
         rows = j0 + tl.arange(0, BLOCK_N)
         valid = rows < end
@@ -248,7 +235,7 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
         k_rope = tl.load(kv_ptr + base[:, None] + R + offs_e[None, :], mask=valid[:, None] & mask_e[None, :],
                          other=0.0)
         # one accumulation chain in the unchunked order: the latent columns 0 .. R-1, then the rope part
-        scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        scores = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         if IEEE:
             for j in tl.static_range(CHUNKS):
                 scores = tl.dot(q_lat[j], tl.trans(c[j]), scores, input_precision="ieee")
@@ -256,11 +243,9 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
         else:
             for j in tl.static_range(CHUNKS):
                 scores = tl.dot(q_lat[j], tl.trans(c[j]), scores)
-            scores = tl.dot(q_rope, tl.trans(k_rope), scores)                           # [BLOCK_M, BLOCK_N] fp32
-        scores = tl.where(rows[None, :] < end_r[:, None], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))     # QPP = 1: finite (every step has a visible row)
-        if QPP > 1:        # a row that has seen nothing yet: p = 0, alpha = 0 (its acc and l are still 0)
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scores = tl.dot(q_rope, tl.trans(k_rope), scores)                           # [BLOCK_H, BLOCK_N] fp32
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))     # finite: every step has a visible row
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -270,18 +255,19 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
             if IEEE:
                 new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None], input_precision="ieee"),)
             else:
-                new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None]),)          # [BLOCK_M, RC]
+                new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None]),)          # [BLOCK_H, RC]
         acc = new_acc
         m_i = m_new
     if PDL:
         pdl_trigger()
-    active = mask_r & (end_r > start)
-    row = (m_row * S + s).to(tl.int64) * H + hh                                       # [BLOCK_M] partial rows
-    tl.store(part_ml_ptr + row * 2, m_i, mask=active)
-    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=active)
+    active = end > start
+    row = (m * S + s).to(tl.int64) * H + offs_h                                       # [BLOCK_H] partial rows
+    tl.store(part_ml_ptr + row * 2, m_i, mask=mask_h & active)
+    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_h & active)
     for j in tl.static_range(CHUNKS):
         cols = j * RC + offs_c
-        tl.store(part_o_ptr + row[:, None] * R + cols[None, :], acc[j], mask=active[:, None] & (cols < R)[None, :])
+        tl.store(part_o_ptr + row[:, None] * R + cols[None, :], acc[j],
+                 mask=mask_h[:, None] & (cols < R)[None, :] & active)
 
 
 @triton.jit
@@ -615,9 +601,8 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     block_h, block_r, fp32 = _pow2(H, MIN_DOT), _pow2(R, MIN_DOT), kv_pages.dtype == torch.float32
     if block_n is None:
         block_n = BLOCK_N_FP32 if fp32 else BLOCK_N
-    qpp = 1 if T == 1 else SPLIT_QPP
     if split_warps is None:
-        split_warps = SPLIT_WARPS_SMALL_ACC if qpp * block_h * block_r <= SMALL_ACC and not fp32 else SPLIT_WARPS
+        split_warps = SPLIT_WARPS_SMALL_ACC if block_h * block_r <= SMALL_ACC and not fp32 else SPLIT_WARPS
     _want(block_n >= MIN_DOT and split_rows % block_n == 0,
           f"mla_attention: want block_n >= {MIN_DOT} dividing split_rows, got {block_n}, {split_rows}")
     dev, M = q_nope.device, B * T
@@ -638,13 +623,13 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
         num_warps=GEMV_WARPS, **launch)
-    _split_kernel[(B * triton.cdiv(T, qpp), S)](
+    _split_kernel[(M, S)](
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
         page_rows.stride(0), positions.stride(0), positions.stride(1),
         PS=PS, H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
         BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
-        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r), QPP=qpp,
+        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r),
         num_warps=split_warps, num_stages=split_stages,
         **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](

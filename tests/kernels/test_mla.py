@@ -116,29 +116,6 @@ def test_attention_row_invariance(split: dict, dtype: torch.dtype) -> None:
     assert torch.equal(_attend(bigger, **split), chain), "the cache capacity changed a query's bits"
 
 
-@pytest.mark.parametrize("qpp", [2, 4])
-@pytest.mark.parametrize("T,last", [(6, [17, 33]), (5, [16, 40]), (3, [32, 9])], ids=["T6", "T5", "T3"])
-@dtypes
-def test_attention_queries_per_program(qpp: int, T: int, last: list[int], dtype: torch.dtype,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """SPLIT_QPP queries of a chain in one split program give each query the bits of one query a program (and of
-    its own T=1 call): chains across split boundaries (16-row splits; a query that sees none of a split while the
-    next one sees its first row), a partial last program (T odd), B = 2 with different pages."""
-    c = _case(2, T, dtype, seed=7 * T + qpp)
-    c["positions"] = torch.tensor(last).view(2, 1) - torch.arange(T - 1, -1, -1).view(1, T)
-    split = SPLITS["split16"]
-    monkeypatch.setattr(mla, "SPLIT_QPP", 1)
-    one = _attend(c, **split)
-    monkeypatch.setattr(mla, "SPLIT_QPP", qpp)
-    many = _attend(c, **split)
-    assert not many.isnan().any()
-    assert torch.equal(many, one)
-    for t in range(T):
-        assert torch.equal(_attend(_rows(c, slice(1, 2), slice(t, t + 1)), **split)[0, 0], many[1, t])
-    rtol, atol = ATTN_TOL[dtype]
-    torch.testing.assert_close(many, _reference(c), rtol=rtol, atol=atol)
-
-
 def test_attention_pdl_on_cpu_falls_back() -> None:
     c = _case(1, 2, torch.float32, seed=3)
     assert torch.equal(mla_attention(*_args(c), pdl=True), mla_attention(*_args(c)))
