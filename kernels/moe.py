@@ -228,6 +228,23 @@ def _pair_rows(ids_ptr, p, num_pairs, PAIR_ROWS: tl.constexpr, TILE_M: tl.conste
 
 
 @triton.jit
+def _loop_masks(valid, n_ok, k_ok, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """(A mask, W mask) of one BLOCK_K step of _gemm_tile_rows' loop: A [TILE_M, BK] and W [BK, BN], or their
+    transposes under SWAP_AB; EVEN_K: every K column in range (no K mask)."""
+    if SWAP_AB:
+        if EVEN_K:
+            a_mask, w_mask = valid[None, :], n_ok[:, None]
+        else:
+            a_mask, w_mask = valid[None, :] & k_ok[:, None], n_ok[:, None] & k_ok[None, :]
+    else:
+        if EVEN_K:
+            a_mask, w_mask = valid[:, None], n_ok[None, :]
+        else:
+            a_mask, w_mask = valid[:, None] & k_ok[None, :], k_ok[:, None] & n_ok[None, :]
+    return a_mask, w_mask
+
+
+@triton.jit
 def _gemm_tile(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, limit,
                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
@@ -273,42 +290,26 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
         else:
             a = tl.load(a_ptrs + c * BLOCK_K, mask=a_mask, other=0.0)
         acc = _acc_dot(a, ws[c], acc, IEEE_DOT)
-    if K_CHUNKS == 0 and SWAP_AB:
-        a_t_ptrs = a_ptr + rows[None, :] * stride_am + offs_k[:, None]                              # [BK, TILE_M]
-        w_t_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
-        acc_t = tl.zeros((BLOCK_N, TILE_M), dtype=tl.float32)
+    if K_CHUNKS == 0:
+        if SWAP_AB:       # A^T [BK, TILE_M] and W [BN, BK] tiles into acc^T [BN, TILE_M], transposed after the loop
+            a_ptrs = a_ptr + rows[None, :] * stride_am + offs_k[:, None]
+            w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+            acc = tl.zeros((BLOCK_N, TILE_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a_mask = valid[None, :]
-                w = tl.load(w_t_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            else:
-                k_ok = k0 + offs_k < K
-                a_mask = valid[None, :] & k_ok[:, None]
-                w = tl.load(w_t_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            if A_CG:
-                a = tl.load(a_t_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
-            else:
-                a = tl.load(a_t_ptrs, mask=a_mask, other=0.0)
-            acc_t = _acc_dot(w, a, acc_t, IEEE_DOT)
-            a_t_ptrs += BLOCK_K
-            w_t_ptrs += BLOCK_K
-        acc = tl.trans(acc_t)
-    if K_CHUNKS == 0 and not SWAP_AB:
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a_mask = valid[:, None]
-                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy="evict_first")
-            else:
-                k_ok = k0 + offs_k < K
-                a_mask = valid[:, None] & k_ok[None, :]
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
+            a_mask, w_mask = _loop_masks(valid, n_ok, k0 + offs_k < K, EVEN_K, SWAP_AB)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
             if A_CG:
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
             else:
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            acc = _acc_dot(a, w, acc, IEEE_DOT)
+            if SWAP_AB:
+                acc = _acc_dot(w, a, acc, IEEE_DOT)
+            else:
+                acc = _acc_dot(a, w, acc, IEEE_DOT)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if SWAP_AB:
+            acc = tl.trans(acc)
     h = acc.to(out_ptr.dtype.element_ty)  # the one rounding moe_up stores; the fused epilogue starts from it
     out_rows = out_ptr + pairs.to(tl.int64)[:, None] * stride_om
     if SWIGLU:
