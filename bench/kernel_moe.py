@@ -42,7 +42,7 @@ COPIES = cold_copies(E * 2 * INTER * H * 2)   # weight copies alternated for col
 LIMIT_CLAMP = 7.0
 TUNE = [(16, 128, 4, 4), (32, 64, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5), (32, 128, 2, 4),
         (128, 64, 4, 4)]        # (block_n, block_k, num_warps, num_stages)
-# the up-GEMM's swap-AB tilings (GemmConfig.swap_ab: the weight tile as the MMA's M operand; other bits)
+# the up-GEMM's swap-AB tilings (GemmConfig.swap_ab: the weight tile as the MMA's M operand; bit-identical on the H200)
 TUNE_UP_SWAP = [(64, 128, 4, 4, True), (64, 128, 4, 3, True), (64, 128, 4, 6, True), (128, 128, 4, 4, True),
                 (128, 128, 8, 4, True), (64, 64, 4, 6, True)]
 
@@ -300,14 +300,20 @@ def _fused_rows(p: Problem) -> list[dict]:
                  time_us_by_programs_per_sm=per_sm_us)]
 
 
+def tune_configs(up: bool) -> list:
+    """The tilings `_tune_rows` times after the default: TUNE, and for the up-GEMM also TUNE_UP_SWAP."""
+    from lingc.kernels.moe import GemmConfig
+    return [GemmConfig(*t) for t in TUNE + (TUNE_UP_SWAP if up else [])]
+
+
 def _tune_rows(p: Problem) -> list[dict]:
     """Other tilings of moe_up_act and moe_down, cold; same_bits: output equal to the default tiling's."""
-    from lingc.kernels.moe import DOWN_CONFIG, UP_CONFIG, GemmConfig, moe_down, moe_up_act
+    from lingc.kernels.moe import DOWN_CONFIG, UP_CONFIG, moe_down, moe_up_act
     rows = []
     al = p.align[0]
     base_up = moe_up_act(p.x[0], p.w13i[0], *al, TOP_K, BLOCK_M, 0.0)
     base_down = moe_down(p.act[0], p.w2[0], *al, BLOCK_M)
-    for cfg in [UP_CONFIG, *map(GemmConfig._make, TUNE + TUNE_UP_SWAP)]:
+    for cfg in [UP_CONFIG, *tune_configs(up=True)]:
         label = f"bn{cfg.block_n}-bk{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}" + ("-swap" * cfg.swap_ab)
         try:
             same = torch.equal(moe_up_act(p.x[0], p.w13i[0], *al, TOP_K, BLOCK_M, 0.0, config=cfg), base_up)
@@ -317,7 +323,7 @@ def _tune_rows(p: Problem) -> list[dict]:
                              p.expert_bytes(p.w13), same_bits=same))
         except Exception as err:  # noqa: BLE001  (a tiling that does not compile is a result, not a crash)
             rows.append({"kernel": f"tune:moe_up_act:{label}", "shape": p.shape, "ok": False, "error": repr(err)})
-    for cfg in [DOWN_CONFIG, *map(GemmConfig._make, TUNE)]:
+    for cfg in [DOWN_CONFIG, *tune_configs(up=False)]:
         label = f"bn{cfg.block_n}-bk{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
         try:
             same = torch.equal(moe_down(p.act[0], p.w2[0], *al, BLOCK_M, config=cfg), base_down)
