@@ -1,0 +1,107 @@
+"""What a kernel costs an H200 SM before it runs: registers, spills, shared memory, CTAs an SM, MMA instructions.
+
+Compiles lingc's Triton kernels offline for sm_90 (triton.compile with a GPUTarget: no GPU needed, the ptxas and
+cuobjdump that ship with Triton do the rest) at Ling-3.0-tiny's shapes and reads the cubin's resource usage. Use it
+to plan a device call: whether a tiling puts a verify's programs in one wave, whether a dot became a Hopper wgmma or
+stayed an mma.sync (the MoE pair grid's swap-AB tiles are wgmma; `bench/results/kernels-moe-swap-h200-20261202.json`
+is what that bought), whether a change spills. Numbers are ptxas's, not a measurement of speed.
+
+    python3 bench/kernel_resources.py            # one JSON line per kernel variant
+
+CTAs an SM are the minimum over the H200's limits: 64K registers (allocated per warp in units of 256), 228 KB of
+shared memory (227 KB a block, 1 KB reserved a block), 2048 threads and 32 blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+REGS_PER_SM, REG_UNIT = 65536, 256        # registers an SM; a warp's allocation granularity
+SMEM_PER_SM, SMEM_PER_BLOCK, SMEM_RESERVED = 228 * 1024, 227 * 1024, 1024
+THREADS_PER_SM, BLOCKS_PER_SM = 2048, 32
+
+
+def ctas_per_sm(regs: int, smem: int, num_warps: int) -> int:
+    """Resident CTAs an SM for a kernel of `regs` registers a thread, `smem` bytes of shared memory, num_warps."""
+    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    by_regs = REGS_PER_SM // (per_warp * num_warps)
+    by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED) if smem <= SMEM_PER_BLOCK else 0
+    return min(by_regs, by_smem, THREADS_PER_SM // (32 * num_warps), BLOCKS_PER_SM)
+
+
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+              divisible: tuple[int, ...] = ()) -> dict:
+    """Compile fn for sm_90 and read its cubin: registers, local memory (spills), shared memory, CTAs an SM, and
+    the PTX's mma.sync / wgmma counts. `divisible`: argument indices the launcher's pointers and strides have
+    16-divisible (Triton's specialisation; without it loads are not vectorised and the counts mislead)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":    # kernels decorated under the interpreter cannot be compiled
+        raise RuntimeError("bench/kernel_resources.py compiles for sm_90: run it without TRITON_INTERPRET=1")
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=SM90,
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    field = lambda name: int(re.search(rf"{name}:(\d+)", usage).group(1))   # noqa: E731
+    regs, smem, ptx = field("REG"), kernel.metadata.shared, kernel.asm["ptx"]
+    return {"registers": regs, "local_bytes": field("LOCAL") + field("STACK"), "shared_bytes": smem,
+            "num_warps": num_warps, "num_stages": num_stages, "ctas_per_sm": ctas_per_sm(regs, smem, num_warps),
+            "mma_sync": ptx.count("mma.sync"), "wgmma": ptx.count("wgmma.mma_async")}
+
+
+def _moe_rows() -> list[dict]:
+    import lingc.kernels.moe as M
+    sig = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+               total_ptr="*i32", num_pairs="i32", num_experts="i32", N="i32", K="i32", stride_am="i32",
+               stride_we="i32", stride_wn="i32", stride_om="i32", limit="fp32")
+    base = dict(TOP_K=9, BLOCK_M=16, TILE_M=16, EVEN_K=True, SWIGLU=True, HAS_LIMIT=False, IEEE_DOT=False,
+                LIBDEVICE_EXP=True, PDL=True, PREFETCH=False, K_LINES=32, LINE=64, K_CHUNKS=0, BY_IDS=False,
+                PAIR_ROWS=1, PR_BLOCK=16)
+    up_pairs, down = dict(BY_IDS=True, PAIR_ROWS=9), dict(SWIGLU=False, TOP_K=1)
+    cases = [("moe_up_act (decode, aligned)", M.UP_CONFIG, {}),
+             ("moe_up_act_pairs (verify)", M.UP_PAIRS_CONFIG, up_pairs),
+             ("moe_down (decode, preload)", M.DOWN_CONFIG, dict(down, K_CHUNKS=4)),
+             ("moe_down_pairs (verify)", M.DOWN_PAIRS_CONFIG, dict(down, BY_IDS=True, PAIR_ROWS=9))]
+    rows = []
+    for name, cfg, over in cases:
+        const = dict(base, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, **over)
+        rows.append({"kernel": name, "config": cfg._asdict(),
+                     **resources(M._moe_gemm_kernel, sig, const, cfg.num_warps, cfg.num_stages,
+                                 divisible=(0, 1, 2, 3, 4, 5, 9, 10, 11, 12, 13))})
+    return rows
+
+
+def _mla_rows() -> list[dict]:
+    import lingc.kernels.mla as K
+    sig = dict(qlat_ptr="*bf16", qrope_ptr="*bf16", kv_ptr="*bf16", pages_ptr="*i32", pos_ptr="*i32",
+               part_o_ptr="*fp32", part_ml_ptr="*fp32", T="i32", S="i32", CAP="i32", qk_scale="fp32",
+               stride_rb="i32", stride_rt="i32", stride_rh="i32", stride_page="i32", stride_row="i32",
+               stride_pages_b="i32", stride_pos_b="i32", stride_pos_t="i32")
+    const = dict(PS=16, H=16, R=512, RR=64, BLOCK_H=16, BLOCK_R=512, BLOCK_E=64, SPLIT=K.SPLIT_ROWS, BLOCK_N=K.BLOCK_N,
+                 IEEE=False, PDL=True, PREFETCH=False, NUM_PAGES=1024, L_LINES=16, CHUNKS=K._split_chunks(512))
+    return [{"kernel": "mla_attention split", "config": {"split_rows": K.SPLIT_ROWS, "block_n": K.BLOCK_N},
+             **resources(K._split_kernel, sig, const, K.SPLIT_WARPS_SMALL_ACC, K.SPLIT_STAGES,
+                         divisible=(0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16))}]
+
+
+def run() -> list[dict]:
+    return _moe_rows() + _mla_rows()
+
+
+if __name__ == "__main__":
+    for row in run():
+        print(json.dumps(row), flush=True)
+    sys.exit(0)
