@@ -1,6 +1,6 @@
 """What a kernel costs an H200 SM before it runs: registers, spills, shared memory, CTAs an SM, MMA instructions.
 
-Compiles lingc's Triton kernels offline for sm_90 (triton.compile with a GPUTarget: no GPU needed, the ptxas and
+Compiles lingc's Triton kernels (the MoE GEMMs, the MLA split, the fused KDA kernels, the skinny GEMM) offline for sm_90 (triton.compile with a GPUTarget: no GPU needed, the ptxas and
 cuobjdump that ship with Triton do the rest) at Ling-3.0-tiny's shapes and reads the cubin's resource usage. Use it
 to plan a device call: whether a tiling puts a verify's programs in one wave, whether a dot became a Hopper wgmma or
 stayed an mma.sync (the MoE pair grid's swap-AB tiles are wgmma; `bench/results/kernels-moe-swap-h200-20261202.json`
@@ -14,6 +14,7 @@ shared memory (227 KB a block, 1 KB reserved a block), 2048 threads and 32 block
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -97,8 +98,45 @@ def _mla_rows() -> list[dict]:
                          divisible=(0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16))}]
 
 
+def _signature(fn, constexprs: dict, types: dict[str, str]) -> dict:
+    """fn's runtime arguments typed: `types` where given, else *_ptr -> *bf16, anything else i32."""
+    return {a: types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in constexprs}
+
+
+def _pointers(fn, also: tuple[str, ...] = ()) -> tuple[int, ...]:
+    """Indices of fn's pointer arguments (torch allocations: 16-byte aligned) and of the named ones."""
+    return tuple(i for i, a in enumerate(fn.arg_names) if a.endswith("_ptr") or a in also)
+
+
+def _kda_rows() -> list[dict]:
+    import lingc.kernels.kda as K
+    fn = K._kda_fused_kernel
+    fp32 = ("wq_ptr", "wk_ptr", "wv_ptr", "a_log_ptr", "dt_bias_ptr", "pool_ptr", "staging_ptr")
+    types = {**{a: "*fp32" for a in fp32}, "slots_ptr": "*i32", "count_ptr": "*i32", "scale": "fp32",
+             "lower_bound": "fp32"}
+    rows = []
+    for name, T, staged in (("kda_fused_decode (T = 1)", 1, False), ("kda_fused_verify (T = 6)", 6, True)):
+        const = dict(T=T, D=128, DB=128, BV=K.BLOCK_V, W=4, STAGED=staged, PRECISE=True, PDL=True)
+        rows.append({"kernel": name, "config": {"block_v": K.BLOCK_V},
+                     **resources(fn, _signature(fn, const, types), const, K.FUSED_WARPS, 1, _pointers(fn))})
+    return rows
+
+
+def _linear_rows() -> list[dict]:
+    import lingc.kernels.linear as L
+    fn = L._linear_dot_kernel
+    cfg = L.CONFIG_TABLE[1][2]                       # bf16 weights past 1 MiB: the projections, MLP, lm_head
+    types = {"part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
+    const = dict(BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1, EVEN_K=True, IEEE=False,
+                 LINE=64, PDL=True, NORM=False, HAS_RESIDUAL=False, WRITE_NORMED=False, NORM_BLOCK=cfg.block_k,
+                 GATED=False, HEAD_D=128, PRECISE=True)
+    return [{"kernel": "linear dot (bf16, unsplit)", "config": dataclasses.asdict(cfg),
+             **resources(fn, _signature(fn, const, types), const, cfg.num_warps, cfg.num_stages,
+                         _pointers(fn, ("K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_ym")))}]
+
+
 def run() -> list[dict]:
-    return _moe_rows() + _mla_rows()
+    return _moe_rows() + _mla_rows() + _kda_rows() + _linear_rows()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """bench/kernel_resources.py: lingc's kernels compiled offline for sm_90 (no GPU), their resources read from the cubin.
 
-What it pins down: the MoE pair grid's swap-AB tiles compile to Hopper wgmma and decode's aligned tiles to mma.sync
-(the instruction difference behind the pair grid's H200 gain; the two gave the same bits there), nothing spills, and
-the CTAs-an-SM arithmetic (the MLA split's 2 CTAs an SM that kernels/mla.py's comments rely on)."""
+What it pins down: the MoE pair grid's swap-AB tiles (and the skinny GEMM's) compile to Hopper wgmma and decode's
+aligned MoE tiles to mma.sync (the instruction difference behind the pair grid's H200 gain; the two gave the same bits
+there), nothing spills, and the CTAs-an-SM arithmetic (the MLA split's 2 CTAs an SM that kernels/mla.py's comments rely on)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def test_pair_grid_tiles_are_wgmma(rows: dict[str, dict]) -> None:
         assert rows[name]["wgmma"] > 0 and rows[name]["mma_sync"] == 0, rows[name]
     for name in ("moe_up_act (decode, aligned)", "moe_down (decode, preload)"):
         assert rows[name]["mma_sync"] > 0 and rows[name]["wgmma"] == 0, rows[name]
+    assert rows["linear dot (bf16, unsplit)"]["wgmma"] > 0          # swap-AB since the start (kernels/linear.py)
 
 
 def test_no_spills_and_the_split_occupancy(rows: dict[str, dict]) -> None:
