@@ -2,7 +2,8 @@
 
 What it pins down: the MoE pair grid's swap-AB tiles (and the skinny GEMM's) compile to Hopper wgmma and decode's
 aligned MoE tiles to mma.sync (the instruction difference behind the pair grid's H200 gain; the two gave the same bits
-there), nothing spills, and the CTAs-an-SM arithmetic (the MLA split's 2 CTAs an SM that kernels/mla.py's comments rely on)."""
+there), nothing spills, and the CTAs-an-SM arithmetic (the MLA split's 2 CTAs an SM, which kernels/mla.py's
+comments rely on)."""
 
 from __future__ import annotations
 
