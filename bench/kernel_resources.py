@@ -1,8 +1,9 @@
 """What a kernel costs an H200 SM before it runs: registers, spills, shared memory, CTAs an SM, MMA instructions.
 
-Compiles lingc's Triton kernels (the MoE GEMMs, the MLA split, the fused KDA kernels, the skinny GEMM) offline for sm_90 (triton.compile with a GPUTarget: no GPU needed, the ptxas and
-cuobjdump that ship with Triton do the rest) at Ling-3.0-tiny's shapes and reads the cubin's resource usage. Use it
-to plan a device call: whether a tiling puts a verify's programs in one wave, whether a dot became a Hopper wgmma or
+Compiles lingc's Triton kernels (the MoE GEMMs, the MLA split, the fused KDA kernels, the skinny GEMM) offline for
+sm_90 (triton.compile with a GPUTarget: no GPU needed, the ptxas and cuobjdump that ship with Triton do the rest) at
+Ling-3.0-tiny's shapes, with the launchers' 16-divisible pointers, and reads the cubin's resource usage. Use it to
+plan a device call: whether a tiling puts a verify's programs in one wave, whether a dot became a Hopper wgmma or
 stayed an mma.sync (the MoE pair grid's swap-AB tiles are wgmma; `bench/results/kernels-moe-swap-h200-20261202.json`
 is what that bought), whether a change spills. Numbers are ptxas's, not a measurement of speed.
 
