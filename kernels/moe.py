@@ -512,6 +512,12 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def _ieee_dot(a: torch.Tensor) -> bool:
+    """Whether the GEMMs run an IEEE fp32 dot (fp32 inputs, or the interpreter, which cannot multiply bf16) rather
+    than tensor-core MMAs."""
+    return _interpreting() or a.dtype == torch.float32
+
+
 def _float_dtype(t: torch.Tensor, op: str, name: str) -> None:
     if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
@@ -593,7 +599,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
         TOP_K=top_k, BLOCK_M=block_m, TILE_M=max(MIN_TILE_M, triton.next_power_of_2(block_m)),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
-        SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
+        SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
         K_CHUNKS=preload_chunks(preload and not config.swap_ab, k, config.block_k, num_pairs),
@@ -605,7 +611,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
 def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> GemmConfig:
     """The pair grid's tiling: `pairs` where the dot runs on tensor cores, else (IEEE dots: fp32, the interpreter)
     the aligned launches' `aligned`, whose summation order the pair grid must keep."""
-    return aligned if _interpreting() or a.dtype == torch.float32 else pairs
+    return aligned if _ieee_dot(a) else pairs
 
 
 def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, top_k: int, limit: float,
@@ -639,7 +645,7 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
         TOP_K=top_k, BLOCK_M=MIN_TILE_M, TILE_M=MIN_TILE_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
-        SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=interpret or a.dtype == torch.float32,
+        SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False, K_LINES=1, LINE=PREFETCH_LINE,
         K_CHUNKS=preload_chunks(preload and pdl and not config.swap_ab, k, config.block_k, num_pairs),
         BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows), SWAP_AB=config.swap_ab,

@@ -105,13 +105,13 @@ def _router_topk(graph: fx.Graph, router: fx.Node) -> tuple[fx.Node, fx.Node]:
             if read.args[1] < 2:
                 read.args = (topk, read.args[1])
         router = topk
-    ids = next((g for g in getitems(router).get(1, [])), None)
+    ids = getitems(router).get(1, [None])[0]
     if ids is None:
         with graph.inserting_after(router):
             ids = graph.call_function(operator.getitem, (router, 1))
         ids.meta = {k: router.meta[k] for k in KEEP_META if k in router.meta}
         ids._rename(f"{router.name}_ids")
-        weights = next((g for g in getitems(router).get(0, [])), None)
+        weights = getitems(router).get(0, [None])[0]
         shape = getattr(weights.meta.get("lingc.tensor"), "shape", None) if weights is not None else None
         if shape is not None:
             ids.meta["lingc.tensor"] = TensorMeta(tuple(shape), torch.int32)

@@ -67,13 +67,12 @@ def _moe_chain(align: fx.Node) -> list[fx.Node]:
     """The MoE chain from its align (moe_align, or router_align: that one ends the router chain), or from
     fuse_align_into_moe's moe_up_act_pairs (the router_topk before it ends the router chain)."""
     chain = [align] if align.target in (OPS.moe_align, OPS.moe_up_act_pairs) else []
+    steps = ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,), (OPS.moe_down, OPS.moe_down_pairs),
+             (OPS.moe_combine, OPS.combine_add_rmsnorm))
     node = align
-    for wanted in ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,),
-                   (OPS.moe_down, OPS.moe_down_pairs), (OPS.moe_combine, OPS.combine_add_rmsnorm)):
+    for wanted in steps[2:] if align.target is OPS.moe_up_act_pairs else steps:   # a pair chain starts at its up
         nxt = next((c for c in consumers(node) if c.target in wanted), None)
         if nxt is None:
-            if wanted[0] in (OPS.silu_and_mul, OPS.moe_up) and chain and chain[0].target is OPS.moe_up_act_pairs:
-                continue          # the pair chain starts at its up-GEMM
             if wanted == (OPS.silu_and_mul,):
                 continue          # fused into moe_up_act
             break
