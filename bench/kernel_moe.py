@@ -300,6 +300,39 @@ def _fused_rows(p: Problem) -> list[dict]:
                  time_us_by_programs_per_sm=per_sm_us)]
 
 
+def _shared_early_rows(p: Problem) -> list[dict]:
+    """moe_up_act's shared_last (SHARED_EARLY: the fused shared expert's tile before the PDL wait) against the usual
+    launch, on a stack with a shared expert appended (expert E, every token's last pair): bits (the hint must change
+    nothing) and time, cold. The chain as the step runs it: x written by a copy two launches back, the align (T = 1)
+    or a stand-in for the router (T > 1: moe_align of the ids, whose outputs the pair grid ignores) just before."""
+    from lingc.kernels.moe import moe_up_act, moe_up_act_pairs
+    from lingc.kernels.moe_align import moe_align
+    dev = p.x[0].device
+    g = torch.Generator(device=dev).manual_seed(17)
+    extra = torch.randn(1, 2 * INTER, H, device=dev, generator=g).mul(0.02).to(torch.bfloat16)
+    stacks = [torch.cat([w, extra]) for w in p.w13i]
+    ids = [torch.cat([i, torch.full((i.shape[0], 1), E, dtype=torch.int32, device=dev)], 1) for i in p.ids]
+    x_src = [x.clone() for x in p.x]
+    x = [torch.empty_like(v) for v in p.x]
+
+    def chain(c: int, w: int, hint: bool) -> torch.Tensor:
+        x[c].copy_(x_src[c])
+        al = moe_align(ids[c], E + 1, BLOCK_M, pdl=True)
+        if p.T == 1:
+            return moe_up_act(x[c], stacks[w], *al, TOP_K + 1, BLOCK_M, 0.0, pdl=True, shared_last=hint)
+        return moe_up_act_pairs(x[c], stacks[w], ids[c], 0.0, pdl=True, shared_last=hint)
+
+    want = [chain(c, 0, False).clone() for c in range(CALLS)]
+    same = all(torch.equal(chain(c, 0, True), want[c]) for c in range(CALLS))
+    t_hint = _time(p.calls(lambda c, w: chain(c, w, True)))
+    t_plain = _time(p.calls(lambda c, w: chain(c, w, False)))
+    del stacks
+    return [_row("moe_up_act:shared_early", p.shape + " S=1", same, 0.0, same, True, t_hint, None,
+                 p.expert_bytes(p.w13), same_bits=same, without_hint_time_us=t_plain,
+                 note="time_us: x copy + align + up-GEMM with shared_last; without_hint_time_us: the same chain "
+                      "without it")]
+
+
 def tune_configs(up: bool) -> list:
     """The tilings `_tune_rows` times after the default: TUNE, and for the up-GEMM also TUNE_UP_SWAP."""
     from lingc.kernels.moe import GemmConfig
@@ -390,7 +423,7 @@ def run(device: torch.device, sections: tuple[str, ...] = ()) -> list[dict]:
     for T in (1, 6):
         p = Problem(T, device, g, stacks)
         for section in (_gemm_rows, _combine_align_rows, _combine_norm_rows, _chain_rows, _fused_rows, _tune_rows,
-                        _pairs_rows):
+                        _pairs_rows, _shared_early_rows):
             if sections and section.__name__ not in sections:
                 continue
             try:

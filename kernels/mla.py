@@ -61,10 +61,13 @@ instructions are the fusion-off kernel's). Bit-equal on the H200 at 1 and 6 toke
 (bench/kernel_mla.py's mla_prep row); the interpreter is exact (tests/kernels/test_mla_prep.py). Bytes: q_pe,
 c_kv, k_pe in, q_rope out, one cache row out, the norm weight.
 
-PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, only kv_b and mla_prep's norm weight
-(weights, written by no earlier kernel) are loaded before `gdc_wait()` (mla_prep also computes its inv_freq there);
-every activation, the cache, page table, cache rows and positions
-are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One optional hint comes before
+PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, kv_b and mla_prep's norm weight
+(weights, written by no earlier kernel) are loaded before `gdc_wait()` (mla_prep also computes its inv_freq there),
+and so are the split's and the combine's query positions (EARLY_POS): a kernel's pre-wait code runs only once the
+launch two back has completed (kernels/pdl.py), and for the split (two back) and the combine (three back) that is
+the launch before mla_attention or an earlier one, which is where the positions were written, whoever wrote them
+(in lingc's graphs the step's first launches). Every activation, the cache, page table and cache rows
+(and mla_prep's positions) are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One optional hint comes before
 the wait: the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in the H200 step; the chain's
 last query's programs only) reads its query's position and page-table row through L2 and asks L2 for its visible
 cache rows, which earlier steps wrote (the positions and page table are written at the step's start, many kernels
@@ -127,6 +130,11 @@ LOG2E = 1.4426950408889634
 # the split's pre-wait L2 prefetch: off by default (the H200 step measured slower with it and the MoE down-GEMM's on,
 # kernels/moe.py DOWN_PREFETCH); LINGC_MLA_PREFETCH=1 turns it on
 SPLIT_PREFETCH = os.environ.get("LINGC_MLA_PREFETCH", "0") == "1"
+# the split and the combine read their query's position before the PDL wait (under PDL; why that is safe: the module
+# docstring's PDL placement), so the split's post-wait chain starts at the page-table load and the
+# combine's at its partials (H200 stall samples at 6 queries: the pos load was ~3% of the split's, 2026-12-03,
+# bench/device_ncu.py). Same bits. LINGC_MLA_EARLY_POS=0 turns it off
+EARLY_POS = os.environ.get("LINGC_MLA_EARLY_POS", "1") == "1"
 PREFETCH_LINE = tl.constexpr(64)   # cache elements per prefetch request (128 B of bf16)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -191,7 +199,7 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   PREFETCH: tl.constexpr = False, NUM_PAGES: tl.constexpr = 1, L_LINES: tl.constexpr = 1,
-                  CHUNKS: tl.constexpr = 1):
+                  CHUNKS: tl.constexpr = 1, EARLY_POS: tl.constexpr = False):
     """Unnormalised softmax partial of query m over its visible rows of split s, all heads at once."""
     m = tl.program_id(0)
     s = tl.program_id(1)
@@ -201,13 +209,16 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
     offs_c = tl.arange(0, RC)
     offs_e = tl.arange(0, BLOCK_E)
     mask_h, mask_e = offs_h < H, offs_e < RR
+    if PDL and EARLY_POS:   # written at the step's start, many launches back: before the wait (module docstring)
+        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t, cache_modifier=".cg").to(tl.int32)
     if PDL:
         if PREFETCH:
             if t == T - 1:     # the chain's last query sees every row the others do: one request per line
                 _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS, CAP, stride_page, stride_row,
                                 stride_pages_b, stride_pos_b, stride_pos_t, R + RR, SPLIT, NUM_PAGES, L_LINES)
         pdl_wait()
-    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
+    if not (PDL and EARLY_POS):
+        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
     start = s * SPLIT
     end = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # visible rows [start, end); empty if start > pos
     dot_ty = kv_ptr.dtype.element_ty
@@ -274,16 +285,19 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
 def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos_b, stride_pos_t,
                     H: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, S_POW2: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, EARLY_POS: tl.constexpr = False):
     """o_lat[m, h, rblock] from the query's visible splits 0 .. pos // SPLIT (in that order, fixed blocks)."""
     mh = tl.program_id(0)
     m, h = mh // H, mh % H
     b, t = m // T, m % T
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
+    if PDL and EARLY_POS:   # as in the split: the positions are written many launches back
+        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t, cache_modifier=".cg").to(tl.int32)
     if PDL:
         pdl_wait()
-    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
+    if not (PDL and EARLY_POS):
+        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
     n_splits = tl.minimum(pos // SPLIT + 1, S)
     rows = (m * S).to(tl.int64) * H + h                      # partial row of split 0; split s adds s * H
     all_s = tl.arange(0, S_POW2)
@@ -629,13 +643,13 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         page_rows.stride(0), positions.stride(0), positions.stride(1),
         PS=PS, H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
         BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
-        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r),
+        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r), EARLY_POS=EARLY_POS,
         num_warps=split_warps, num_stages=split_stages,
         **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
-        num_warps=GEMV_WARPS, **launch)
+        EARLY_POS=EARLY_POS, num_warps=GEMV_WARPS, **launch)
     g, g_strides = (gate, gate.stride()) if gate is not None else (out, (0, 0, 0))   # out: a never-read stand-in
     _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
         o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,

@@ -61,8 +61,14 @@ counts, DOWN_PRELOAD) goes further on the same grounds: before the wait it reads
 and loads its whole weight tile into registers; after the wait only the act rows. Here correctness does rely on the
 align being complete, so the pdl pass launches a moe_down without PDL where the launch just before it produced or
 wrote its align (passes/pdl.py PREWAIT_INPUTS; never in lingc's graphs, where the up-GEMM sits between). With PDL
-off the loads are stream-ordered anyway. `gdc_launch_dependents()` follows the last load of data an
-earlier kernel wrote (the K loop's A rows, the SwiGLU inputs, the combine inputs). With PDL off no GDC call
+off the loads are stream-ordered anyway. The up-GEMM's SHARED_EARLY (moe_up_act's shared_last, a hint of
+fuse_shared_expert, at one token) computes the fused shared expert's tile before the wait: at one token that expert
+owns block top_k - 1 and pair top_k - 1 whatever the routing, so the tile reads nothing the align wrote, only x
+(moe_up_act_pairs' likewise at any token count: program row top_k - 1 is token 0's shared pair),
+which the norm before the router wrote two launches back; the wait comes right before its stores (the output may
+reuse memory an earlier kernel still reads), then the trigger. The pdl pass launches a moe_up_act without PDL where
+the launch just before it produced or wrote x (PREWAIT_INPUTS). `gdc_launch_dependents()` follows the last load of
+data an earlier kernel wrote (the K loop's A rows, the SwiGLU inputs, the combine inputs). With PDL off no GDC call
 is emitted (the interpreter cannot run them).
 """
 
@@ -119,6 +125,10 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 # the unpipelined chunk loop is slower (8.8 vs 6.4 us a launch in the PDL-off attribution,
 # bench/results/launches-h200-20261201.json). LINGC_MOE_DOWN_PRELOAD=0 turns it off.
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
+# the up-GEMM's shared-expert tile before the PDL wait (shared_last, SHARED_EARLY in _moe_gemm_kernel; moe_up_act at
+# one token, moe_up_act_pairs at any): the fused shared expert's 3 MB of w13 stream while the router routes, off the
+# up-GEMM's post-wait path. Same bits. LINGC_MOE_SHARED_EARLY=0 turns it off
+SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "1") == "1"
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
 # the pair grid (moe_up_act_pairs / moe_down_pairs, fuse_align_into_moe): one program row per (token, expert) pair,
@@ -268,8 +278,9 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE_DOT: tl.constexpr,
                     LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr, ws, K_CHUNKS: tl.constexpr,
-                    SWAP_AB: tl.constexpr = False):
-    """_gemm_tile on a block's expert and pairs already loaded (_block_rows). SWAP_AB (the pipelined loop only):
+                    SWAP_AB: tl.constexpr = False, WAIT_STORE: tl.constexpr = False):
+    """_gemm_tile on a block's expert and pairs already loaded (_block_rows). WAIT_STORE: the PDL wait goes right
+    before the stores (a tile computed before the wait: _moe_gemm_kernel's SHARED_EARLY). SWAP_AB (the pipelined loop only):
     the dot runs as acc^T [BLOCK_N, TILE_M] += W [BLOCK_N, BK] @ A^T [BK, TILE_M], the weight tile as the MMA's
     M operand (at BLOCK_N >= 64 and 4 warps a Hopper wgmma reading both operands from shared memory), then one
     transpose before the epilogue. Each output element is still its own row-by-column dot over the same BLOCK_K
@@ -312,6 +323,8 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
             acc = tl.trans(acc)
     h = acc.to(out_ptr.dtype.element_ty)  # the one rounding moe_up stores; the fused epilogue starts from it
     out_rows = out_ptr + pairs.to(tl.int64)[:, None] * stride_om
+    if WAIT_STORE:      # the output may reuse memory an earlier kernel still reads: stores only after the wait
+        pdl_wait()
     if SWIGLU:
         gate, up = tl.split(tl.reshape(h, (TILE_M, BLOCK_N // 2, 2)))  # interleaved: even columns gate, odd up
         act = _swiglu(gate, up, limit, HAS_LIMIT, LIBDEVICE_EXP).to(out_ptr.dtype.element_ty)
@@ -344,10 +357,29 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                      K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
                      BY_IDS: tl.constexpr = False, PAIR_ROWS: tl.constexpr = 1, PR_BLOCK: tl.constexpr = 16,
-                     SWAP_AB: tl.constexpr = False):
+                     SWAP_AB: tl.constexpr = False, SHARED_EARLY: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
+    if SHARED_EARLY:
+        # the stack's last expert is a fused shared one (the launcher's shared_last), pair TOP_K - 1 of every token,
+        # and program row TOP_K - 1 runs its GEMM for every token: on the pair grid (BY_IDS) that row is token 0's
+        # shared pair, the expert's first (the other shared rows exit); aligned, at one token, it is the shared
+        # expert's block (moe_align's layout at one token, whatever the routing: each routed pick owns one block, in
+        # expert order, the shared expert E after them) with its one pair. The tile needs nothing the router or the
+        # align wrote, and x is two launches back (the norm before the router), so under PDL it runs before the
+        # wait, which comes right before its stores (module docstring). Same rows, same tile: same bits
+        if pid_m % TOP_K == TOP_K - 1:
+            if pid_m == TOP_K - 1:
+                r = tl.arange(0, TILE_M)
+                pairs = tl.where(r < num_pairs // TOP_K, r * TOP_K + TOP_K - 1, num_pairs)
+                _gemm_tile_rows(a_ptr, w_ptr, out_ptr, (num_experts - 1).to(tl.int64), pairs, pid_n, num_pairs, N,
+                                K, stride_am, stride_we, stride_wn, stride_om, limit, TOP_K, TILE_M, BLOCK_N,
+                                BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT, LIBDEVICE_EXP, True, ws, 0, SWAP_AB,
+                                PDL)
+                if PDL:
+                    pdl_trigger()
+            return
     if BY_IDS:                # the pair grid (sorted_ptr = the router's ids): program row pid_m = pair pid_m
         if K_CHUNKS > 0:      # PRELOAD: the router is two kernels back, as the align is (module docstring)
             expert, pairs, first = _pair_rows(sorted_ptr, pid_m, num_pairs, PAIR_ROWS, TILE_M, PR_BLOCK, True)
@@ -581,11 +613,13 @@ def _launch_setup(op: str, a: torch.Tensor, w: torch.Tensor, k: int,
 def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
                   swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
-                  prefetch: bool = False, preload: bool = False) -> torch.Tensor:
+                  prefetch: bool = False, preload: bool = False, shared_last: bool = False) -> torch.Tensor:
     """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K].
     prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring).
     preload: the whole weight tile into registers first, before the PDL wait (the down-GEMM; K <= PRELOAD_MAX_K and
-    at most PRELOAD_MAX_PAIRS pairs)."""
+    at most PRELOAD_MAX_PAIRS pairs).
+    shared_last: w's last expert is a fused shared expert, pair top_k - 1 of every row (fuse_shared_expert); at one
+    row its tile runs before the PDL wait (SHARED_EARLY), without the align."""
     num_experts, n, k = _check_gemm(op, a, w, swiglu, config)
     num_pairs = a.shape[0] * top_k
     _check_align(op, sorted_pairs, block_expert, total, num_pairs, num_experts, block_m)
@@ -594,6 +628,9 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         return out
     a, pdl, launch, interpret = _launch_setup(op, a, w, k, pdl)
     grid = (triton.cdiv(n, config.block_n), min(block_expert.numel(), num_pairs))
+    chunks = preload_chunks(preload and not config.swap_ab, k, config.block_k, num_pairs)
+    shared_early = shared_last and SHARED_EARLY and a.shape[0] == 1 and top_k >= 2 and chunks == 0 \
+        and grid[1] == top_k                                 # one token: the shared expert's block is block top_k - 1
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
@@ -602,8 +639,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
-        K_CHUNKS=preload_chunks(preload and not config.swap_ab, k, config.block_k, num_pairs),
-        SWAP_AB=config.swap_ab,
+        K_CHUNKS=chunks, SWAP_AB=config.swap_ab, SHARED_EARLY=shared_early,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
@@ -616,7 +652,7 @@ def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> Ge
 
 def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, top_k: int, limit: float,
                swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
-               preload: bool = False) -> torch.Tensor:
+               preload: bool = False, shared_last: bool = False) -> torch.Tensor:
     """The grouped GEMMs on the pair grid (BY_IDS): program row p = pair p of the router's ids [N, k'] (k' picks +
     shared per token), which runs the GEMM for every pair of its expert if p is that expert's first pair and exits
     otherwise; no align. top_k: pairs per A row (k' for the up-GEMM, 1 for the down-GEMM). Past PAIR_GRID_TOKENS
@@ -631,7 +667,8 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
     if n_tokens > PAIR_GRID_TOKENS or pair_rows > PAIR_GRID_PICKS:
         from lingc.kernels.moe_align import moe_align
         aligned = moe_align(topk_ids, w.shape[0], PAIR_GRID_FALLBACK_BM, pdl=pdl)
-        return _grouped_gemm(op, a, w, *aligned, top_k, PAIR_GRID_FALLBACK_BM, limit, swiglu, pdl, out, config)
+        return _grouped_gemm(op, a, w, *aligned, top_k, PAIR_GRID_FALLBACK_BM, limit, swiglu, pdl, out, config,
+                             shared_last=shared_last)
     num_experts, n, k = _check_gemm(op, a, w, swiglu, config)
     if a.shape[0] * top_k != num_pairs:
         raise ValueError(f"{op}: {a.shape[0]} activation rows x {top_k} != {num_pairs} pairs of topk_ids "
@@ -640,6 +677,8 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
     if num_pairs == 0 or n == 0:
         return out
     a, pdl, launch, interpret = _launch_setup(op, a, w, k, pdl)
+    chunks = preload_chunks(preload and pdl and not config.swap_ab, k, config.block_k, num_pairs)
+    shared_early = shared_last and SHARED_EARLY and top_k == pair_rows >= 2 and chunks == 0
     _moe_gemm_kernel[(triton.cdiv(n, config.block_n), num_pairs)](
         a, w, out, topk_ids, topk_ids, topk_ids,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
@@ -647,19 +686,19 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False, K_LINES=1, LINE=PREFETCH_LINE,
-        K_CHUNKS=preload_chunks(preload and pdl and not config.swap_ab, k, config.block_k, num_pairs),
-        BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows), SWAP_AB=config.swap_ab,
-        num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
+        K_CHUNKS=chunks, BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows),
+        SWAP_AB=config.swap_ab, SHARED_EARLY=shared_early, num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
 
 def moe_up_act_pairs(x: torch.Tensor, w13_interleaved: torch.Tensor, topk_ids: torch.Tensor, limit: float, *,
                      pdl: bool = False, out: torch.Tensor | None = None, config: GemmConfig | None = None,
-                     ) -> torch.Tensor:
+                     shared_last: bool = False) -> torch.Tensor:
     """moe_up_act on the pair grid: x [N, h], topk_ids [N, k] int32 -> [NP, I]; the bits of moe_up_act over
-    moe_align(topk_ids) (each pair row is its own dot, whatever block it sits in)."""
+    moe_align(topk_ids) (each pair row is its own dot, whatever block it sits in). shared_last as moe_up_act's:
+    the shared expert's tile (every token's last pair) runs before the PDL wait."""
     return _pair_gemm("moe_up_act_pairs", x, w13_interleaved, topk_ids, topk_ids.shape[-1], limit, True, pdl, out,
-                      config or _pairs_config(UP_PAIRS_CONFIG, UP_CONFIG, x))
+                      config or _pairs_config(UP_PAIRS_CONFIG, UP_CONFIG, x), shared_last=shared_last)
 
 
 def moe_down_pairs(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, *, pdl: bool = False,
@@ -685,13 +724,15 @@ def moe_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block
 def moe_up_act(x: torch.Tensor, w13_interleaved: torch.Tensor, sorted_pairs: torch.Tensor,
                block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float, *,
                pdl: bool = False, out: torch.Tensor | None = None, config: GemmConfig | None = None,
-               ) -> torch.Tensor:
+               shared_last: bool = False) -> torch.Tensor:
     """moe_up with the SwiGLU epilogue on gate/up-interleaved w13 (row 2j gate_j, 2j+1 up_j): [NP, I].
 
-    Bit-identical to silu_and_mul(moe_up(x, w13, ...), limit) on the non-interleaved w13.
+    Bit-identical to silu_and_mul(moe_up(x, w13, ...), limit) on the non-interleaved w13. shared_last (a launch hint
+    of fuse_shared_expert, node meta `lingc.launch`): w13's last expert is a fused shared expert, every token's pair
+    top_k - 1; at one token its tile runs before the PDL wait (SHARED_EARLY), same bits.
     """
     return _grouped_gemm("moe_up_act", x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m,
-                         limit, True, pdl, out, config or UP_CONFIG)
+                         limit, True, pdl, out, config or UP_CONFIG, shared_last=shared_last)
 
 
 def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,

@@ -38,6 +38,10 @@ Numerics change: the shared expert's GEMMs run as grouped-GEMM rows instead of a
 order on some backends), and the combine adds its output inside the fp32 sum instead of after a rounding of the
 routed sum. Test-tiny: fp32 logits bit-exact on CPU, bf16 within 5e-3 x (1 + |logit|).
 
+Launch hint: the moe_up_act node gets node.meta["lingc.launch"] = {"shared_last": true} (docs/ir.md), with which its
+Triton launcher computes the shared expert's tile before the PDL wait (kernels/moe.py SHARED_EARLY); the torch
+reference never sees it and it changes no value. fuse_align_into_moe keeps it on the pair-grid op; tp drops it.
+
 Order: after fuse_swiglu and fuse_moe_align (it handles either layout and either router form; declaring the
 order keeps those passes from seeing the extra argument), before pdl.
 """
@@ -210,6 +214,8 @@ def _rewrite(program: Program, graph: fx.Graph, m: MoeLayer) -> None:
     top_k = m.up.args[5]
     m.up.args = (m.up.args[0], get_weight_node(graph, w13, before=m.up.args[1]), *m.up.args[2:5], top_k + 1,
                  *m.up.args[6:])
+    if interleaved:      # a launch hint: the stack's last expert is the shared one (kernels/moe.py SHARED_EARLY)
+        m.up.meta["lingc.launch"] = {**m.up.meta.get("lingc.launch", {}), "shared_last": True}
     m.down.args = (m.down.args[0], get_weight_node(graph, w2, before=m.down.args[1]), *m.down.args[2:])
     m.combine.args = m.combine.args[:2]
     for node in (shared_down, act, gate_up):

@@ -283,6 +283,7 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
         o._rename(f"{ep.name}_{field}")
     for n in (up, down):
         n.args = (*n.args[:2], outs[1], outs[2], outs[3], *n.args[5:])
+        n.meta.pop("lingc.launch", None)   # shared_last: a rank's local stack and pairs follow ep_align's layout
     weights, shared = combine.args[1], combine.args[2:3]              # no shared_out after fuse_shared_expert
     with graph.inserting_before(combine):
         new = graph.call_function(OPS.ep_combine, (down, weights, outs[0], *shared))

@@ -67,6 +67,27 @@ class Lowered:
     output: Any = None                    # the graph's result, with _Refs
 
 
+# node.meta["lingc.launch"]: keyword hints a pass leaves for an op's Triton launcher, which the torch reference never
+# sees and which never change what the op computes (docs/ir.md). Only these keys and value types are accepted: an
+# artifact names data, never arbitrary launcher arguments.
+LAUNCH_HINTS = {"moe_up_act": {"shared_last": bool}, "moe_up_act_pairs": {"shared_last": bool}}
+
+
+def launch_hints(node: fx.Node) -> dict[str, Any]:
+    """The node's validated `lingc.launch` hints; a ValueError names the node and the bad key or value."""
+    hints = node.meta.get("lingc.launch") or {}
+    short = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    allowed = LAUNCH_HINTS.get(short, {})
+    if not isinstance(hints, dict):
+        raise ValueError(f"node '{node.name}': lingc.launch must be an object, got {hints!r}")
+    for key, value in hints.items():
+        if key not in allowed or not isinstance(value, allowed[key]):
+            known = ", ".join(f"{k} ({t.__name__})" for k, t in allowed.items()) or "none"
+            raise ValueError(f"node '{node.name}' ({short}): launch hint {key}={value!r} is not one lingc knows "
+                             f"(known for {short}: {known})")
+    return dict(hints)
+
+
 def lower(program: Program, name: str, backend: str = "reference", pdl: bool = False) -> Lowered:
     """The launch list of graph `name`."""
     if backend not in BACKENDS:
@@ -91,6 +112,8 @@ def lower(program: Program, name: str, backend: str = "reference", pdl: bool = F
             kwargs = fx.node.map_arg(node.kwargs, ref)
             if pdl and label.startswith("triton:") and "lingc.pdl" in node.meta:
                 kwargs = {**kwargs, "pdl": True}
+            if label.startswith("triton:") and node.meta.get("lingc.launch"):
+                kwargs = {**kwargs, **launch_hints(node)}           # kernel-only hints (docs/ir.md)
             launches.append(Launch(fn, fx.node.map_arg(node.args, ref), kwargs, index[node], label))
     return Lowered(name, inputs, weights, launches, len(index), output)
 

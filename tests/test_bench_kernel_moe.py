@@ -21,3 +21,4 @@ def test_tune_configs() -> None:
     a, w = torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(3, 128, 256, dtype=torch.bfloat16)
     for cfg in up + down:
         assert _check_gemm("moe_up_act", a, w, True, cfg) == (3, 128, 256)
+

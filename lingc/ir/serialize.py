@@ -25,7 +25,7 @@ ATEN_ALLOWED = (aten.view.default, aten.reshape.default, aten._unsafe_view.defau
                 aten.slice.Tensor, aten.select.int, aten.permute.default, aten.transpose.int, aten.expand.default,
                 aten.clone.default)
 META_KEYS = ("lingc.scope", "lingc.stage", "lingc.input", "lingc.pdl", "lingc.dtype", "lingc.layout", "lingc.relay",
-             "lingc.capture")
+             "lingc.capture", "lingc.launch")
 
 
 class IRError(ValueError):

@@ -174,3 +174,23 @@ def test_reference_ops_keep_their_torch_reference(monkeypatch) -> None:
     monkeypatch.setattr(lowering, "REFERENCE_OPS", ("embedding",))
     assert kernel_for(OPS.embedding, "triton") == (OPS.embedding, "lingc.embedding")
     assert kernel_for(OPS.emit_tokens, "triton")[1] == "triton:emit_tokens"
+
+
+def test_launch_hints_reach_the_triton_launcher_and_bad_ones_are_refused(tiny_partitioned_bf16) -> None:
+    """node.meta["lingc.launch"] (docs/ir.md): fuse_shared_expert's shared_last reaches moe_up_act's Triton launch as
+    a keyword (never the reference op's), and a hint lingc does not know, from a hand-edited artifact say, is an
+    error naming the node, the key and what is known."""
+    from lingc.passes.manager import PassManager
+    from lingc.runtime.executor import launch_hints, lower
+    program = PassManager(["fuse_swiglu", "fuse_moe_align", "fuse_shared_expert"]).run(tiny_partitioned_bf16).program
+    lowered = lower(program, "decode", backend="triton")
+    ups = [l for l in lowered.launches if l.label.endswith("moe_up_act")]
+    assert ups and any(l.kwargs.get("shared_last") is True for l in ups), [l.kwargs for l in ups]
+    assert not [l for l in lower(program, "decode").launches if "shared_last" in l.kwargs]
+    node = next(n for n in program.graphs["decode"].nodes if n.meta.get("lingc.launch"))
+    node.meta["lingc.launch"] = {"shared_last": True, "out": 3}
+    with pytest.raises(ValueError, match=r"launch hint out=3 is not one lingc knows \(known for moe_up_act: shared_last \(bool\)\)"):
+        launch_hints(node)
+    node.meta["lingc.launch"] = {"shared_last": "yes"}
+    with pytest.raises(ValueError, match=f"node '{node.name}'"):
+        lower(program, "decode", backend="triton")

@@ -118,3 +118,44 @@ def test_bad_swap_tiling():
     ids, w13, w2, x = _case(2, 16, 4, 1, seed=11)
     with pytest.raises(ValueError, match="moe_up_act_pairs: bad tiling"):
         moe_up_act_pairs(x, w13, ids, 0.0, config=GemmConfig(8, 32, 4, 2, swap_ab=True))
+
+
+@pytest.mark.parametrize("n", [1, 6, 16])
+def test_shared_last_keeps_the_bits(n):
+    """shared_last (fuse_shared_expert's launch hint; kernels/moe.py SHARED_EARLY): the shared expert's tile taken
+    without the router's ids or the align is the same tile. The interpreter runs the early path with PDL off, so the
+    rows it writes (every token's last pair) must equal the usual launch's, on poisoned buffers, aligned at one
+    token and on the pair grid at any count."""
+    ids, w13, _, x = _case(n, 16, 4, 1, seed=70 + n)
+    with poisoned_empty():
+        pairs_hint = moe_up_act_pairs(x, w13, ids, 0.0, shared_last=True)
+    assert torch.equal(pairs_hint, moe_up_act_pairs(x, w13, ids, 0.0))
+    aligned = moe_align(ids, 17, BLOCK_M)
+    with poisoned_empty():
+        got = moe_up_act(x, w13, *aligned, 5, BLOCK_M, 0.0, shared_last=True)
+    assert torch.equal(got, moe_up_act(x, w13, *aligned, 5, BLOCK_M, 0.0))
+    assert torch.equal(got, pairs_hint)
+
+
+def test_shared_early_is_taken_only_where_its_layout_holds(monkeypatch):
+    """The aligned launcher takes SHARED_EARLY at one token only (past it the shared expert's block depends on the
+    routing), never under LINGC_MOE_SHARED_EARLY=0 (SHARED_EARLY False) or without the hint."""
+    seen = []
+    real = moe_kernels._moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["SHARED_EARLY"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(moe_kernels, "_moe_gemm_kernel", Spy())
+    for n, hint in ((1, True), (1, False), (2, True)):
+        ids, w13, _, x = _case(n, 16, 4, 1, seed=90 + n)
+        moe_up_act(x, w13, *moe_align(ids, 17, BLOCK_M), 5, BLOCK_M, 0.0, shared_last=hint)
+    monkeypatch.setattr(moe_kernels, "SHARED_EARLY", False)
+    ids, w13, _, x = _case(1, 16, 4, 1, seed=91)
+    moe_up_act(x, w13, *moe_align(ids, 17, BLOCK_M), 5, BLOCK_M, 0.0, shared_last=True)
+    moe_up_act_pairs(x, w13, ids, 0.0, shared_last=True)
+    assert seen == [True, False, False, False, False]

@@ -63,3 +63,36 @@ def test_preload_loads_the_weight_tile_before_the_wait() -> None:
     before, after = [i for i in loads if i < waits[0]], [i for i in loads if i > waits[0]]
     assert len(before) >= 6, (before, waits)      # total, expert, then the chunks' (vectorised) loads
     assert after, "the act rows load after the wait"
+
+
+_SHARED_PROBE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lingc.kernels.moe as K
+sig = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+           total_ptr="*i32", num_pairs="i32", num_experts="i32", N="i32", K="i32", stride_am="i32", stride_we="i32",
+           stride_wn="i32", stride_om="i32", limit="fp32")
+const = dict(TOP_K=9, BLOCK_M=16, TILE_M=16, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, SWIGLU=True, HAS_LIMIT=False,
+             IEEE_DOT=False, LIBDEVICE_EXP=True, PDL=True, PREFETCH=False, K_LINES=8, LINE=64, K_CHUNKS=0,
+             SHARED_EARLY=True)
+sig.update({k: "constexpr" for k in const})
+ptx = triton.compile(ASTSource(fn=K._moe_gemm_kernel, signature=sig, constexprs=const),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
+find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
+print(find("griddepcontrol.wait"), find("cp.async") + find("ld.global"), find("st.global"), find("griddepcontrol.launch"), sep="|")
+"""
+
+
+def test_shared_early_tile_streams_before_its_wait() -> None:
+    """SHARED_EARLY (moe_up_act's shared_last): two waits, the shared tile's and the routed tiles'. The shared tile's
+    loads (x and the weight stream) come before its wait and its stores after it; every store follows a wait."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SHARED_PROBE], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    waits, copies, stores, triggers = (eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
+    assert len(waits) == 2 and len(triggers) == 2, (waits, triggers)
+    assert copies and min(copies) < min(waits), (copies, waits)
+    assert stores and min(stores) > min(waits), (stores, waits)

@@ -84,6 +84,9 @@ def test_rewritten_nodes(stages):
         up = down.args[0] if down.args[0].target is OPS.moe_up_act else down.args[0].args[0]
         assert up.args[5] == K + 1 and up.args[1].target.endswith("_with_shared")
         assert down.args[1].target.endswith("w2_with_shared")
+        # the launch hint (kernels/moe.py SHARED_EARLY) on the interleaved form's moe_up_act only
+        want = {"shared_last": True} if up.target is OPS.moe_up_act else None
+        assert up.meta.get("lingc.launch") == want
     assert not [n for n in graph.nodes if "L1_mlp_shared_experts" in n.name or "L2_mlp_shared_experts" in n.name]
     assert [n for n in graph.nodes if "L3_mlp_shared_experts" in n.name]
 
@@ -213,5 +216,7 @@ def test_tp2_on_fused_layers_matches_tp1(fused_forms):
             assert shared_slot == (E // 2 if rank == layer % 2 else -1)
     combines = [n for n in sharded.graphs["decode"].nodes if n.target is OPS.ep_combine]
     assert [len(c.args) for c in combines] == [3, 3, 4, 4, 4]
+    # a rank's stack and pairs follow ep_align: the shared_last hint is gone
+    assert not [n.name for n in sharded.graphs["decode"].nodes if "lingc.launch" in n.meta]
     report = verify_tp(program, rank_programs(sharded, tp.rank_weights), TensorParallel.tolerance)
     assert report["ok"], report

@@ -1,0 +1,134 @@
+"""Where a kernel's time goes on the H200, from Nsight Compute's counters: one lingc kernel family at Ling-3.0-tiny's
+step shapes, launched eagerly (PDL off: ncu serialises launches anyway) on cold weight copies, a few times, between
+cudaProfilerStart / Stop so that ncu sees only the timed launches and not the Triton compiles.
+
+    ncu --clock-control none --profile-from-start off --csv --page details \
+        --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+        python3 bench/device_ncu.py mla6
+
+Targets: mla1 / mla6 (mla_attention's four kernels at 1 and 6 queries, 8192 rows), kda1 / kda6 (kda_fused_decode,
+kda_fused_verify), moe1 (moe_up_act aligned at one token), moe6 (moe_up_act_pairs at 6 tokens), o_proj1 / qkv1 (the
+skinny GEMM at one row: 2048 -> 1536 and 1536 -> 10256). `bench/device_ncu.sh` runs them all and writes one CSV per
+target; `summarise` turns the CSVs into one JSON table (duration, throughputs, the top warp stalls per kernel).
+Not a speed measurement (ncu replays each kernel with its caches flushed and its clocks left alone): a map of
+stalls, for choosing what to change.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+REPEATS = 3
+TARGETS = ("mla1", "mla6", "kda1", "kda6", "moe1", "moe6", "o_proj1", "qkv1")
+
+
+def _mla(T: int) -> list:
+    import kernel_mla as KM
+    from lingc.kernels.mla import mla_attention
+    c = KM._case(T, KM.CAPACITY, 4, seed=T)
+    return [lambda k=k, w=w: mla_attention(c["q_nope"], c["q_rope"], k, w, c["page_rows"], c["positions"], KM.SCALE)
+            for k, w in zip(c["kv"], c["w"])]
+
+
+def _kda(T: int) -> list:
+    import torch
+    import kernel_kda as KK
+    from lingc.kernels import kda as K
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = KK.Fused(T, 4, torch.device("cuda"), g)
+    if T == 1:
+        return [lambda i=i: K.kda_fused_decode(*x.raw, x.f, x.b, *x.ws, *x.cpools[i], x.A_log, x.dt_bias, x.state[i],
+                                               x.slots, KK.LOWER_BOUND) for i in range(4)]
+    return [lambda i=i: K.kda_fused_verify(*x.args(i), *x.stg[i], KK.LOWER_BOUND) for i in range(4)]
+
+
+def _moe(T: int) -> list:
+    import torch
+    import kernel_moe as KM
+    from lingc.kernels.moe import moe_up_act, moe_up_act_pairs
+    g = torch.Generator(device="cuda").manual_seed(T)
+    dev = torch.device("cuda")
+    p = KM.Problem(T, dev, g, KM._stacks(dev, g))
+    if T == 1:
+        return [lambda c=c: moe_up_act(p.x[c], p.w13i[c % KM.COPIES], *p.align[c], KM.TOP_K, KM.BLOCK_M, 0.0)
+                for c in range(4)]
+    return [lambda c=c: moe_up_act_pairs(p.x[c], p.w13i[c % KM.COPIES], p.ids[c], 0.0) for c in range(4)]
+
+
+def _linear(K: int, N: int) -> list:
+    import torch
+    from lingc.kernels.linear import linear
+    ws = [torch.randn(N, K, device="cuda").mul(0.02).to(torch.bfloat16) for _ in range(8)]
+    x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
+    return [lambda w=w: linear(x, w) for w in ws]
+
+
+def calls(target: str) -> list:
+    if target not in TARGETS:
+        raise SystemExit(f"device_ncu: unknown target {target!r}; choose from {', '.join(TARGETS)}")
+    if target.startswith("mla"):
+        return _mla(int(target[3:]))
+    if target.startswith("kda"):
+        return _kda(int(target[3:]))
+    if target.startswith("moe"):
+        return _moe(int(target[3:]))
+    return _linear(2048, 1536) if target == "o_proj1" else _linear(1536, 10256)
+
+
+def main(target: str) -> None:
+    import torch
+    fns = calls(target)
+    for f in fns:                      # compile and warm up outside the profiled range
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for i in range(REPEATS):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+KEEP = ("Duration", "Memory Throughput", "DRAM Throughput", "L2 Cache Throughput", "Compute (SM) Throughput",
+        "Registers Per Thread", "Achieved Occupancy", "Grid Size", "Block Size", "Warp Cycles Per Issued Instruction",
+        "Dynamic Shared Memory Per Block", "Static Shared Memory Per Block")
+
+
+def summarise(csv_dir: str, out: str) -> None:
+    """The CSVs of `ncu --csv --page details` (one per target) as one JSON: per target and kernel (the last
+    profiled launch of each name), the KEEP metrics and the five largest 'Stall *' warp states."""
+    table = {}
+    for path in sorted(Path(csv_dir).glob("*.csv")):
+        text = path.read_text(errors="replace")
+        lines = text[text.find('"ID"'):].splitlines() if '"ID"' in text else []
+        kernels: dict[str, dict] = {}
+        for row in csv.DictReader(lines):
+            name = row.get("Kernel Name", "?").split("(")[0]
+            k = kernels.setdefault(name, {})
+            metric, value = row.get("Metric Name", ""), row.get("Metric Value", "")
+            if metric in KEEP or metric.startswith("Stall "):
+                try:
+                    k[metric] = float(value.replace(",", ""))
+                except ValueError:
+                    k[metric] = value
+        for k in kernels.values():
+            stalls = sorted(((m, v) for m, v in k.items() if m.startswith("Stall ") and isinstance(v, float)),
+                            key=lambda mv: -mv[1])
+            for m, _ in stalls[5:]:
+                del k[m]
+        table[path.stem] = kernels
+    Path(out).write_text(json.dumps(table, indent=1))
+    print(json.dumps(table, indent=1)[:20000])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "summarise":
+        summarise(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 2:
+        main(sys.argv[1])
+    else:
+        raise SystemExit("usage: python3 bench/device_ncu.py TARGET | summarise CSV_DIR OUT.json")
