@@ -66,12 +66,12 @@ PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, k
 and so are the split's and the combine's query positions (EARLY_POS): a kernel's pre-wait code runs only once the
 launch two back has completed (kernels/pdl.py), and for the split (two back) and the combine (three back) that is
 the launch before mla_attention or an earlier one, which is where the positions were written, whoever wrote them
-(in lingc's graphs the step's first launches). Every activation, the cache, page table and cache rows
-(and mla_prep's positions) are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One optional hint comes before
-the wait: the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in the H200 step; the chain's
-last query's programs only) reads its query's position and page-table row through L2 and asks L2 for its visible
-cache rows, which earlier steps wrote (the positions and page table are written at the step's start, many kernels
-back); nothing reads the prefetch, so a stale value costs bandwidth, never correctness. With PDL off no GDC call
+(in lingc's graphs the step's first launches). Every activation, the cache, page table and cache rows (and
+mla_prep's positions) are loaded after it, and `gdc_launch_dependents()` follows the last dependent load. One
+optional hint comes before the wait: the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in
+the H200 step; the chain's last query's programs only) reads its query's position and page-table row through L2 and
+asks L2 for its visible cache rows, which earlier steps wrote (the positions and page table are written at the step's
+start, many kernels back); nothing reads the prefetch, so a stale value costs bandwidth, never correctness. With PDL off no GDC call
 is emitted (the Triton interpreter cannot run them, kernels.md section 1.2).
 """
 

@@ -129,6 +129,13 @@ DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 # one token, moe_up_act_pairs at any): the fused shared expert's 3 MB of w13 stream while the router routes, off the
 # up-GEMM's post-wait path. Same bits. LINGC_MOE_SHARED_EARLY=0 turns it off
 SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "1") == "1"
+# where the SHARED_EARLY rows let the next kernel launch: "wait" (the default: in pdl_wait, after their compute) or
+# "entry" (first thing). The H200 attribution at 38a8aaa (launches-pdl-h200-20261203.json) has the decode up-GEMM at
+# 9.95 us a layer (12.0 before SHARED_EARLY) but router_align +0.9 us and the down-GEMM +1.1 us, whose launch (and so
+# its pre-wait weight preload) now waits for the shared rows' compute. "entry" is safe: the routed rows still trigger
+# only after their wait, so the down-GEMM still launches after the align completed. Not yet measured on the H200:
+# LINGC_MOE_SHARED_TRIGGER=entry, or bench/device_step.py --variant 'entry:lingc.kernels.moe.SHARED_TRIGGER="entry"'
+SHARED_TRIGGER = os.environ.get("LINGC_MOE_SHARED_TRIGGER", "wait")
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
 # the pair grid (moe_up_act_pairs / moe_down_pairs, fuse_align_into_moe): one program row per (token, expert) pair,
@@ -280,8 +287,8 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
                     LIBDEVICE_EXP: tl.constexpr, A_CG: tl.constexpr, ws, K_CHUNKS: tl.constexpr,
                     SWAP_AB: tl.constexpr = False, WAIT_STORE: tl.constexpr = False):
     """_gemm_tile on a block's expert and pairs already loaded (_block_rows). WAIT_STORE: the PDL wait goes right
-    before the stores (a tile computed before the wait: _moe_gemm_kernel's SHARED_EARLY). SWAP_AB (the pipelined loop only):
-    the dot runs as acc^T [BLOCK_N, TILE_M] += W [BLOCK_N, BK] @ A^T [BK, TILE_M], the weight tile as the MMA's
+    before the stores (a tile computed before the wait: _moe_gemm_kernel's SHARED_EARLY). SWAP_AB (the pipelined
+    loop only): the dot runs as acc^T [BLOCK_N, TILE_M] += W [BLOCK_N, BK] @ A^T [BK, TILE_M], the weight tile as the MMA's
     M operand (at BLOCK_N >= 64 and 4 warps a Hopper wgmma reading both operands from shared memory), then one
     transpose before the epilogue. Each output element is still its own row-by-column dot over the same BLOCK_K
     steps, the same for every row count; on the H200 (bf16) its bits equal the unswapped tile's (measured, not
@@ -357,7 +364,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                      K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
                      BY_IDS: tl.constexpr = False, PAIR_ROWS: tl.constexpr = 1, PR_BLOCK: tl.constexpr = 16,
-                     SWAP_AB: tl.constexpr = False, SHARED_EARLY: tl.constexpr = False):
+                     SWAP_AB: tl.constexpr = False, SHARED_EARLY: tl.constexpr = False,
+                     SHARED_ENTRY_TRIGGER: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
@@ -370,6 +378,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
         # align wrote, and x is two launches back (the norm before the router), so under PDL it runs before the
         # wait, which comes right before its stores (module docstring). Same rows, same tile: same bits
         if pid_m % TOP_K == TOP_K - 1:
+            if PDL and SHARED_ENTRY_TRIGGER:     # SHARED_TRIGGER "entry": the routed rows' trigger follows their wait
+                tl.extra.cuda.gdc_launch_dependents()
             if pid_m == TOP_K - 1:
                 r = tl.arange(0, TILE_M)
                 pairs = tl.where(r < num_pairs // TOP_K, r * TOP_K + TOP_K - 1, num_pairs)
@@ -640,8 +650,15 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
         K_CHUNKS=chunks, SWAP_AB=config.swap_ab, SHARED_EARLY=shared_early,
+        SHARED_ENTRY_TRIGGER=shared_early and _shared_trigger() == "entry",
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
+
+
+def _shared_trigger() -> str:
+    if SHARED_TRIGGER not in ("wait", "entry"):
+        raise ValueError(f"LINGC_MOE_SHARED_TRIGGER / SHARED_TRIGGER={SHARED_TRIGGER!r}: want 'wait' or 'entry'")
+    return SHARED_TRIGGER
 
 
 def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> GemmConfig:
@@ -687,7 +704,9 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False, K_LINES=1, LINE=PREFETCH_LINE,
         K_CHUNKS=chunks, BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows),
-        SWAP_AB=config.swap_ab, SHARED_EARLY=shared_early, num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
+        SWAP_AB=config.swap_ab, SHARED_EARLY=shared_early,
+        SHARED_ENTRY_TRIGGER=shared_early and _shared_trigger() == "entry",
+        num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
 

@@ -113,8 +113,8 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
 # Kernels whose PDL path loads some inputs BEFORE gdc_wait: kernels/kda.py _kda_fused_kernel (the conv pools, the
 # state pool, the slots), kernels/moe.py's down-GEMM preload (sorted_pairs, block_expert, total: the align's
 # outputs) and up-GEMM shared-expert tile (x: moe_up_act's SHARED_EARLY), kernels/mla.py's q_absorb (q_nope). Safe
-# when the launch just before them neither writes nor produces any of those buffers, since a PDL kernel's programs start only after the kernel two back has completed
-# (kernels/pdl.py). Indices are the op's positional arguments.
+# when the launch just before them neither writes nor produces any of those buffers, since a PDL kernel's programs
+# start only after the kernel two back has completed (kernels/pdl.py). Indices are the op's positional arguments.
 PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14),
                   "moe_down": (2, 3, 4), "moe_down_pairs": (2,), "mla_attention": (0,), "moe_up_act": (0,),
                   "moe_up_act_pairs": (0,)}
