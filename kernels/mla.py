@@ -71,8 +71,8 @@ mla_prep's positions) are loaded after it, and `gdc_launch_dependents()` follows
 optional hint comes before the wait: the split (PREFETCH, LINGC_MLA_PREFETCH=1, off by default: measured slower in
 the H200 step; the chain's last query's programs only) reads its query's position and page-table row through L2 and
 asks L2 for its visible cache rows, which earlier steps wrote (the positions and page table are written at the step's
-start, many kernels back); nothing reads the prefetch, so a stale value costs bandwidth, never correctness. With PDL off no GDC call
-is emitted (the Triton interpreter cannot run them, kernels.md section 1.2).
+start, many kernels back); nothing reads the prefetch, so a stale value costs bandwidth, never correctness. With PDL
+off no GDC call is emitted (the Triton interpreter cannot run them, kernels.md section 1.2).
 """
 
 from __future__ import annotations

@@ -288,8 +288,8 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
                     SWAP_AB: tl.constexpr = False, WAIT_STORE: tl.constexpr = False):
     """_gemm_tile on a block's expert and pairs already loaded (_block_rows). WAIT_STORE: the PDL wait goes right
     before the stores (a tile computed before the wait: _moe_gemm_kernel's SHARED_EARLY). SWAP_AB (the pipelined
-    loop only): the dot runs as acc^T [BLOCK_N, TILE_M] += W [BLOCK_N, BK] @ A^T [BK, TILE_M], the weight tile as the MMA's
-    M operand (at BLOCK_N >= 64 and 4 warps a Hopper wgmma reading both operands from shared memory), then one
+    loop only): the dot runs as acc^T [BLOCK_N, TILE_M] += W [BLOCK_N, BK] @ A^T [BK, TILE_M], the weight tile as the
+    MMA's M operand (at BLOCK_N >= 64 and 4 warps a Hopper wgmma reading both operands from shared memory), then one
     transpose before the epilogue. Each output element is still its own row-by-column dot over the same BLOCK_K
     steps, the same for every row count; on the H200 (bf16) its bits equal the unswapped tile's (measured, not
     guaranteed by construction: another MMA instruction), while an IEEE (fp32) dot's summation order differs."""
@@ -639,8 +639,8 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
     a, pdl, launch, interpret = _launch_setup(op, a, w, k, pdl)
     grid = (triton.cdiv(n, config.block_n), min(block_expert.numel(), num_pairs))
     chunks = preload_chunks(preload and not config.swap_ab, k, config.block_k, num_pairs)
-    shared_early = shared_last and SHARED_EARLY and a.shape[0] == 1 and top_k >= 2 and chunks == 0 \
-        and grid[1] == top_k                                 # one token: the shared expert's block is block top_k - 1
+    # one token: the shared expert's block is block top_k - 1
+    shared = _shared_early(shared_last and a.shape[0] == 1 and grid[1] == top_k, top_k, chunks)
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
@@ -649,16 +649,18 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
-        K_CHUNKS=chunks, SWAP_AB=config.swap_ab, SHARED_EARLY=shared_early,
-        SHARED_ENTRY_TRIGGER=shared_early and _shared_trigger() == "entry",
+        K_CHUNKS=chunks, SWAP_AB=config.swap_ab, **shared,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
 
-def _shared_trigger() -> str:
+def _shared_early(shared_last: bool, top_k: int, chunks: int) -> dict:
+    """The SHARED_EARLY / SHARED_ENTRY_TRIGGER constexprs of an up-GEMM launch whose layout allows the early shared
+    tile (shared_last: the caller checked it), from the module's SHARED_EARLY and SHARED_TRIGGER."""
     if SHARED_TRIGGER not in ("wait", "entry"):
         raise ValueError(f"LINGC_MOE_SHARED_TRIGGER / SHARED_TRIGGER={SHARED_TRIGGER!r}: want 'wait' or 'entry'")
-    return SHARED_TRIGGER
+    early = bool(shared_last and SHARED_EARLY and top_k >= 2 and chunks == 0)
+    return {"SHARED_EARLY": early, "SHARED_ENTRY_TRIGGER": early and SHARED_TRIGGER == "entry"}
 
 
 def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> GemmConfig:
@@ -695,7 +697,7 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         return out
     a, pdl, launch, interpret = _launch_setup(op, a, w, k, pdl)
     chunks = preload_chunks(preload and pdl and not config.swap_ab, k, config.block_k, num_pairs)
-    shared_early = shared_last and SHARED_EARLY and top_k == pair_rows >= 2 and chunks == 0
+    shared = _shared_early(shared_last and top_k == pair_rows, top_k, chunks)
     _moe_gemm_kernel[(triton.cdiv(n, config.block_n), num_pairs)](
         a, w, out, topk_ids, topk_ids, topk_ids,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
@@ -704,8 +706,7 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False, K_LINES=1, LINE=PREFETCH_LINE,
         K_CHUNKS=chunks, BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows),
-        SWAP_AB=config.swap_ab, SHARED_EARLY=shared_early,
-        SHARED_ENTRY_TRIGGER=shared_early and _shared_trigger() == "entry",
+        SWAP_AB=config.swap_ab, **shared,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 

@@ -76,7 +76,7 @@ LAUNCH_HINTS = {"moe_up_act": {"shared_last": bool}, "moe_up_act_pairs": {"share
 def launch_hints(node: fx.Node) -> dict[str, Any]:
     """The node's validated `lingc.launch` hints; a ValueError names the node and the bad key or value."""
     hints = node.meta.get("lingc.launch") or {}
-    short = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    short = op_name(node.target).removeprefix("lingc.")
     allowed = LAUNCH_HINTS.get(short, {})
     if not isinstance(hints, dict):
         raise ValueError(f"node '{node.name}': lingc.launch must be an object, got {hints!r}")
