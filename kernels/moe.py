@@ -129,13 +129,9 @@ DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 # one token, moe_up_act_pairs at any): the fused shared expert's 3 MB of w13 stream while the router routes, off the
 # up-GEMM's post-wait path. Same bits. LINGC_MOE_SHARED_EARLY=0 turns it off
 SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "1") == "1"
-# where the SHARED_EARLY rows let the next kernel launch: "wait" (the default: in pdl_wait, after their compute) or
-# "entry" (first thing). The H200 attribution at 38a8aaa (launches-pdl-h200-20261203.json) has the decode up-GEMM at
-# 9.95 us a layer (12.0 before SHARED_EARLY) but router_align +0.9 us and the down-GEMM +1.1 us, whose launch (and so
-# its pre-wait weight preload) now waits for the shared rows' compute. "entry" is safe: the routed rows still trigger
-# only after their wait, so the down-GEMM still launches after the align completed. Not yet measured on the H200:
-# LINGC_MOE_SHARED_TRIGGER=entry, or bench/device_step.py --variant 'entry:lingc.kernels.moe.SHARED_TRIGGER="entry"'
-SHARED_TRIGGER = os.environ.get("LINGC_MOE_SHARED_TRIGGER", "wait")
+# Where the SHARED_EARLY rows let the next kernel launch: in pdl_wait, after their compute. Triggering at entry
+# instead (the routed rows still trigger after their wait) measured level on the H200 (decode 1.199 / 1.189 against
+# 1.190-1.193 ms, NEXTN level; bench/results/step-ab-h200-20261203-b.json), so that knob was removed.
 PRELOAD_MAX_K = 512          # 4 chunks of [128, 32] bf16: 64 registers a thread at 4 warps
 PRELOAD_MAX_PAIRS = 16
 # the pair grid (moe_up_act_pairs / moe_down_pairs, fuse_align_into_moe): one program row per (token, expert) pair,
@@ -364,8 +360,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                      K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
                      BY_IDS: tl.constexpr = False, PAIR_ROWS: tl.constexpr = 1, PR_BLOCK: tl.constexpr = 16,
-                     SWAP_AB: tl.constexpr = False, SHARED_EARLY: tl.constexpr = False,
-                     SHARED_ENTRY_TRIGGER: tl.constexpr = False):
+                     SWAP_AB: tl.constexpr = False, SHARED_EARLY: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
@@ -378,8 +373,6 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
         # align wrote, and x is two launches back (the norm before the router), so under PDL it runs before the
         # wait, which comes right before its stores (module docstring). Same rows, same tile: same bits
         if pid_m % TOP_K == TOP_K - 1:
-            if PDL and SHARED_ENTRY_TRIGGER:     # SHARED_TRIGGER "entry": the routed rows' trigger follows their wait
-                tl.extra.cuda.gdc_launch_dependents()
             if pid_m == TOP_K - 1:
                 r = tl.arange(0, TILE_M)
                 pairs = tl.where(r < num_pairs // TOP_K, r * TOP_K + TOP_K - 1, num_pairs)
@@ -655,12 +648,9 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
 
 
 def _shared_early(shared_last: bool, top_k: int, chunks: int) -> dict:
-    """The SHARED_EARLY / SHARED_ENTRY_TRIGGER constexprs of an up-GEMM launch whose layout allows the early shared
-    tile (shared_last: the caller checked it), from the module's SHARED_EARLY and SHARED_TRIGGER."""
-    if SHARED_TRIGGER not in ("wait", "entry"):
-        raise ValueError(f"LINGC_MOE_SHARED_TRIGGER / SHARED_TRIGGER={SHARED_TRIGGER!r}: want 'wait' or 'entry'")
-    early = bool(shared_last and SHARED_EARLY and top_k >= 2 and chunks == 0)
-    return {"SHARED_EARLY": early, "SHARED_ENTRY_TRIGGER": early and SHARED_TRIGGER == "entry"}
+    """The SHARED_EARLY constexpr of an up-GEMM launch whose layout allows the early shared tile (shared_last: the
+    caller checked it), from the module's SHARED_EARLY."""
+    return {"SHARED_EARLY": bool(shared_last and SHARED_EARLY and top_k >= 2 and chunks == 0)}
 
 
 def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> GemmConfig:

@@ -159,15 +159,3 @@ def test_shared_early_is_taken_only_where_its_layout_holds(monkeypatch):
     moe_up_act(x, w13, *moe_align(ids, 17, BLOCK_M), 5, BLOCK_M, 0.0, shared_last=True)
     moe_up_act_pairs(x, w13, ids, 0.0, shared_last=True)
     assert seen == [True, False, False, False, False]
-
-
-def test_shared_trigger_setting_is_checked(monkeypatch):
-    """SHARED_TRIGGER (LINGC_MOE_SHARED_TRIGGER): "wait" or "entry"; another value is an error that names both, and
-    "entry" keeps the bits (it moves only a PDL trigger, which the interpreter does not run)."""
-    ids, w13, _, x = _case(1, 16, 4, 1, seed=95)
-    want = moe_up_act_pairs(x, w13, ids, 0.0, shared_last=True)
-    monkeypatch.setattr(moe_kernels, "SHARED_TRIGGER", "entry")
-    assert torch.equal(moe_up_act_pairs(x, w13, ids, 0.0, shared_last=True), want)
-    monkeypatch.setattr(moe_kernels, "SHARED_TRIGGER", "late")
-    with pytest.raises(ValueError, match="'late': want 'wait' or 'entry'"):
-        moe_up_act_pairs(x, w13, ids, 0.0, shared_last=True)

@@ -66,7 +66,6 @@ def test_preload_loads_the_weight_tile_before_the_wait() -> None:
 
 
 _SHARED_PROBE = """
-import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -76,7 +75,7 @@ sig = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", blo
            stride_wn="i32", stride_om="i32", limit="fp32")
 const = dict(TOP_K=9, BLOCK_M=16, TILE_M=16, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, SWIGLU=True, HAS_LIMIT=False,
              IEEE_DOT=False, LIBDEVICE_EXP=True, PDL=True, PREFETCH=False, K_LINES=8, LINE=64, K_CHUNKS=0,
-             SHARED_EARLY=True, SHARED_ENTRY_TRIGGER=sys.argv[1] == "1")
+             SHARED_EARLY=True)
 sig.update({k: "constexpr" for k in const})
 ptx = triton.compile(ASTSource(fn=K._moe_gemm_kernel, signature=sig, constexprs=const),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
@@ -86,18 +85,16 @@ print(find("griddepcontrol.wait"), find("cp.async") + find("ld.global"), find("s
 """
 
 
-@pytest.mark.parametrize("entry", [False, True], ids=["trigger-at-wait", "trigger-at-entry"])
-def test_shared_early_tile_streams_before_its_wait(entry: bool) -> None:
+def test_shared_early_tile_streams_before_its_wait() -> None:
     """SHARED_EARLY (moe_up_act's shared_last): two waits, the shared tile's and the routed tiles'. The shared tile's
-    loads (x and the weight stream) come before its wait and its stores after it; every store follows a wait. With
-    SHARED_ENTRY_TRIGGER (SHARED_TRIGGER "entry") the shared rows also trigger before anything else, while the
-    routed rows' trigger still follows their wait (the early trigger sits inside pdl_wait)."""
+    loads (x and the weight stream) come before its wait and its stores after it; every store follows a wait, and
+    so does every trigger (the early trigger sits inside pdl_wait)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SHARED_PROBE, "1" if entry else "0"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _SHARED_PROBE], capture_output=True, text=True,
                           timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     waits, copies, stores, triggers = (eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
-    assert len(waits) == 2 and len(triggers) == 2 + entry, (waits, triggers)
+    assert len(waits) == 2 and len(triggers) == 2, (waits, triggers)
     assert copies and min(copies) < min(waits), (copies, waits)
     assert stores and min(stores) > min(waits), (stores, waits)
-    assert (min(triggers) < min(copies)) == entry, (triggers, copies)
+    assert min(triggers) > min(waits), (triggers, waits)
