@@ -1,0 +1,191 @@
+"""The skinny GEMM's Hopper path: the weight slice lands in shared memory (TMA) BEFORE the PDL wait (Gluon).
+
+kernels/linear.py's "dot" kernel can only start its weight stream after `gdc_wait`: Triton's pipeliner issues a
+loop's cp.async prologue after everything that precedes the loop, and the two earlier reads Triton does allow (an
+L2 prefetch, a register preload) lost in the step. Gluon (triton.experimental.gluon, Triton 3.6) exposes TMA,
+mbarriers and wgmma, so this kernel computes the same thing with the weight read moved ahead of the wait:
+
+    program (n, s), n-tile of BN = 64 weight rows, K slice s (its KB blocks of BK):
+        issue a TMA load of every [BN, BK] weight block of the slice (one mbarrier each)    <- before the wait
+        gdc_wait (and, under the early trigger, let the next kernel launch)
+        x rows [16, slice] -> shared memory (rows >= M are zero)
+        per block: wait its mbarrier, acc[BN, 16] += W[BN, BK] @ x^T[BK, 16]                 (wgmma m64n16k16)
+        S = 1: store acc rounded to the weight dtype, then to y's; S > 1: lingc's split-K ticket (kernels/linear.py
+        `_finish`: partial to the workspace, acq_rel ticket, the last program sums partials 0..S-1 in order)
+
+Same tiles, same K order, same instruction as the "dot" kernel at BLOCK_N 64 / BLOCK_K 128 (its ptxas output has the
+same 8 wgmma a block), so the same bits; on the H200 every probe shape matched bit for bit at 1 and 6 rows
+(bench/results/gluon-linear-probe-h200-20261203.json).
+
+Where it runs (`eligible`): opt-in (LINGC_LINEAR_TMA=1; off by default, see below), CUDA, sm90+, a PDL launch (the
+gain is the pre-wait read; without PDL the Triton kernel runs), Gluon importable, a 2-byte weight, the "dot" config at
+BN 64 / BK 128, no NORM / GATED prologue, K a multiple of S * BK, and the whole slice fitting the ring (at most
+MAX_BLOCKS blocks and, with the x slice, 2 CTAs an SM's shared memory). In Ling-3.0-tiny: o_proj, the MLA dense and
+the MLA q_a / kv_a / gate projection (split 4, 3-4 blocks a slice); the 31.5 MB KDA projection and the lm_head (12
+blocks a program) stay on the Triton kernel, where a partial ring before the wait measured slower at one row.
+
+Measured on the H200 (2026-12-03). Alone, behind a short PDL producer (bench/gluon_linear_probe.py): o_proj 4.34 ->
+4.01 us at 1 row and 4.34 -> 3.70 at 6, q_a/kv_a/g 3.45 -> 2.88 at 1. In the step it is level: decode greedy 1.187 /
+1.180 ms on against 1.187 off, verify 2.311 / 2.314 against 2.307 (bench/results/step-ab-h200-20261203-c.json, one
+process, on first and last). Per launch (launches-tma-h200-20261203.json): in decode q_a/kv_a/g 3.56 -> 2.70 us and
+o_proj 4.43 -> 4.30, but in verify o_proj 4.74 -> 5.19 and the dense 4.66 -> 5.08: at 6 rows its post-wait path (the
+whole x slice loaded, stored to shared memory and fenced before the first wgmma) costs more than the pre-wait read
+saves once the kernel before it is short. Hence opt-in; the next version would land x by TMA as well (or per block)
+and reduce split-K through a cluster's distributed shared memory instead of the L2 ticket.
+LINGC_LINEAR_TMA=1 turns it on. The interpreter never runs it (Gluon has no interpreter): CPU tests compile it for
+sm_90 offline and check the order of its PTX (tests/kernels/test_linear_tma.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lingc.kernels.pdl import TRIGGER, pdl_supported
+
+try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the Triton kernel runs everywhere
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the Triton build
+    HAVE_GLUON = False
+
+ENABLED = os.environ.get("LINGC_LINEAR_TMA", "0") == "1"   # opt-in: level in the H200 step (docstring)
+BLOCK_M = 16             # rows (the wgmma N); must equal kernels/linear.py BLOCK_M (the workspace layout)
+BLOCK_N = 64             # weight rows a program (the wgmma M)
+BLOCK_K = 128
+MAX_BLOCKS = 4           # the slice's blocks, all in flight before the wait
+SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
+WARPS = 4                # one warpgroup
+
+
+def smem_bytes(k_per_split: int, elem: int = 2) -> int:
+    """Shared memory of one program: the x slice [16, K/S] and the weight ring (every block of the slice)."""
+    return BLOCK_M * k_per_split * elem + (k_per_split // BLOCK_K) * BLOCK_N * BLOCK_K * elem
+
+
+def fits(n: int, k: int, split_k: int, block_n: int, block_k: int, elem: int) -> bool:
+    """The shape rule of `eligible` (no device facts): whole BK blocks in equal slices of at most MAX_BLOCKS, the
+    "dot" tiling this kernel reproduces, and 2 CTAs an SM."""
+    if elem != 2 or block_n != BLOCK_N or block_k != BLOCK_K or n < 1 or split_k < 1:
+        return False
+    if k % (split_k * BLOCK_K):
+        return False
+    per = k // split_k
+    return per // BLOCK_K <= MAX_BLOCKS and smem_bytes(per, elem) <= SMEM_2_CTAS
+
+
+def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool) -> bool:
+    """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring)."""
+    if not (ENABLED and HAVE_GLUON and pdl and not prologue and cfg.kind == "dot"):
+        return False
+    if not pdl_supported(weight.device) or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    n, k = weight.shape
+    if weight.stride(1) != 1 or weight.data_ptr() % 16 or (weight.stride(0) * 2) % 16:
+        return False
+    return fits(n, k, cfg.split_k, cfg.block_n, cfg.block_k, weight.element_size())
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _gdc_wait():
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _linear_tma_kernel(w_desc, x_ptr, y_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_ym,
+                           K_PER_SPLIT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
+                           SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr):
+        """Program (n, s): y[:, n-tile] (S = 1) or its slice-s partial (module docstring). Launched with PDL only."""
+        KB: gl.constexpr = K_PER_SPLIT // BK
+        pid_n = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        n0 = pid_n * BN
+        k0 = pid_s * K_PER_SPLIT
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [KB, BN, BK], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [KB, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(KB):
+            mbarrier.init(bars.index(b), count=1)
+        for b in gl.static_range(KB):       # weights: written by no kernel, so before the wait
+            mbarrier.expect(bars.index(b), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [n0, k0 + b * BK], bars.index(b), w_smem.index(b))
+        _gdc_wait()
+        if EARLY_TRIGGER:
+            _gdc_launch_dependents()
+        xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, xl))
+        offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))
+        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], w_desc.dtype)
+        x_smem = gl.allocate_shared_memory(w_desc.dtype, [KB, BM, BK], x_layout)
+        for b in gl.static_range(KB):       # x [rows, slice], K-major: the wgmma B operand, permuted
+            xv = gl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + b * BK + offs_k)[None, :],
+                         mask=(offs_m < M)[:, None], other=0.0)
+            x_smem.index(b).store(xv.to(w_desc.dtype))
+        fence_async_shared()
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        acc = gl.zeros([BN, BM], gl.float32, acc_layout)
+        for b in gl.static_range(KB):
+            mbarrier.wait(bars.index(b), 0)
+            acc = warpgroup_mma(w_smem.index(b), x_smem.index(b).permute((1, 0)), acc)
+        for b in gl.static_range(KB):
+            mbarrier.invalidate(bars.index(b))
+        if not EARLY_TRIGGER:
+            _gdc_launch_dependents()        # the late trigger: after the last read of the previous kernel's output
+        ol: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [0, 1])
+        out = gl.convert_layout(acc, ol)                                       # [BN, BM]
+        on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, ol))
+        om = gl.arange(0, BM, layout=gl.SliceLayout(0, ol))
+        mask = (on < N)[:, None] & (om < M)[None, :]
+        y_ptrs = y_ptr + om[None, :] * stride_ym + on[:, None]
+        if SPLIT_K == 1:
+            gl.store(y_ptrs, out.to(w_desc.dtype).to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            part_offs = om[None, :] * N + on[:, None]                          # [BN, BM] in one [M, N] slice
+            gl.store(part_ptr + pid_s * M * N + part_offs, out, mask=mask)
+            gl.thread_barrier()             # every thread's partial is written before the ticket (release) is taken
+            ticket = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT_K - 1:
+                total = gl.zeros([BN, BM], gl.float32, ol)
+                for sp in gl.static_range(SPLIT_K):                           # fixed order 0..S-1
+                    total += gl.load(part_ptr + sp * M * N + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptrs, total.to(w_desc.dtype).to(y_ptr.dtype.element_ty), mask=mask)
+                gl.store(count_ptr + pid_n, 0)                                 # ready for the next launch
+
+
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
+def _descriptor(weight: torch.Tensor):
+    """The weight's TMA descriptor ([BN, BK] boxes); cached per (pointer, shape, strides, dtype): weights live for
+    the process, and a captured graph keeps the encoded descriptor it was launched with."""
+    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, weight.device)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], _GL_DTYPES[weight.dtype])
+        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], layout)
+    return desc
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if HAVE_GLUON else {}
+
+
+def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: torch.Tensor | None,
+           counters: torch.Tensor | None, split_k: int) -> None:
+    """y [M, N] = rows [M, K] @ weight.T on the eligible path (the caller checked `eligible`), PDL-launched."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    grid = (-(-n // BLOCK_N), split_k)
+    _linear_tma_kernel[grid](_descriptor(weight), rows, y, partials if partials is not None else y,
+                             counters if counters is not None else y, m, n, rows.stride(0), y.stride(0),
+                             K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
+                             EARLY_TRIGGER=TRIGGER == "early", num_warps=WARPS, launch_pdl=True)

@@ -1,0 +1,105 @@
+"""The skinny GEMM's Hopper path (kernels/linear_tma.py): which launches take it, and its sm_90 code compiled offline.
+
+Gluon has no interpreter, so CPU runs check the selection rule and the compiled PTX: every weight block's TMA load
+is issued before `griddepcontrol.wait`, every store after it, one wgmma m64n16k16 per 16 of K. Its bits against the
+Triton "dot" kernel are checked on the H200 (bench/gluon_linear_probe.py, bench/device_step.py's greedy parity)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lingc.kernels import linear as L
+from lingc.kernels import linear_tma as T
+from lingc.presets import preset
+
+
+def _tiny_shapes() -> dict[str, tuple[int, int]]:
+    c = preset("ling-3.0-tiny")
+    h, heads = c.hidden_size, c.num_attention_heads
+    return {"kda_o_proj": (h, heads * c.head_dim), "mla_dense": (h, heads * c.v_head_dim),
+            "mla_q_a_kv_a_g": (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim + heads, h),
+            "kda_projection": (5 * heads * c.head_dim + heads, h), "lm_head": (c.vocab_size, h),
+            "dense_gate_up": (2 * c.intermediate_size, h)}
+
+
+def test_which_ling_tiny_linears_take_the_tma_path():
+    """The module docstring's list: the 3-4-block slices do, the long streams stay on the Triton kernel."""
+    want = {"kda_o_proj": True, "mla_dense": True, "mla_q_a_kv_a_g": True, "kda_projection": False,
+            "lm_head": False, "dense_gate_up": False}
+    got = {}
+    for name, (n, k) in _tiny_shapes().items():
+        cfg = L.pick_config(n, k, torch.bfloat16)
+        got[name] = T.fits(n, k, cfg.split_k, cfg.block_n, cfg.block_k, 2)
+    assert got == want
+
+
+@pytest.mark.parametrize("case,want", [
+    ((1536, 2048, 4, 64, 128, 2), True),
+    ((1536, 2048, 4, 64, 128, 4), False),      # fp32 weights: the fma kernels
+    ((1536, 2048, 4, 32, 128, 2), False),      # another tiling than the kernel's
+    ((1536, 2000, 4, 64, 128, 2), False),      # K not whole blocks per slice
+    ((1536, 2048, 2, 64, 128, 2), False),      # 8 blocks a slice: more than the ring
+    ((1536, 2048, 1, 64, 128, 2), False),
+])
+def test_shape_rule(case, want):
+    assert T.fits(*case) is want
+
+
+def test_off_by_default_and_never_on_cpu_or_without_pdl(monkeypatch):
+    """Opt-in (LINGC_LINEAR_TMA=1: level in the H200 step); even on, a CPU launch (no PDL, no Gluon run), a launch
+    without PDL or one with a norm prologue runs the Triton kernel, and linear() on CPU is unchanged."""
+    assert T.ENABLED is False
+    w = torch.randn(1536, 2048, dtype=torch.bfloat16)
+    x = torch.randn(2, 2048, dtype=torch.bfloat16)
+    cfg = L.pick_config(1536, 2048, torch.bfloat16)
+    want = L.linear(x, w)
+    monkeypatch.setattr(T, "ENABLED", True)
+    for pdl, prologue in ((True, False), (False, False), (True, True)):
+        assert not T.eligible(x, w, cfg, pdl=pdl, prologue=prologue)
+    assert torch.equal(L.linear(x, w, pdl=True), want)
+
+
+_PROBE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import lingc.kernels.linear_tma as T
+split, kps, early = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+lay = T.gl.NVMMASharedLayout.get_default_for([T.BLOCK_N, T.BLOCK_K], T.gl.bfloat16)
+sig = {"w_desc": f"tensordesc<bf16[{T.BLOCK_N}, {T.BLOCK_K}],{lay!r}>", "x_ptr": "*bf16", "y_ptr": "*bf16",
+       "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+const = dict(K_PER_SPLIT=kps, BN=T.BLOCK_N, BK=T.BLOCK_K, BM=T.BLOCK_M, SPLIT_K=split, EARLY_TRIGGER=early)
+sig.update({k: "constexpr" for k in const})
+src = GluonASTSource(T._linear_tma_kernel, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4)})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": T.WARPS})
+lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in k.asm["ptx"].splitlines()]
+find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
+print(find("griddepcontrol.wait"), find("cp.async.bulk.tensor"), find("st.global"), find("wgmma.mma_async"),
+      find("griddepcontrol.launch_dependents"), k.metadata.shared, sep="|")
+"""
+
+
+@pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("split,kps,early", [(4, 512, True), (4, 384, False), (1, 512, True)],
+                         ids=["o_proj-early", "q_a-late", "unsplit"])
+def test_weight_blocks_are_issued_before_the_wait(split: int, kps: int, early: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(split), str(kps), "1" if early else "0"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    waits, tma, stores, wgmma, triggers, shared = (eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
+    blocks = kps // T.BLOCK_K
+    assert len(waits) == 1 and len(tma) == blocks, (waits, tma)
+    assert max(tma) < waits[0], "every weight block is requested before the PDL wait"
+    assert stores and min(stores) > waits[0]
+    assert len(wgmma) == blocks * T.BLOCK_K // 16                        # m64n16k16, K order
+    assert len(triggers) == 1 and triggers[0] > waits[0]
+    assert (triggers[0] < min(wgmma)) == early                           # early: right after the wait
+    assert shared <= T.SMEM_2_CTAS
