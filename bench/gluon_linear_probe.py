@@ -42,19 +42,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import cold_copies, graph_time_us, hbm_bandwidth_gbps  # noqa: E402
 
+from lingc.kernels.linear_tma import _gdc_launch_dependents as _gdc_launch, _gdc_wait  # noqa: E402
+
 BM = 16
 SMEM_2_CTAS = 110 * 1024
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
 
 
 @gluon.jit
