@@ -19,8 +19,9 @@ order, so they should be equal).
     python3 bench/gluon_linear_probe.py --json OUT.json        # H200 only (Gluon has no interpreter)
     python3 bench/gluon_linear_probe.py --check --json OUT.json   # lingc's linear, TMA path on vs off, bit for bit
 
-What came of it (2026-12-03): the probe's kernel became kernels/linear_tma.py, opt-in, because in the step it was
-level (bench/results/gluon-linear-probe-h200-20261203.json, step-ab-h200-20261203-c.json).
+What came of it (2026-12-03): the probe's kernel became kernels/linear_tma.py, used at one row (decode, the draft),
+where the step measured it faster; at every row count it was level (bench/results/gluon-linear-probe-h200-20261203.json,
+step-ab-h200-20261203-c.json, -d.json).
 """
 
 from __future__ import annotations
@@ -203,8 +204,8 @@ def run(m_values=(1, 6)) -> dict:
 
 
 def check_lingc() -> dict:
-    """lingc's linear with its opt-in TMA path (kernels/linear_tma.py, switched on here) against the same call on the
-    Triton kernel, bit for bit, at shapes that take it and one that does not, 1-16 rows, PDL launches (eager)."""
+    """lingc's linear with its TMA path (kernels/linear_tma.py, switched on here for every row count) against the same
+    call on the Triton kernel, bit for bit, at shapes that take it and one that does not, 1-16 rows, PDL (eager)."""
     from lingc.kernels import linear as L
     from lingc.kernels import linear_tma as T
     dev = torch.device("cuda")
@@ -215,15 +216,15 @@ def check_lingc() -> dict:
         cfg = L.pick_config(n, k, torch.bfloat16)
         for m in (1, 6, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
-            enabled = T.ENABLED
+            enabled, max_rows = T.ENABLED, T.MAX_ROWS
             try:
-                T.ENABLED = True
+                T.ENABLED, T.MAX_ROWS = True, L.MAX_ROWS
                 took = T.eligible(x, w, cfg, True, False)
                 y_tma = L.linear(x, w, pdl=True)
                 T.ENABLED = False
                 y_triton = L.linear(x, w, pdl=True)
             finally:
-                T.ENABLED = enabled
+                T.ENABLED, T.MAX_ROWS = enabled, max_rows
             torch.cuda.synchronize()
             rows.append({"n": n, "k": k, "m": m, "tma_path": took, "equal": bool(torch.equal(y_tma, y_triton))})
     return {"rows": rows, "all_equal": all(r["equal"] for r in rows)}

@@ -17,30 +17,38 @@ Same tiles, same K order, same instruction as the "dot" kernel at BLOCK_N 64 / B
 same 8 wgmma a block), so the same bits; on the H200 every probe shape matched bit for bit at 1 and 6 rows
 (bench/results/gluon-linear-probe-h200-20261203.json).
 
-Where it runs (`eligible`): opt-in (LINGC_LINEAR_TMA=1; off by default, see below), CUDA, sm90+, a PDL launch (the
-gain is the pre-wait read; without PDL the Triton kernel runs), Gluon importable, a 2-byte weight, the "dot" config at
-BN 64 / BK 128, no NORM / GATED prologue, K a multiple of S * BK, and the whole slice fitting the ring (at most
-MAX_BLOCKS blocks and, with the x slice, 2 CTAs an SM's shared memory). In Ling-3.0-tiny: o_proj, the MLA dense and
-the MLA q_a / kv_a / gate projection (split 4, 3-4 blocks a slice); the 31.5 MB KDA projection and the lm_head (12
-blocks a program) stay on the Triton kernel, where a partial ring before the wait measured slower at one row.
+Where it runs (`eligible`): CUDA on sm_90 (its wgmma is Hopper's), a PDL launch (the gain is the pre-wait read;
+without PDL the Triton kernel runs), Gluon importable, a 2-byte weight, the "dot" config at BN 64 / BK 128, no NORM /
+GATED prologue, K a multiple of S * BK, the whole slice fitting the ring (at most MAX_BLOCKS blocks and, with the x
+slice, 2 CTAs an SM's shared memory), and at most MAX_ROWS rows (1: decode and the draft; verify's 6 run the Triton
+kernel). Choosing by rows keeps row invariance because the two paths give the same bits. In Ling-3.0-tiny: o_proj, the
+MLA dense and the MLA q_a / kv_a / gate projection (split 4, 3-4 blocks a slice); the 31.5 MB KDA projection and the
+lm_head (12 blocks a program) stay on the Triton kernel, where a partial ring before the wait measured slower at one
+row. Where the kernel does not compile (another Triton's Gluon), `launch` warns once and the Triton kernel runs.
 
 Measured on the H200 (2026-12-03). Alone, behind a short PDL producer (bench/gluon_linear_probe.py): o_proj 4.34 ->
-4.01 us at 1 row and 4.34 -> 3.70 at 6, q_a/kv_a/g 3.45 -> 2.88 at 1. In the step it is level: decode greedy 1.187 /
-1.180 ms on against 1.187 off, verify 2.311 / 2.314 against 2.307 (bench/results/step-ab-h200-20261203-c.json, one
-process, on first and last). Per launch (launches-tma-h200-20261203.json): in decode q_a/kv_a/g 3.56 -> 2.70 us and
-o_proj 4.43 -> 4.30, but in verify o_proj 4.74 -> 5.19 and the dense 4.66 -> 5.08: at 6 rows its post-wait path (the
-whole x slice loaded, stored to shared memory and fenced before the first wgmma) costs more than the pre-wait read
-saves once the kernel before it is short. Hence opt-in; the next version would land x by TMA as well (or per block)
-and reduce split-K through a cluster's distributed shared memory instead of the L2 ticket.
-LINGC_LINEAR_TMA=1 turns it on. The interpreter never runs it (Gluon has no interpreter): CPU tests compile it for
-sm_90 offline and check the order of its PTX (tests/kernels/test_linear_tma.py).
+4.01 us at 1 row and 4.34 -> 3.70 at 6, q_a/kv_a/g 3.45 -> 2.88 at 1. Per launch in the step (launches-tma-h200-
+20261203.json): in decode q_a/kv_a/g 3.56 -> 2.70 us, o_proj 4.43 -> 4.30, dense 4.25 -> 4.02, but in verify o_proj
+4.74 -> 5.19 and the dense 4.66 -> 5.08: at 6 rows its post-wait path (the whole x slice loaded, stored to shared
+memory and fenced before the first wgmma) costs more than the early read saves behind a short kernel; hence
+MAX_ROWS = 1. The step with it at one row (step-ab-h200-20261203-d.json, one process, off / on / off / on): greedy
+decode 1.196 / 1.201 -> 1.186 / 1.191 ms, general decode 1.208 / 1.211 -> 1.192 / 1.201, greedy NEXTN 3.310 / 3.314 ->
+3.305 / 3.299 (the draft's one-row MTP forwards), verify unchanged. At every row count
+(step-ab-h200-20261203-c.json) it was level. Next: land x by TMA as well (or per block) and reduce split-K through a
+cluster's distributed shared memory instead of the L2 ticket, then try it at 6 rows again.
+LINGC_LINEAR_TMA=0 turns it off, LINGC_LINEAR_TMA_MAX_ROWS=N moves the row limit. The interpreter never runs it
+(Gluon has no interpreter): CPU tests compile it for sm_90 offline and check the order of its PTX
+(tests/kernels/test_linear_tma.py).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
+import triton
+from triton.compiler.errors import CompilationError
 
 from lingc.kernels.pdl import TRIGGER, pdl_supported
 
@@ -53,13 +61,16 @@ try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the T
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-ENABLED = os.environ.get("LINGC_LINEAR_TMA", "0") == "1"   # opt-in: level in the H200 step (docstring)
+ENABLED = os.environ.get("LINGC_LINEAR_TMA", "1") == "1"   # LINGC_LINEAR_TMA=0 turns it off
+FAILED: list[str] = []   # the first compile failure's message (`launch`); once set, every launch runs the Triton kernel
 BLOCK_M = 16             # rows (the wgmma N); must equal kernels/linear.py BLOCK_M (the workspace layout)
 BLOCK_N = 64             # weight rows a program (the wgmma M)
 BLOCK_K = 128
 MAX_BLOCKS = 4           # the slice's blocks, all in flight before the wait
 SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
 WARPS = 4                # one warpgroup
+HOPPER = 9               # the compute capability whose wgmma the kernel uses
+MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of more rows run the Triton kernel
 
 
 def smem_bytes(k_per_split: int, elem: int = 2) -> int:
@@ -79,11 +90,15 @@ def fits(n: int, k: int, split_k: int, block_n: int, block_k: int, elem: int) ->
 
 
 def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool) -> bool:
-    """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring)."""
-    if not (ENABLED and HAVE_GLUON and pdl and not prologue and cfg.kind == "dot"):
+    """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring). The row
+    count may decide (MAX_ROWS): both paths give the same bits, so a row's result does not depend on it."""
+    if not (ENABLED and HAVE_GLUON and not FAILED and pdl and not prologue and cfg.kind == "dot"
+            and rows.shape[0] <= MAX_ROWS):
         return False
     if not pdl_supported(weight.device) or weight.dtype not in (torch.bfloat16, torch.float16):
         return False
+    if torch.cuda.get_device_capability(weight.device)[0] != HOPPER:
+        return False                        # wgmma is sm_90's; Blackwell has other MMA instructions
     n, k = weight.shape
     if weight.stride(1) != 1 or weight.data_ptr() % 16 or (weight.stride(0) * 2) % 16:
         return False
@@ -180,12 +195,22 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if HAVE_GL
 
 
 def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: torch.Tensor | None,
-           counters: torch.Tensor | None, split_k: int) -> None:
-    """y [M, N] = rows [M, K] @ weight.T on the eligible path (the caller checked `eligible`), PDL-launched."""
+           counters: torch.Tensor | None, split_k: int) -> bool:
+    """y [M, N] = rows [M, K] @ weight.T on this path (the caller checked `eligible`), PDL-launched. False, with
+    one warning, where the kernel does not compile (a Triton whose Gluon API differs from 3.6's): compilation comes
+    before any GPU work, so the caller runs the Triton kernel instead, and later launches do not try again."""
     m, k = rows.shape
     n = weight.shape[0]
     grid = (-(-n // BLOCK_N), split_k)
-    _linear_tma_kernel[grid](_descriptor(weight), rows, y, partials if partials is not None else y,
-                             counters if counters is not None else y, m, n, rows.stride(0), y.stride(0),
-                             K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
-                             EARLY_TRIGGER=TRIGGER == "early", num_warps=WARPS, launch_pdl=True)
+    try:
+        _linear_tma_kernel[grid](_descriptor(weight), rows, y, partials if partials is not None else y,
+                                 counters if counters is not None else y, m, n, rows.stride(0), y.stride(0),
+                                 K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
+                                 EARLY_TRIGGER=TRIGGER == "early", num_warps=WARPS, launch_pdl=True)
+    except (CompilationError, AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        warnings.warn(f"lingc: the TMA linear (kernels/linear_tma.py) did not compile with Triton "
+                      f"{triton.__version__} ({FAILED[0]}); the Triton kernel runs instead. LINGC_LINEAR_TMA=0 "
+                      f"skips the attempt.", RuntimeWarning, stacklevel=2)
+        return False
+    return True

@@ -51,18 +51,40 @@ def test_shape_rule(case, want):
     assert T.fits(*case) is want
 
 
-def test_off_by_default_and_never_on_cpu_or_without_pdl(monkeypatch):
-    """Opt-in (LINGC_LINEAR_TMA=1: level in the H200 step); even on, a CPU launch (no PDL, no Gluon run), a launch
-    without PDL or one with a norm prologue runs the Triton kernel, and linear() on CPU is unchanged."""
-    assert T.ENABLED is False
+def test_never_on_cpu_without_pdl_or_past_its_rows():
+    """On by default (LINGC_LINEAR_TMA) for one-row launches (MAX_ROWS); a CPU launch (no PDL, no Gluon run), a
+    launch without PDL, one with a norm prologue or more rows runs the Triton kernel, and linear() on CPU is as
+    before."""
+    assert T.ENABLED == (os.environ.get("LINGC_LINEAR_TMA", "1") == "1")
+    assert T.MAX_ROWS == int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))
     w = torch.randn(1536, 2048, dtype=torch.bfloat16)
-    x = torch.randn(2, 2048, dtype=torch.bfloat16)
     cfg = L.pick_config(1536, 2048, torch.bfloat16)
-    want = L.linear(x, w)
-    monkeypatch.setattr(T, "ENABLED", True)
-    for pdl, prologue in ((True, False), (False, False), (True, True)):
-        assert not T.eligible(x, w, cfg, pdl=pdl, prologue=prologue)
-    assert torch.equal(L.linear(x, w, pdl=True), want)
+    for m in (1, 2):
+        x = torch.randn(m, 2048, dtype=torch.bfloat16)
+        for pdl, prologue in ((True, False), (False, False), (True, True)):
+            assert not T.eligible(x, w, cfg, pdl=pdl, prologue=prologue)
+        assert torch.equal(L.linear(x, w, pdl=True), L.linear(x, w))
+
+
+@pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_a_kernel_that_does_not_compile_falls_back_once(monkeypatch):
+    """Another Triton's Gluon: `launch` reports False with one warning naming the module and the knob, and every
+    later launch skips the path (FAILED)."""
+    monkeypatch.setattr(T, "FAILED", [])
+
+    class Broken:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise AttributeError("module 'gluon' has no attribute 'warpgroup_mma'")
+            return run
+
+    monkeypatch.setattr(T, "_linear_tma_kernel", Broken())
+    monkeypatch.setattr(T, "_descriptor", lambda w: None)
+    w = torch.zeros(1536, 2048, dtype=torch.bfloat16)
+    x, y = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.zeros(1, 1536, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match=r"kernels/linear_tma.py.*warpgroup_mma.*LINGC_LINEAR_TMA=0"):
+        assert T.launch(x, w, y, None, None, 4) is False
+    assert T.FAILED and not T.eligible(x, w, L.pick_config(1536, 2048, torch.bfloat16), pdl=True, prologue=False)
 
 
 _PROBE = """
