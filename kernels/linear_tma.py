@@ -177,18 +177,11 @@ if HAVE_GLUON:
                 gl.store(count_ptr + pid_n, 0)                                 # ready for the next launch
 
 
-_DESCRIPTORS: dict[tuple, object] = {}
-
-
 def _descriptor(weight: torch.Tensor):
-    """The weight's TMA descriptor ([BN, BK] boxes); cached per (pointer, shape, strides, dtype): weights live for
-    the process, and a captured graph keeps the encoded descriptor it was launched with."""
-    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, weight.device)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], _GL_DTYPES[weight.dtype])
-        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], layout)
-    return desc
+    """The weight's TMA descriptor ([BN, BK] boxes). Made per launch, not cached: a cache would keep every weight it
+    saw alive; Triton encodes the descriptor into the launch's arguments, so a captured graph keeps its own."""
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], _GL_DTYPES[weight.dtype])
+    return TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], layout)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if HAVE_GLUON else {}
