@@ -43,6 +43,7 @@ LINGC_LINEAR_TMA=0 turns it off, LINGC_LINEAR_TMA_MAX_ROWS=N moves the row limit
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -50,7 +51,8 @@ import torch
 import triton
 from triton.compiler.errors import CompilationError
 
-from lingc.kernels.pdl import TRIGGER, pdl_supported
+from lingc.kernels.pdl import TRIGGER
+from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the Triton kernel runs everywhere
     from triton.experimental import gluon
@@ -89,15 +91,19 @@ def fits(n: int, k: int, split_k: int, block_n: int, block_k: int, elem: int) ->
     return per // BLOCK_K <= MAX_BLOCKS and smem_bytes(per, elem) <= SMEM_2_CTAS
 
 
+@functools.lru_cache(maxsize=None)
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool) -> bool:
-    """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring). The row
-    count may decide (MAX_ROWS): both paths give the same bits, so a row's result does not depend on it."""
+    """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring). `pdl`: the
+    launch is PDL-launched, already checked against the device (linear.py's launcher: pdl_supported). The row count
+    may decide (MAX_ROWS): both paths give the same bits, so a row's result does not depend on it."""
     if not (ENABLED and HAVE_GLUON and not FAILED and pdl and not prologue and cfg.kind == "dot"
-            and rows.shape[0] <= MAX_ROWS):
+            and rows.shape[0] <= MAX_ROWS and weight.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if not pdl_supported(weight.device) or weight.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if torch.cuda.get_device_capability(weight.device)[0] != HOPPER:
+    if weight.device.type != "cuda" or _major(indexed(weight.device)) != HOPPER:
         return False                        # wgmma is sm_90's; Blackwell has other MMA instructions
     n, k = weight.shape
     if weight.stride(1) != 1 or weight.data_ptr() % 16 or (weight.stride(0) * 2) % 16:
