@@ -11,9 +11,11 @@ S = cdiv(MP*PS, SPLIT_ROWS) key splits.
 `mla_attention` (one launcher, four kernels, all of them written out by the kernels themselves):
     1. q_absorb   grid (H, R/QA_BLOCK_R, M) q_lat[m, h] = q_nope[m, h] @ W_uk[h]      fp32 sum, stored in the
                                             cache dtype (it is an MMA operand in stage 2)
-    2. split      grid (M, S)               one program = one query, all H heads, the cache rows
-                                            [s*SPLIT_ROWS, (s+1)*SPLIT_ROWS) that the query sees: scores
-                                            q_lat.c_kv + q_rope.k_rope on tensor cores ([H, R] x [R, BLOCK_N]),
+    2. split      grid (B*cdiv(T,QPP), S)   one program = QPP consecutive queries of a request, all H heads, the
+                                            cache rows [s*SPLIT_ROWS, (s+1)*SPLIT_ROWS) that any of them sees:
+                                            scores q_lat.c_kv + q_rope.k_rope on tensor cores ([QPP*H, R] x
+                                            [R, BLOCK_N], the (query, head) pairs as MMA rows, each row masked
+                                            to its own query's visible rows),
                                             fp32 online softmax (exp2), o[h] = sum p c_kv; writes the unnormalised
                                             partial (m, l, o[H, R]) in fp32
     3. combine    grid (M*H, R/CB_BLOCK_R)  o_lat = sum_s 2^(m_s - max) o_s / sum_s 2^(m_s - max) l_s (fp32)
@@ -27,8 +29,12 @@ over the queries, which cost 6.5 / 5.3 us at 6 queries) and, under PDL, load the
 The combine is separate so that it is a plain elementwise-parallel pass over R (no re-reading of partials).
 
 Row invariance (a verify chain of T queries gives each query the bits of a T=1 decode step): every query is
-computed by its own programs with the same instruction sequence whatever T and B are (every stage gives each
-query its own programs). Split boundaries are
+computed with the same instruction sequence whatever T and B are. The absorptions and the combine give each query
+its own programs; the split gives it QPP MMA-row slots of a fixed tile (a T = 1 call fills one and repeats its
+query in the others, storing nothing from them), and an MMA row's bits depend only on that row's operands, the
+row reductions (max, sum) on that row's values in a layout that is the same for every row. The steps a tile runs
+past a query's last visible row (its chain's later queries see more) are exact no-ops for it: its scores there
+are -inf, so alpha = 2^0 = 1, p = 0, l + 0 = l and acc * 1 + 0 = acc. Split boundaries are
 fixed multiples of SPLIT_ROWS from row 0; a split that starts past the query's position does nothing and the
 combine reads only the query's own pos // SPLIT_ROWS + 1 splits, in blocks of CB_BLOCK_S with a fixed
 reduction shape, so the split count S (from the capacity MP*PS) never enters a query's arithmetic either.
@@ -115,7 +121,13 @@ BLOCK_N_FP32 = 16
 # by a runtime value in the row addressing), the H200 measured 16.7 vs 18.1 us at 1 query and 40.7 vs 46.1 us at 6
 # (bench/results/kernels-mla-split-h200-20261130.json), same bits; 2 or 8 chunks were slower at one of the two.
 SPLIT_CHUNKS = 4
-SMALL_ACC = 16 * 512     # BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
+# MMA rows of a split program (bf16 / fp16 caches): QPP = SPLIT_TILE_ROWS // BLOCK_H queries of one request share a
+# program, their (query, head) pairs stacked as the MMAs' rows, so a verify chain reads a split's cache rows once per
+# QPP queries, and at 64 rows the MMAs are Hopper wgmma. Every call takes the same tile whatever T is (a T = 1 decode
+# fills one of its QPP slots), so a query's bits do not depend on T. 16 (QPP = 1 at H = 16) is the one-query
+# program of 2026-11-30 .. 2026-12-03. fp32 caches (IEEE dots, test models) keep one query a program.
+SPLIT_TILE_ROWS = int(os.environ.get("LINGC_MLA_TILE_ROWS", "16"))
+SMALL_ACC = 16 * 512     # QPP * BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
 CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 16384 rows in one step
@@ -191,6 +203,17 @@ def _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS: tl.constexpr, CAP, 
 
 
 @triton.jit
+def _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP: tl.constexpr, CACHE: tl.constexpr):
+    """The largest position of a split tile's live queries t0 .. min(t0 + QPP, T) - 1, from scalar loads (a
+    reduction over the tile's rows would put a CTA barrier in the prologue; at QPP = 1 this is the one load)."""
+    last = tl.load(pos_b + t0 * stride_pos_t, cache_modifier=CACHE).to(tl.int32)
+    for i in tl.static_range(1, QPP):
+        ti = tl.minimum(t0 + i, T - 1)
+        last = tl.maximum(last, tl.load(pos_b + ti * stride_pos_t, cache_modifier=CACHE).to(tl.int32))
+    return last
+
+
+@triton.jit
 def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                   T, S, CAP, qk_scale,
                   stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
@@ -199,40 +222,54 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   PREFETCH: tl.constexpr = False, NUM_PAGES: tl.constexpr = 1, L_LINES: tl.constexpr = 1,
-                  CHUNKS: tl.constexpr = 1, EARLY_POS: tl.constexpr = False):
-    """Unnormalised softmax partial of query m over its visible rows of split s, all heads at once."""
-    m = tl.program_id(0)
+                  CHUNKS: tl.constexpr = 1, EARLY_POS: tl.constexpr = False, QPP: tl.constexpr = 1):
+    """Unnormalised softmax partials of QPP consecutive queries of one request over their visible rows of split s,
+    all heads at once: the MMAs' rows are (query, head) pairs, so the split's cache rows are read once for QPP
+    queries. A tile's slots past the chain's end repeat its last query and store nothing."""
+    tile = tl.program_id(0)
     s = tl.program_id(1)
-    b, t = m // T, m % T
+    tiles_t = (T + QPP - 1) // QPP
+    b, t0 = tile // tiles_t, (tile % tiles_t) * QPP
+    BLOCK_M: tl.constexpr = QPP * BLOCK_H
     RC: tl.constexpr = BLOCK_R // CHUNKS
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_q = tl.arange(0, BLOCK_M)
+    offs_h = offs_q % BLOCK_H
+    t_live = t0 + offs_q // BLOCK_H
+    live = t_live < T
+    t = tl.minimum(t_live, T - 1)                                                     # [BLOCK_M] query of a row
+    m = b * T + t
     offs_c = tl.arange(0, RC)
     offs_e = tl.arange(0, BLOCK_E)
     mask_h, mask_e = offs_h < H, offs_e < RR
+    pos_b = pos_ptr + b.to(tl.int64) * stride_pos_b
     if PDL and EARLY_POS:   # written at the step's start, many launches back: before the wait (module docstring)
-        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t, cache_modifier=".cg").to(tl.int32)
+        pos = tl.load(pos_b + t * stride_pos_t, cache_modifier=".cg").to(tl.int32)
+        last = _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP, ".cg")
     if PDL:
         if PREFETCH:
-            if t == T - 1:     # the chain's last query sees every row the others do: one request per line
-                _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t, s, PS, CAP, stride_page, stride_row,
+            t_last = tl.minimum(t0 + QPP, T) - 1
+            if t_last == T - 1:     # the chain's last query sees every row the others do: one request per line
+                _prefetch_split(kv_ptr, pages_ptr, pos_ptr, b, t_last, s, PS, CAP, stride_page, stride_row,
                                 stride_pages_b, stride_pos_b, stride_pos_t, R + RR, SPLIT, NUM_PAGES, L_LINES)
         pdl_wait()
     if not (PDL and EARLY_POS):
-        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
+        pos = tl.load(pos_b + t * stride_pos_t).to(tl.int32)
+        last = _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP, "")
     start = s * SPLIT
-    end = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # visible rows [start, end); empty if start > pos
+    end_q = tl.minimum(tl.minimum(start + SPLIT, pos + 1), CAP)   # a row's visible rows [start, end_q)
+    end = tl.minimum(tl.minimum(start + SPLIT, last + 1), CAP)     # the tile's: every row loops to it
     dot_ty = kv_ptr.dtype.element_ty
     q_lat = ()
     acc = ()
     for j in tl.static_range(CHUNKS):
         cols = j * RC + offs_c
-        q_lat = q_lat + (tl.load(qlat_ptr + (m * H + offs_h[:, None]).to(tl.int64) * R + cols[None, :],
-                                 mask=mask_h[:, None] & (cols < R)[None, :], other=0.0),)      # [BLOCK_H, RC]
-        acc = acc + (tl.zeros([BLOCK_H, RC], tl.float32),)
-    q_rope = tl.load(qrope_ptr + b.to(tl.int64) * stride_rb + t * stride_rt + offs_h[:, None] * stride_rh
+        q_lat = q_lat + (tl.load(qlat_ptr + (m * H + offs_h)[:, None].to(tl.int64) * R + cols[None, :],
+                                 mask=mask_h[:, None] & (cols < R)[None, :], other=0.0),)      # [BLOCK_M, RC]
+        acc = acc + (tl.zeros([BLOCK_M, RC], tl.float32),)
+    q_rope = tl.load(qrope_ptr + b.to(tl.int64) * stride_rb + (t * stride_rt + offs_h * stride_rh)[:, None]
                      + offs_e[None, :], mask=mask_h[:, None] & mask_e[None, :], other=0.0).to(dot_ty)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
     for j0 in range(start, end, BLOCK_N):
         rows = j0 + tl.arange(0, BLOCK_N)
         valid = rows < end
@@ -246,7 +283,7 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
         k_rope = tl.load(kv_ptr + base[:, None] + R + offs_e[None, :], mask=valid[:, None] & mask_e[None, :],
                          other=0.0)
         # one accumulation chain in the unchunked order: the latent columns 0 .. R-1, then the rope part
-        scores = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if IEEE:
             for j in tl.static_range(CHUNKS):
                 scores = tl.dot(q_lat[j], tl.trans(c[j]), scores, input_precision="ieee")
@@ -254,9 +291,12 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
         else:
             for j in tl.static_range(CHUNKS):
                 scores = tl.dot(q_lat[j], tl.trans(c[j]), scores)
-            scores = tl.dot(q_rope, tl.trans(k_rope), scores)                           # [BLOCK_H, BLOCK_N] fp32
-        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))     # finite: every step has a visible row
+            scores = tl.dot(q_rope, tl.trans(k_rope), scores)                           # [BLOCK_M, BLOCK_N] fp32
+        scores = tl.where(rows[None, :] < end_q[:, None], scores * qk_scale, float("-inf"))
+        # finite wherever the row sees a row of this split (then its first step has one); a row that sees none
+        # (an earlier query of the tile, or a padded slot) keeps 0 there instead of -inf - -inf = NaN: not stored
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -266,19 +306,18 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
             if IEEE:
                 new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None], input_precision="ieee"),)
             else:
-                new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None]),)          # [BLOCK_H, RC]
+                new_acc = new_acc + (tl.dot(pv, c[j], acc[j] * alpha[:, None]),)          # [BLOCK_M, RC]
         acc = new_acc
         m_i = m_new
     if PDL:
         pdl_trigger()
-    active = end > start
-    row = (m * S + s).to(tl.int64) * H + offs_h                                       # [BLOCK_H] partial rows
-    tl.store(part_ml_ptr + row * 2, m_i, mask=mask_h & active)
-    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_h & active)
+    keep = mask_h & live & (end_q > start)
+    row = (m * S + s).to(tl.int64) * H + offs_h                                       # [BLOCK_M] partial rows
+    tl.store(part_ml_ptr + row * 2, m_i, mask=keep)
+    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=keep)
     for j in tl.static_range(CHUNKS):
         cols = j * RC + offs_c
-        tl.store(part_o_ptr + row[:, None] * R + cols[None, :], acc[j],
-                 mask=mask_h[:, None] & (cols < R)[None, :] & active)
+        tl.store(part_o_ptr + row[:, None] * R + cols[None, :], acc[j], mask=keep[:, None] & (cols < R)[None, :])
 
 
 @triton.jit
@@ -615,8 +654,9 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     block_h, block_r, fp32 = _pow2(H, MIN_DOT), _pow2(R, MIN_DOT), kv_pages.dtype == torch.float32
     if block_n is None:
         block_n = BLOCK_N_FP32 if fp32 else BLOCK_N
+    qpp = 1 if fp32 else max(1, SPLIT_TILE_ROWS // block_h)
     if split_warps is None:
-        split_warps = SPLIT_WARPS_SMALL_ACC if block_h * block_r <= SMALL_ACC and not fp32 else SPLIT_WARPS
+        split_warps = SPLIT_WARPS_SMALL_ACC if qpp * block_h * block_r <= SMALL_ACC and not fp32 else SPLIT_WARPS
     _want(block_n >= MIN_DOT and split_rows % block_n == 0,
           f"mla_attention: want block_n >= {MIN_DOT} dividing split_rows, got {block_n}, {split_rows}")
     dev, M = q_nope.device, B * T
@@ -637,14 +677,14 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
         num_warps=GEMV_WARPS, **launch)
-    _split_kernel[(M, S)](
+    _split_kernel[(B * triton.cdiv(T, qpp), S)](
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
         page_rows.stride(0), positions.stride(0), positions.stride(1),
         PS=PS, H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
         BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
         L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r), EARLY_POS=EARLY_POS,
-        num_warps=split_warps, num_stages=split_stages,
+        QPP=qpp, num_warps=split_warps, num_stages=split_stages,
         **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),

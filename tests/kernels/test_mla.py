@@ -91,6 +91,17 @@ def test_attention_matches_reference(B: int, T: int, ps: int, split: dict, dtype
 
 
 @dtypes
+def test_attention_packed_tile_matches_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPLIT_TILE_ROWS = 64 (4 queries a split program) on a chain of 5 (a tile with 3 padded slots) and 2
+    requests, against the reference."""
+    monkeypatch.setattr(mla, "SPLIT_TILE_ROWS", 64)
+    c = _case(2, 5, dtype, seed=77)
+    rtol, atol = ATTN_TOL[dtype]
+    for split in SPLITS.values():
+        torch.testing.assert_close(_attend(c, **split), _reference(c), rtol=rtol, atol=atol)
+
+
+@dtypes
 def test_attention_one_big_page_and_short_prefixes(dtype: torch.dtype) -> None:
     """ModelState.new's layout (MP=1, one page of 40 rows) and positions 0, 1 (a single visible row)."""
     c = _case(2, 2, dtype, seed=5, ps=40, mp=1, spare=1)
@@ -99,12 +110,18 @@ def test_attention_one_big_page_and_short_prefixes(dtype: torch.dtype) -> None:
     torch.testing.assert_close(_attend(c, split_rows=16, block_n=16), _reference(c), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("tile", [16, 64], ids=["tile16", "tile64"])
 @pytest.mark.parametrize("split", [SPLITS["split16"], SPLITS["default"]], ids=["split16", "default"])
 @dtypes
-def test_attention_row_invariance(split: dict, dtype: torch.dtype) -> None:
+def test_attention_row_invariance(split: dict, dtype: torch.dtype, tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain of T=6 queries == the same queries one at a time (T=1) == each request alone; and a larger
-    cache capacity (more pages in page_rows, so more splits) changes no bit either."""
+    cache capacity (more pages in page_rows, so more splits) changes no bit either. tile: the split's MMA rows
+    (SPLIT_TILE_ROWS; 64 packs 4 queries of a chain into one program at H <= 16, a T=1 call fills one slot).
+    Request 0's chain straddles a 16-row split boundary (positions 13..18), so at split16 the tile runs steps past
+    its first queries' last rows."""
+    monkeypatch.setattr(mla, "SPLIT_TILE_ROWS", tile)
     c = _case(2, 6, dtype, seed=42)
+    c["positions"][0] = torch.arange(13, 19)
     chain = _attend(c, **split)                                                         # [B, 6, H, Vd]
     for b in range(2):
         alone = _attend(_rows(c, slice(b, b + 1), slice(None)), **split)

@@ -24,10 +24,10 @@ sig = dict(qlat_ptr="*bf16", qrope_ptr="*bf16", kv_ptr="*bf16", pages_ptr="*i32"
            stride_rt="i32", stride_rh="i32", stride_page="i32", stride_row="i32", stride_pages_b="i32",
            stride_pos_b="i32", stride_pos_t="i32")
 const = dict(PS=16, H=16, R=512, RR=64, BLOCK_H=16, BLOCK_R=512, BLOCK_E=64, SPLIT=64, BLOCK_N=32, IEEE=False, PDL=True,
-             PREFETCH=prefetch, NUM_PAGES=1024, L_LINES=16, CHUNKS=K._split_chunks(512))
+             PREFETCH=prefetch, NUM_PAGES=1024, L_LINES=16, CHUNKS=K._split_chunks(512), EARLY_POS=True, QPP=4)
 sig.update({k: "constexpr" for k in const})
 ptx = triton.compile(ASTSource(fn=K._split_kernel, signature=sig, constexprs=const),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2}).asm["ptx"]
 lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
 find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
 print(find("griddepcontrol.wait"), find("prefetch.global.L2"), find("div.s") + find("rem.s"), sep="|")
