@@ -93,10 +93,17 @@ def _mla_rows() -> list[dict]:
                stride_rb="i32", stride_rt="i32", stride_rh="i32", stride_page="i32", stride_row="i32",
                stride_pages_b="i32", stride_pos_b="i32", stride_pos_t="i32")
     const = dict(PS=16, H=16, R=512, RR=64, BLOCK_H=16, BLOCK_R=512, BLOCK_E=64, SPLIT=K.SPLIT_ROWS, BLOCK_N=K.BLOCK_N,
-                 IEEE=False, PDL=True, PREFETCH=False, NUM_PAGES=1024, L_LINES=16, CHUNKS=K._split_chunks(512))
-    return [{"kernel": "mla_attention split", "config": {"split_rows": K.SPLIT_ROWS, "block_n": K.BLOCK_N},
-             **resources(K._split_kernel, sig, const, K.SPLIT_WARPS_SMALL_ACC, K.SPLIT_STAGES,
-                         divisible=(0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16))}]
+                 IEEE=False, PDL=True, PREFETCH=False, NUM_PAGES=1024, L_LINES=16, CHUNKS=K._split_chunks(512),
+                 EARLY_POS=K.EARLY_POS)
+    rows = []
+    for tile in sorted({K.SPLIT_TILE_ROWS, 64}):       # the default, and the packed tile (4 queries a program)
+        qpp = max(1, tile // 16)
+        warps = K.SPLIT_WARPS_SMALL_ACC if qpp * 16 * 512 <= K.SMALL_ACC else K.SPLIT_WARPS
+        name = "mla_attention split" + ("" if tile == K.SPLIT_TILE_ROWS else f" (tile {tile})")
+        rows.append({"kernel": name, "config": {"split_rows": K.SPLIT_ROWS, "block_n": K.BLOCK_N, "tile_rows": tile},
+                     **resources(K._split_kernel, sig, dict(const, QPP=qpp), warps, K.SPLIT_STAGES,
+                                 divisible=(0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16))})
+    return rows
 
 
 def _signature(fn, constexprs: dict, types: dict[str, str]) -> dict:

@@ -124,8 +124,14 @@ SPLIT_CHUNKS = 4
 # MMA rows of a split program (bf16 / fp16 caches): QPP = SPLIT_TILE_ROWS // BLOCK_H queries of one request share a
 # program, their (query, head) pairs stacked as the MMAs' rows, so a verify chain reads a split's cache rows once per
 # QPP queries, and at 64 rows the MMAs are Hopper wgmma. Every call takes the same tile whatever T is (a T = 1 decode
-# fills one of its QPP slots), so a query's bits do not depend on T. 16 (QPP = 1 at H = 16) is the one-query
-# program of 2026-11-30 .. 2026-12-03. fp32 caches (IEEE dots, test models) keep one query a program.
+# fills one of its QPP slots), so a query's bits do not depend on T. 16 (QPP = 1 at H = 16, mma.sync, 4 warps) is
+# the one-query program; 64 (QPP = 4: wgmma, 8 warps, 221 KB of shared memory, 1 CTA an SM) reads a 6-query chain's
+# cache rows twice instead of six times. H200, context 8192 (bench/results/kernels-mla-pack-h200-20261203.json):
+# mla_attention 29.8 vs 35.6 us at 6 queries but 20.1 vs 16.9 at one; in the step (step-ab-h200-20261203-f.json)
+# greedy verify 2.308 vs 2.322 ms but decode 1.204 vs 1.191, so 16 stays the default and LINGC_MLA_TILE_ROWS=64 is
+# the verify-leaning choice (row invariant on the H200 either way; its bits were not compared with 16's, and the
+# MMA instruction differs, so expect a numerics change). fp32 caches
+# (IEEE dots, test models) keep one query a program.
 SPLIT_TILE_ROWS = int(os.environ.get("LINGC_MLA_TILE_ROWS", "16"))
 SMALL_ACC = 16 * 512     # QPP * BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4

@@ -37,6 +37,14 @@ def test_pair_grid_tiles_are_wgmma(rows: dict[str, dict]) -> None:
     assert rows["linear dot (bf16, unsplit)"]["wgmma"] > 0          # swap-AB since the start (kernels/linear.py)
 
 
+def test_packed_mla_split_is_wgmma(rows: dict[str, dict]) -> None:
+    """SPLIT_TILE_ROWS = 64 (4 queries of a chain a program): 64 MMA rows make Hopper wgmma; the default 16 rows
+    stay mma.sync."""
+    packed = rows["mla_attention split (tile 64)"]
+    assert packed["wgmma"] > 0 and packed["mma_sync"] == 0 and packed["num_warps"] == 8, packed
+    assert rows["mla_attention split"]["mma_sync"] > 0, rows["mla_attention split"]
+
+
 def test_no_spills_and_the_split_occupancy(rows: dict[str, dict]) -> None:
     assert all(r["local_bytes"] == 0 for r in rows.values()), rows
     assert rows["mla_attention split"]["ctas_per_sm"] == 2

@@ -1,6 +1,7 @@
 """The MLA split kernel compiled for sm_90 without a GPU. The pre-wait L2 prefetch (kernels/mla.py PREFETCH): the
 prefetches come before `griddepcontrol.wait`; without PREFETCH none exists. The row addressing: with the page size a
-constexpr, the only integer division left is the program's query split (m // T), none per cache row. In the
+constexpr, the only integer division left is the program's tile split (tile // cdiv(T, QPP)), none per cache row.
+Compiled at QPP = 4 (four queries a program, 8 warps). In the
 interpreter (PDL off) the split is unchanged, which tests/kernels/test_mla.py checks."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _probe(prefetch: bool) -> tuple[list[int], list[int], list[int]]:
 
 
 def test_row_addressing_has_no_runtime_division() -> None:
-    assert len(_probe(False)[2]) == 1        # m // T (its remainder is formed from it); none per cache row
+    assert len(_probe(False)[2]) == 1        # tile // tiles_t (its remainder is formed from it); none per row
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
