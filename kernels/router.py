@@ -127,8 +127,6 @@ ROWS_FROM = int(os.environ.get("LINGC_ROUTER_ROWS_FROM", "1"))   # "auto": "rows
                 # "pairs" at one row
 SPLIT_FROM = int(os.environ.get("LINGC_ROUTER_SPLIT_FROM", "2"))   # "auto": "split" from this many rows up where
                 # N * (top_k + S) <= MAX_PAIRS (LINGC_ROUTER_SPLIT_FROM=99 turns it off for an A/B)
-# "rows": the k picks' scores reduced out of the tile after the pick chain, not inside it (_row_picks; same bits)
-LATE_SCORES = os.environ.get("LINGC_ROUTER_LATE_SCORES", "1") == "1"
 ALIGN_COUNTERS = 1             # "split": one int32 ticket counter per launch (kernels/workspace.py)
 SPLIT_WARPS = 4                # "split": num_warps (at least; _split_warps), from the H200 sweep
 MIN_NP_BLOCK = 16              # smallest pair block of the fused kernel (as kernels/moe_align.py)
@@ -369,14 +367,10 @@ def _row_max(x):
 @triton.jit
 def _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
                C_BLOCK: tl.constexpr, L_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr,
-               NO_ID: tl.constexpr, LATE_SCORES: tl.constexpr = False):
+               NO_ID: tl.constexpr):
     """The k picks of every row of the tile, as _route_rows (same keys, same order, same bits):
     (scores [K, R, 1, 1] in pick order, their sum [1, R, 1, 1] summed in pick order, ids [K, R, 1, 1],
-    pick index per tile cell [L, R, G, C] (-1: not picked)).
-
-    LATE_SCORES: the k picks' scores are reduced out of the tile after the pick chain (k independent max
-    reductions over `picks == i`) instead of one inside each pick, so the serial chain is one key max a pick.
-    The same cells, the same values, summed in the same order: the same bits."""
+    pick index per tile cell [L, R, G, C] (-1: not picked))."""
     key = tl.where(valid, _order_key(biased, eid, NO_ID), -(2**63))
     # group score = best + second best biased score (the best counted once: equal to it if two lanes tie)
     m1 = _group_max(biased)                                                       # [1, R, G, 1]
@@ -398,18 +392,12 @@ def _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK: tl.co
     for i in tl.static_range(TOP_K):
         e = NO_ID - (_row_max(key) & 0xFFFFFFFF).to(tl.int32)                   # [1, R, 1, 1]
         hit = eid == e
-        if not LATE_SCORES:
-            s = _row_max(tl.where(hit, score, float("-inf")))                     # the pick's sigmoid score
-            total = total + s                                                     # in pick order, one by one
-            scores = tl.where(kk == i, s, scores)
+        s = _row_max(tl.where(hit, score, float("-inf")))                         # the pick's sigmoid score
+        total = total + s                                                         # in pick order, one by one
+        scores = tl.where(kk == i, s, scores)
         ids = tl.where(kk == i, e, ids)
         key = tl.where(hit, -(2**63), key)
         picks = tl.where(hit, i, picks)
-    if LATE_SCORES:
-        for i in tl.static_range(TOP_K):
-            s = _row_max(tl.where(picks == i, score, float("-inf")))              # pick i's sigmoid score
-            total = total + s                                                     # in pick order, one by one
-            scores = tl.where(kk == i, s, scores)
     return scores, total, ids, picks
 
 
@@ -418,8 +406,7 @@ def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, 
                               N, stride_row, n_group, topk_group, scale, max_padded, n_blocks,
                               BM: tl.constexpr, GS: tl.constexpr, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
                               L_BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-                              K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
-                              LATE_SCORES: tl.constexpr = False):
+                              K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     W: tl.constexpr = TOP_K + SHARED                                              # pairs per row
     l = tl.arange(0, L_BLOCK)[:, None, None, None]                                # [L, 1, 1, 1]
     r = tl.arange(0, R_BLOCK)[None, :, None, None]                                # [1, R, 1, 1]
@@ -448,7 +435,7 @@ def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, 
     score = tl.sigmoid(x)
     biased = tl.where(valid, score + bias, float("-inf"))
     scores, total, ids, picks = _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK, G_BLOCK,
-                                           C_BLOCK, L_BLOCK, TOP_K, K_BLOCK, NO_ID, LATE_SCORES)
+                                           C_BLOCK, L_BLOCK, TOP_K, K_BLOCK, NO_ID)
     weights = scores / (total + 1e-20) * scale
     shared = (kk >= TOP_K) & (kk < W)                                             # [K, 1, 1, 1]
     weights = tl.where(shared, 1.0, weights)
@@ -646,7 +633,7 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
     if rows is not None:
         _router_align_rows_kernel[(1,)](
             logits, expert_bias, *outputs, N, logits.stride(0), n_group, topk_group, float(routed_scaling_factor),
-            max_padded, n_blocks, BM=block_m, **rows, PDL=pdl, LATE_SCORES=LATE_SCORES, **launch)
+            max_padded, n_blocks, BM=block_m, **rows, PDL=pdl, **launch)
         return outputs
     tile = _tile(n_group, group_size, top_k, fused_shared)
     align = dict(NP_BLOCK=max(MIN_NP_BLOCK, triton.next_power_of_2(num_pairs)),

@@ -81,12 +81,9 @@ def test_rows_matches_topk_align_pairs_and_reference(case: tuple, assert_kernel_
     assert torch.equal(got[4], want[4]) and torch.equal(got[3], want[3]), "block_expert / total differ from reference"
 
 
-@pytest.mark.parametrize("late", [True, False], ids=["late-scores", "scores-in-chain"])
 @pytest.mark.parametrize("N,shared,bias_scale", TIES, ids=[f"{n}x128+{s}-bias{b}" for n, s, b in TIES])
-def test_rows_ties(N: int, shared: int, bias_scale: float, late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tied scores and tied group scores resolve as router_topk resolves them (lower group, then lower id), with
-    the picks' scores reduced after the pick chain (LATE_SCORES, the default) or inside it."""
-    monkeypatch.setattr(router_mod, "LATE_SCORES", late)
+def test_rows_ties(N: int, shared: int, bias_scale: float) -> None:
+    """Tied scores and tied group scores resolve as router_topk resolves them (lower group, then lower id)."""
     x, bias = _tie_inputs(N, 128, seed=N + 7 * shared, bias_scale=bias_scale)
     _check_rows(x, bias, 8, 4, 8, 16, shared)
     zeros = torch.zeros(N, 128)
