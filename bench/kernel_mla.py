@@ -18,6 +18,7 @@ context 8192, rows for mla_cache_write, rope and sigmoid_gate (tiny: launch boun
 launches they replace (mla_prep; mla_attention with its gate; ok = bit-exact) close the table.
 
     python3 bench/kernel_mla.py [--json $OUT/mla.json]
+    python3 bench/kernel_mla.py --tiles [--json ...]   # the split at SPLIT_TILE_ROWS 16 and 64 only
 """
 
 from __future__ import annotations
@@ -296,11 +297,46 @@ def run(device: torch.device) -> list[dict]:
     return rows
 
 
+def tile_rows(tiles: tuple[int, ...] = (16, 64)) -> list[dict]:
+    """The split at each SPLIT_TILE_ROWS (kernels/mla.py) at context 8192, 1 and 6 queries: the attention row's
+    checks and time (no sweep), and whether each tile gives the first tile's bits on one fixed case per T."""
+    import lingc.kernels.mla as K
+
+    sweep, saved = SWEEP[:], K.SPLIT_TILE_ROWS
+    SWEEP.clear()
+    rows, outs = [], {}
+    try:
+        for tile in tiles:
+            K.SPLIT_TILE_ROWS = tile
+            for T in (1, 6):
+                r = _attention_rows(T, CAPACITY)[0]
+                keep = {k: r[k] for k in ("shape", "time_us", "rel_err", "row_invariant", "pdl_equal",
+                                          "deterministic", "ok")}
+                c = _case(T, CAPACITY, 1, seed=7)
+                outs[tile, T] = K.mla_attention(c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"],
+                                                c["positions"], SCALE)
+                first = outs[tiles[0], T]
+                keep.update(kernel=f"mla_attention[tile{tile}]", tile_rows=tile, T=T,
+                            equal_first_tile=bool(torch.equal(first, outs[tile, T])),
+                            max_diff_first_tile=(first.float() - outs[tile, T].float()).abs().max().item())
+                rows.append(keep)
+    finally:
+        SWEEP[:] = sweep
+        K.SPLIT_TILE_ROWS = saved
+    return rows
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--tiles", action="store_true",
+                    help="only the split at SPLIT_TILE_ROWS 16 and 64 (time, checks, bits against 16)")
     args = ap.parse_args()
-    all_rows = run(torch.device("cuda"))
+    if args.tiles:
+        import lingc  # noqa: F401  (registers the reference ops)
+        all_rows = tile_rows()
+    else:
+        all_rows = run(torch.device("cuda"))
     for r in all_rows:
         print(json.dumps(r), flush=True)
     if args.json:
