@@ -111,7 +111,7 @@ def _flashinfer_core_us(c: dict, ctx: int, q_lat_like: torch.Tensor) -> float | 
         return None
 
 
-def _attention_rows(T: int, ctx: int) -> list[dict]:
+def _attention_rows(T: int, ctx: int, sweep: list[tuple] = SWEEP) -> list[dict]:
     from lingc.kernels.mla import _mla_attention, mla_attention, mla_attention_ref, pdl_supported
 
     cache_bytes = ctx * (R + RR) * 2
@@ -157,7 +157,7 @@ def _attention_rows(T: int, ctx: int) -> list[dict]:
     if fi is not None:
         rows[0]["flashinfer_core_us"] = fi
     if ctx == CAPACITY:
-        for split, bn, warps, stages, cb_s, cb_r in SWEEP:
+        for split, bn, warps, stages, cb_s, cb_r in sweep:
             kw = dict(split_rows=split, block_n=bn, split_warps=warps, split_stages=stages, combine_block_s=cb_s,
                       combine_block_r=cb_r)
             try:
@@ -302,14 +302,13 @@ def tile_rows(tiles: tuple[int, ...] = (16, 64)) -> list[dict]:
     checks and time (no sweep), and whether each tile gives the first tile's bits on one fixed case per T."""
     import lingc.kernels.mla as K
 
-    sweep, saved = SWEEP[:], K.SPLIT_TILE_ROWS
-    SWEEP.clear()
+    saved = K.SPLIT_TILE_ROWS
     rows, outs = [], {}
     try:
         for tile in tiles:
             K.SPLIT_TILE_ROWS = tile
             for T in (1, 6):
-                r = _attention_rows(T, CAPACITY)[0]
+                r = _attention_rows(T, CAPACITY, sweep=[])[0]
                 keep = {k: r[k] for k in ("shape", "time_us", "rel_err", "row_invariant", "pdl_equal",
                                           "deterministic", "ok")}
                 c = _case(T, CAPACITY, 1, seed=7)
@@ -321,7 +320,6 @@ def tile_rows(tiles: tuple[int, ...] = (16, 64)) -> list[dict]:
                             max_diff_first_tile=(first.float() - outs[tile, T].float()).abs().max().item())
                 rows.append(keep)
     finally:
-        SWEEP[:] = sweep
         K.SPLIT_TILE_ROWS = saved
     return rows
 

@@ -97,8 +97,7 @@ def _mla_rows() -> list[dict]:
                  EARLY_POS=K.EARLY_POS)
     rows = []
     for tile in sorted({K.SPLIT_TILE_ROWS, 64}):       # the default, and the packed tile (4 queries a program)
-        qpp = max(1, tile // 16)
-        warps = K.SPLIT_WARPS_SMALL_ACC if qpp * 16 * 512 <= K.SMALL_ACC else K.SPLIT_WARPS
+        qpp, warps = K.split_shape(16, 512, False, tile)
         name = "mla_attention split" + ("" if tile == K.SPLIT_TILE_ROWS else f" (tile {tile})")
         rows.append({"kernel": name, "config": {"split_rows": K.SPLIT_ROWS, "block_n": K.BLOCK_N, "tile_rows": tile},
                      **resources(K._split_kernel, sig, dict(const, QPP=qpp), warps, K.SPLIT_STAGES,

@@ -129,9 +129,9 @@ SPLIT_CHUNKS = 4
 # cache rows twice instead of six times. H200, context 8192 (bench/results/kernels-mla-pack-h200-20261203.json):
 # mla_attention 29.8 vs 35.6 us at 6 queries but 20.1 vs 16.9 at one; in the step (step-ab-h200-20261203-f.json)
 # greedy verify 2.308 vs 2.322 ms but decode 1.204 vs 1.191, so 16 stays the default and LINGC_MLA_TILE_ROWS=64 is
-# the verify-leaning choice (row invariant on the H200 either way; its bits were not compared with 16's, and the
-# MMA instruction differs, so expect a numerics change). fp32 caches
-# (IEEE dots, test models) keep one query a program.
+# the verify-leaning choice: row invariant on the H200 either way, but a numerics change against 16 (the two gave
+# other bits for some queries of a 6-query chain, max |diff| 7.6e-6: kernels-mla-tile-h200-20261203.json), so the
+# tile cannot follow T. fp32 caches (IEEE dots, test models) keep one query a program.
 SPLIT_TILE_ROWS = int(os.environ.get("LINGC_MLA_TILE_ROWS", "16"))
 SMALL_ACC = 16 * 512     # QPP * BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4
@@ -302,7 +302,8 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
         # finite wherever the row sees a row of this split (then its first step has one); a row that sees none
         # (an earlier query of the tile, or a padded slot) keeps 0 there instead of -inf - -inf = NaN: not stored
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if QPP > 1:     # one query a program: its first step has a visible row whenever the loop runs
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -586,6 +587,15 @@ def _fp32(v: float) -> float:
     return struct.unpack("f", struct.pack("f", v))[0]
 
 
+def split_shape(block_h: int, block_r: int, fp32: bool, tile_rows: int | None = None) -> tuple[int, int]:
+    """(queries a split program, its num_warps) for padded heads block_h and latent block_r; tile_rows defaults to
+    SPLIT_TILE_ROWS at call time (fp32 caches: one query a program)."""
+    tile_rows = SPLIT_TILE_ROWS if tile_rows is None else tile_rows
+    qpp = 1 if fp32 else max(1, tile_rows // block_h)
+    warps = SPLIT_WARPS_SMALL_ACC if qpp * block_h * block_r <= SMALL_ACC and not fp32 else SPLIT_WARPS
+    return qpp, warps
+
+
 def _split_chunks(block_r: int) -> int:
     """Column chunks of the split program's latent (SPLIT_CHUNKS while a chunk keeps tl.dot's minimum width)."""
     return SPLIT_CHUNKS if block_r // SPLIT_CHUNKS >= MIN_DOT else 1
@@ -660,9 +670,8 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     block_h, block_r, fp32 = _pow2(H, MIN_DOT), _pow2(R, MIN_DOT), kv_pages.dtype == torch.float32
     if block_n is None:
         block_n = BLOCK_N_FP32 if fp32 else BLOCK_N
-    qpp = 1 if fp32 else max(1, SPLIT_TILE_ROWS // block_h)
-    if split_warps is None:
-        split_warps = SPLIT_WARPS_SMALL_ACC if qpp * block_h * block_r <= SMALL_ACC and not fp32 else SPLIT_WARPS
+    qpp, auto_warps = split_shape(block_h, block_r, fp32)
+    split_warps = auto_warps if split_warps is None else split_warps
     _want(block_n >= MIN_DOT and split_rows % block_n == 0,
           f"mla_attention: want block_n >= {MIN_DOT} dividing split_rows, got {block_n}, {split_rows}")
     dev, M = q_nope.device, B * T
