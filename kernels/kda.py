@@ -122,7 +122,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lingc.kernels import workspace
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
+from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. Recurrence: V columns of S per program and its warps (the same for decode and verify: they set
@@ -587,8 +587,11 @@ def _kda_commit_multi_kernel(slots_ptr, accept_ptr,
 @triton.jit
 def _gated_rmsnorm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, R, N, s_xm, s_xh, s_gm, s_gh, inv_n, eps,
                           HR: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr):
     # HR (heads per token) is a constexpr: the row split below is then shifts and masks, not a 64-bit division
+    if PDL:
+        if ENTRY_TRIGGER:   # the next launch (o_proj) reads only weights before its wait (kernels/pdl.py)
+            pdl_launch_next()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)               # row = m * HR + h
     cols = tl.arange(0, BLOCK_N)
     cm = cols < N
@@ -840,8 +843,9 @@ def _rows3(t: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, *,
-                  pdl: bool = False) -> torch.Tensor:
-    """rmsnorm(x) * weight * sigmoid(gate) over the last dim in fp32, cast to x.dtype (lingc.gated_rmsnorm)."""
+                  pdl: bool = False, entry_trigger: bool = False) -> torch.Tensor:
+    """rmsnorm(x) * weight * sigmoid(gate) over the last dim in fp32, cast to x.dtype (lingc.gated_rmsnorm).
+    entry_trigger (a launch hint, PDL only): let the next kernel launch at entry (kernels/pdl.py)."""
     op = "gated_rmsnorm"
     N = x.shape[-1]
     if weight.shape != (N,) or gate.shape != x.shape:
@@ -856,7 +860,7 @@ def gated_rmsnorm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps
     _gated_rmsnorm_kernel[(triton.cdiv(R, NORM_ROWS),)](
         x3, weight, g3, out, R, N, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), 1.0 / N, eps,
         HR=x3.shape[1], ROWS=NORM_ROWS, BLOCK_N=triton.next_power_of_2(N), PRECISE=_precise(x.device), PDL=pdl,
-        **_launch_opts(pdl, NORM_WARPS))
+        ENTRY_TRIGGER=pdl and entry_trigger, **_launch_opts(pdl, NORM_WARPS))
     return out
 
 

@@ -91,7 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import MAX_BLOCK_N as MAX_NORM_BLOCK, _num_warps as _norm_warps, _rmsnorm_row
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
@@ -371,9 +371,13 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
 @triton.jit
 def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, T, stride_w, stride_gb, stride_gt, stride_gh,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
+                     ENTRY_TRIGGER: tl.constexpr):
     """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m).
     GATE (fuse_mla): then out * sigmoid(g[m, h]) with the gate kernel's arithmetic on the rounded output."""
+    if PDL:
+        if ENTRY_TRIGGER:   # the next launch (the dense projection) reads only weights before its wait (kernels/pdl.py)
+            pdl_launch_next()
     h = tl.program_id(0)
     m = tl.program_id(2)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -656,7 +660,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
                    gate: torch.Tensor | None = None, *, pdl: bool = False,
                    split_rows: int | None = None, block_n: int | None = None, split_warps: int | None = None,
                    split_stages: int | None = None, combine_block_s: int | None = None,
-                   combine_block_r: int | None = None) -> torch.Tensor:
+                   combine_block_r: int | None = None, entry_trigger: bool = False) -> torch.Tensor:
     """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them). A tunable
     left None is the module's value at call time (bench/device_step.py --variant overrides those)."""
     split_rows = SPLIT_ROWS if split_rows is None else split_rows
@@ -708,21 +712,24 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     g, g_strides = (gate, gate.stride()) if gate is not None else (out, (0, 0, 0))   # out: a never-read stand-in
     _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
         o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
-        BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, num_warps=GEMV_WARPS, **launch)
+        BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
+        num_warps=GEMV_WARPS, **launch)
     return out
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
                   page_rows: torch.Tensor, positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
-                  *, pdl: bool = False) -> torch.Tensor:
+                  *, pdl: bool = False, entry_trigger: bool = False) -> torch.Tensor:
     """Weight-absorbed split-KV decode attention, as torch.ops.lingc.mla_attention: [B, T, H, Vd] in q's dtype.
 
     q_nope [B, T, H, N], q_rope [B, T, H, Rr] (rotated), kv_pages [NP, PS, R + Rr], kv_b_weight
     [H * (N + Vd), R], page_rows [B, MP] int, positions [B, T] int (query t sees rows j <= positions[b, t];
     positions must be < MP * PS). gate [B, T, H] (fuse_mla): the output times sigmoid(gate) as sigmoid_gate
-    computes it, in v_absorb's epilogue. pdl is dropped where unsupported.
+    computes it, in v_absorb's epilogue. pdl is dropped where unsupported. entry_trigger (a launch hint, PDL only):
+    the last kernel, v_absorb, lets the next launch start at its entry (kernels/pdl.py).
     """
-    return _mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, gate, pdl=pdl)
+    return _mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, gate, pdl=pdl,
+                          entry_trigger=entry_trigger)
 
 
 def mla_cache_write(kv_pages: torch.Tensor, latent: torch.Tensor, cache_locs: torch.Tensor, *,

@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import PAIR_GRID_PICKS, PAIR_GRID_TOKENS, align_sizes
@@ -525,9 +525,12 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
 def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, H, stride_e, stride_w,
                                 stride_res, stride_out, stride_res_out, eps,
                                 TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr,
-                                MUL_RN: tl.constexpr, PDL: tl.constexpr):
+                                MUL_RN: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr):
     """combine_add_rmsnorm of token n: the combine's row (as _combine_row, cast to the activation dtype), then
     kernels/rmsnorm.py's add + norm row code on it; one program per token holds the whole row."""
+    if PDL:
+        if ENTRY_TRIGGER:   # the next launch (a projection) reads only weights before its wait (kernels/pdl.py)
+            pdl_launch_next()
     n = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -813,9 +816,10 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out
 
 def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
                         weight: torch.Tensor, eps: float, *, pdl: bool = False,
-                        order: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        order: int | None = None, entry_trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual) = add_rmsnorm(residual, moe_combine(expert_out, topk_weights)) in one launch, bit for
-    bit the two kernels: residual [..., h] (N rows), expert_out [N*k, h], topk_weights [N, k], weight [h]."""
+    bit the two kernels: residual [..., h] (N rows), expert_out [N*k, h], topk_weights [N, k], weight [h].
+    entry_trigger (a launch hint, PDL only): let the next kernel launch at entry (kernels/pdl.py)."""
     _float_dtype(expert_out, "combine_add_rmsnorm", "expert_out")
     h = residual.shape[-1]
     n = residual.numel() // max(h, 1)
@@ -840,7 +844,8 @@ def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_w
         e2, topk_weights, res2, weight, out.view(n, h), residual_out.view(n, h), h, e2.stride(0),
         topk_weights.stride(0), res2.stride(0), h, h, eps,
         TOP_K=topk_weights.shape[1], BLOCK_H=block, ORDER=order,
-        MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, num_warps=_norm_warps(block),
+        MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
+        num_warps=_norm_warps(block),
         enable_reflect_ftz=False, **launch)   # fusion on, as the add_rmsnorm kernel; mul_rn without FTZ, as the combine
     return out, residual_out
 

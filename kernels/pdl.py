@@ -33,6 +33,15 @@ reads L2 hardly faster than HBM here; bench/results/kernels-l2-prefetch-h200-202
 linear's pre-wait L2 prefetch of its weight slice made decode slower (1.281 ms with it, 1.249 without), and so did
 the "dot" linears loading their first weight blocks into registers (1.33-1.38 against 1.28; kernels/linear.py).
 
+Entry triggers (`pdl_launch_next()`, the launch hint `entry_trigger` that passes/pdl.py sets): a short kernel B
+whose next launch C reads nothing but weights before its own wait (a linear: the Gluon TMA GEMV's weight slice, the
+small GEMVs' register preload) may trigger at its entry instead, so C's programs start while the kernel before B
+still runs and C's pre-wait weight read overlaps it, not only B. What it costs: C's programs hold SM slots while
+they wait, and the rule above moves by one for C alone (its programs may start before the kernel two back has
+completed; C reads only weights there, so nothing C reads early is written). The kernel after C starts as before,
+after C has passed its wait (B, hence everything earlier, complete). Correctness never depends on it: C's wait
+still waits for B's completion.
+
 `prefetch_l2(ptrs)` asks L2 for the lines at ptrs (inline PTX; PDL path only, the interpreter cannot run it): the
 pre-wait prologues (all opt-in now: LINGC_LINEAR_PREFETCH_BLOCKS, LINGC_MOE_DOWN_PREFETCH, LINGC_MLA_PREFETCH) use it
 for bytes no earlier kernel writes (weights), or, with the early trigger, for a tile
@@ -76,6 +85,12 @@ def pdl_trigger():
     """gdc_launch_dependents under the late trigger; nothing under the early one (pdl_wait did it)."""
     if not TRIGGER_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_launch_next():
+    """gdc_launch_dependents at kernel entry, before the wait (a launcher's `entry_trigger`; module docstring)."""
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

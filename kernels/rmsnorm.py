@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
+from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
 # Tunables. One program holds a whole row, so the row must fit one block.
@@ -51,7 +51,10 @@ def _rmsnorm_row(x, w, N, eps):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
-                    BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr):
+    if PDL:
+        if ENTRY_TRIGGER:   # the next launch reads only weights before its wait (kernels/pdl.py)
+            pdl_launch_next()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -104,7 +107,10 @@ def _add_rmsnorm_row(res, x, w, out_row_ptr, res_out_row_ptr, cols, mask, N, eps
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, res_out_ptr,
                         stride_res, stride_x, stride_out, stride_res_out, N, eps,
-                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr):
+    if PDL:
+        if ENTRY_TRIGGER:   # the next launch reads only weights before its wait (kernels/pdl.py)
+            pdl_launch_next()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -153,8 +159,9 @@ def _out(out: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tenso
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., N] with weight [N]; pdl is dropped where unsupported."""
+            out: torch.Tensor | None = None, entry_trigger: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N] with weight [N]; pdl is dropped where unsupported. entry_trigger (a
+    launch hint, PDL only): let the next kernel launch at entry (kernels/pdl.py)."""
     n = _check(x, weight)
     out = _out(out, x, "out")
     x2 = _rows(x, "x", n)  # [R, N]
@@ -165,7 +172,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
     block_n = triton.next_power_of_2(n)
     launch = {"launch_pdl": True} if pdl else {}
     _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out2, x2.stride(0), out2.stride(0), n, eps,
-                                     BLOCK_N=block_n, PDL=pdl, num_warps=_num_warps(block_n), **launch)
+                                     BLOCK_N=block_n, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
+                                     num_warps=_num_warps(block_n), **launch)
     return out
 
 
@@ -193,8 +201,9 @@ def rmsnorm_cat(x1: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor, weigh
 
 def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(residual + x), residual + x) for residual, x [..., N] of one dtype; pdl dropped where unsupported."""
+                entry_trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(residual + x), residual + x) for residual, x [..., N] of one dtype; pdl dropped where unsupported.
+    entry_trigger (a launch hint, PDL only): let the next kernel launch at entry (kernels/pdl.py)."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"add_rmsnorm: residual is {list(residual.shape)} {residual.dtype}, "
                          f"x is {list(x.shape)} {x.dtype}; want the same shape and dtype")
@@ -211,7 +220,7 @@ def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, e
     _add_rmsnorm_kernel[(x2.shape[0],)](
         res2, x2, weight, out2, res_out2,
         res2.stride(0), x2.stride(0), out2.stride(0), res_out2.stride(0), n, eps,
-        BLOCK_N=block_n, PDL=pdl, num_warps=_num_warps(block_n), **launch)
+        BLOCK_N=block_n, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger, num_warps=_num_warps(block_n), **launch)
     return out, residual_out
 
 

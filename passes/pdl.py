@@ -146,6 +146,38 @@ def drop_unsafe_prewait(graph: fx.Graph) -> list[str]:
     return dropped
 
 
+# Entry triggers (kernels/pdl.py): a short kernel of ENTRY_TRIGGER_OPS whose next launch is one of WEIGHTS_ONLY_PREWAIT
+# (kernels/linear.py: before its PDL wait it reads its weight slice and nothing else: the Gluon TMA ring, the register
+# preload) gets the launch hint entry_trigger, so that linear's programs start, and read their weights, while the
+# kernel before the norm still runs. Only the linear's own start moves; what it reads early is a weight.
+ENTRY_TRIGGER = True
+ENTRY_TRIGGER_OPS = ("rmsnorm", "add_rmsnorm", "gated_rmsnorm", "combine_add_rmsnorm", "mla_attention")
+WEIGHTS_ONLY_PREWAIT = ("linear", "rmsnorm_linear", "add_rmsnorm_linear", "gated_rmsnorm_linear")
+
+
+def _next_launch(node: fx.Node) -> fx.Node | None:
+    """The next node after `node` that launches a kernel (views and getitems launch none), or None."""
+    nxt = node.next
+    while nxt.op != "root" and (nxt.op != "call_function" or is_free(nxt)):
+        nxt = nxt.next
+    return None if nxt.op == "root" else nxt
+
+
+def mark_entry_triggers(graph: fx.Graph) -> list[str]:
+    """After every annotation: give each PDL-launched ENTRY_TRIGGER_OPS node whose next launch is a PDL-launched
+    WEIGHTS_ONLY_PREWAIT op the launch hint entry_trigger. Returns the names of the nodes it marked."""
+    marked = []
+    weights_only = {getattr(OPS, op) for op in WEIGHTS_ONLY_PREWAIT if op in OPS}
+    for short in ENTRY_TRIGGER_OPS:
+        for node in calls(graph, short):
+            nxt = _next_launch(node)
+            if "lingc.pdl" in node.meta and nxt is not None and nxt.target in weights_only \
+                    and "lingc.pdl" in nxt.meta:
+                node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
+                marked.append(node.name)
+    return marked
+
+
 def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.Node]], list[str]]:
     """Move independent kernels out from between chain members; split where a kernel depends on the chain."""
     order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
@@ -184,6 +216,7 @@ class Pdl(Pass):
         moved_all: list[str] = []
         solo: dict[str, int] = {}
         unsafe: list[str] = []
+        entry: list[str] = []
         for gname, graph in program.graphs.items():
             found: list[tuple[str, list[fx.Node]]] = []
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
@@ -216,4 +249,7 @@ class Pdl(Pass):
                         node.meta["lingc.pdl"] = dict(SOLO_META)
                         solo[gname] = solo.get(gname, 0) + 1
             unsafe += [f"{gname}:{name}" for name in drop_unsafe_prewait(graph)]
-        return {"matches": len(chains), "chains": chains, "moved": moved_all, "solo": solo, "no_pdl": unsafe}
+            if ENTRY_TRIGGER:
+                entry += [f"{gname}:{name}" for name in mark_entry_triggers(graph)]
+        return {"matches": len(chains), "chains": chains, "moved": moved_all, "solo": solo, "no_pdl": unsafe,
+                "entry_trigger": entry}

@@ -70,7 +70,9 @@ class Lowered:
 # node.meta["lingc.launch"]: keyword hints a pass leaves for an op's Triton launcher, which the torch reference never
 # sees and which never change what the op computes (docs/ir.md). Only these keys and value types are accepted: an
 # artifact names data, never arbitrary launcher arguments.
-LAUNCH_HINTS = {"moe_up_act": {"shared_last": bool}, "moe_up_act_pairs": {"shared_last": bool}}
+LAUNCH_HINTS = {"moe_up_act": {"shared_last": bool}, "moe_up_act_pairs": {"shared_last": bool},
+                **{op: {"entry_trigger": bool} for op in ("rmsnorm", "add_rmsnorm", "gated_rmsnorm",
+                                                          "combine_add_rmsnorm", "mla_attention")}}
 
 
 def launch_hints(node: fx.Node) -> dict[str, Any]:
