@@ -148,11 +148,28 @@ def drop_unsafe_prewait(graph: fx.Graph) -> list[str]:
 
 # Entry triggers (kernels/pdl.py): a short kernel of ENTRY_TRIGGER_OPS whose next launch is one of WEIGHTS_ONLY_PREWAIT
 # (kernels/linear.py: before its PDL wait it reads its weight slice and nothing else: the Gluon TMA ring, the register
-# preload) gets the launch hint entry_trigger, so that linear's programs start, and read their weights, while the
-# kernel before the norm still runs. Only the linear's own start moves; what it reads early is a weight.
+# preload) over at most ENTRY_TRIGGER_MAX_ROWS rows gets the launch hint entry_trigger, so that linear's programs
+# start, and read their weights, while the kernel before the norm still runs. Only the linear's own start moves;
+# what it reads early is a weight. The row limit is kernels/linear_tma.py's MAX_ROWS (1): the Gluon ring runs at one
+# row only, and where the linear reads nothing early its programs only hold SM slots sooner. H200, one process
+# (bench/results/step-ab-h200-20261203-h.json): greedy decode 1.164 / 1.164 ms against 1.182 / 1.198 without entry
+# triggers; marking verify's 6-row launches too made greedy verify 2.347 against 2.323 (the combine before the
+# 31.5 MB KDA projection), and the Gluon ring at 6 rows with them 2.333, so verify's launches stay unmarked.
 ENTRY_TRIGGER = True
 ENTRY_TRIGGER_OPS = ("rmsnorm", "add_rmsnorm", "gated_rmsnorm", "combine_add_rmsnorm", "mla_attention")
 WEIGHTS_ONLY_PREWAIT = ("linear", "rmsnorm_linear", "add_rmsnorm_linear", "gated_rmsnorm_linear")
+ENTRY_TRIGGER_MAX_ROWS = 1
+
+
+def _rows(node: fx.Node) -> int | None:
+    """Rows of a node's output (the product of its leading dims), or None without shape meta."""
+    meta = node.meta.get("lingc.tensor")
+    if meta is None or not getattr(meta, "shape", None):
+        return None
+    rows = 1
+    for d in meta.shape[:-1]:
+        rows *= int(d)
+    return rows
 
 
 def _next_launch(node: fx.Node) -> fx.Node | None:
@@ -165,14 +182,15 @@ def _next_launch(node: fx.Node) -> fx.Node | None:
 
 def mark_entry_triggers(graph: fx.Graph) -> list[str]:
     """After every annotation: give each PDL-launched ENTRY_TRIGGER_OPS node whose next launch is a PDL-launched
-    WEIGHTS_ONLY_PREWAIT op the launch hint entry_trigger. Returns the names of the nodes it marked."""
+    WEIGHTS_ONLY_PREWAIT op of at most ENTRY_TRIGGER_MAX_ROWS rows the launch hint entry_trigger. Returns the names of
+    the nodes it marked."""
     marked = []
     weights_only = {getattr(OPS, op) for op in WEIGHTS_ONLY_PREWAIT if op in OPS}
     for short in ENTRY_TRIGGER_OPS:
         for node in calls(graph, short):
             nxt = _next_launch(node)
             if "lingc.pdl" in node.meta and nxt is not None and nxt.target in weights_only \
-                    and "lingc.pdl" in nxt.meta:
+                    and "lingc.pdl" in nxt.meta and (_rows(nxt) or ENTRY_TRIGGER_MAX_ROWS + 1) <= ENTRY_TRIGGER_MAX_ROWS:
                 node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
                 marked.append(node.name)
     return marked

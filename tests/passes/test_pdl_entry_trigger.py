@@ -1,0 +1,97 @@
+"""pdl: a short kernel whose next launch is a linear gets the launch hint entry_trigger (passes/pdl.py
+`mark_entry_triggers`, kernels/pdl.py), and only there: the linear reads nothing but weights before its wait."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+import lingc.passes.pdl as pdl_pass
+from lingc.ops import OPS
+from lingc.passes.pdl import SOLO_META, Pdl, mark_entry_triggers
+from lingc.ir.shapes import TensorMeta
+from lingc.program import Program
+from lingc.runtime.executor import launch_hints
+
+
+def _graph(after: str, rows: int = 1) -> tuple[fx.Graph, fx.Node]:
+    """kda output -> gated_rmsnorm -> (a view) -> `after` (linear over `rows` rows, or router_align), every call
+    PDL-annotated."""
+    g = fx.Graph()
+    x, w, gate, wo, bias = (g.placeholder(n) for n in ("x", "w", "gate", "wo", "bias"))
+    norm = g.call_function(OPS.gated_rmsnorm, (x, w, gate, 1e-6))
+    view = g.call_function(operator.getitem, (norm, 0))           # free: launches nothing
+    if after == "linear":
+        nxt = g.call_function(OPS.linear, (view, wo))
+        nxt.meta["lingc.tensor"] = TensorMeta((1, rows, 64), torch.bfloat16)
+    else:
+        nxt = g.call_function(OPS.router_align, (view, bias, 4, 2, 4, 2.5, 17, 16))
+    g.output(nxt)
+    for n in g.nodes:
+        if n.op == "call_function":
+            n.meta["lingc.pdl"] = dict(SOLO_META)
+    return g, norm
+
+
+def test_a_norm_before_a_linear_triggers_at_entry():
+    g, norm = _graph("linear")
+    assert mark_entry_triggers(g) == [norm.name]
+    assert norm.meta["lingc.launch"] == {"entry_trigger": True}
+    assert launch_hints(norm) == {"entry_trigger": True}       # the executor accepts it for this op
+
+
+def test_no_hint_before_a_linear_of_more_rows():
+    """Only one-row linears read their weights before the wait (kernels/linear_tma.py MAX_ROWS); verify's six-row
+    launches stay unmarked (the H200 measured them slower with the hint)."""
+    g, norm = _graph("linear", rows=6)
+    assert mark_entry_triggers(g) == []
+    g, norm = _graph("linear")
+    next(n for n in g.nodes if n.target is OPS.linear).meta.pop("lingc.tensor")
+    assert mark_entry_triggers(g) == []                        # no shape meta: not marked
+
+
+def test_no_hint_before_a_kernel_that_reads_activations_early():
+    g, norm = _graph("router_align")
+    assert mark_entry_triggers(g) == []
+    assert "lingc.launch" not in norm.meta
+
+
+def test_no_hint_without_pdl_on_either_side():
+    for drop in ("gated_rmsnorm", "linear"):
+        g, norm = _graph("linear")
+        next(n for n in g.nodes if n.target is getattr(OPS, drop)).meta.pop("lingc.pdl")
+        assert mark_entry_triggers(g) == [], drop
+
+
+def test_the_executor_rejects_the_hint_on_other_ops():
+    g, norm = _graph("linear")
+    lin = next(n for n in g.nodes if n.target is OPS.linear)
+    lin.meta["lingc.launch"] = {"entry_trigger": True}
+    with pytest.raises(ValueError, match="entry_trigger"):
+        launch_hints(lin)
+
+
+def test_lingc_graphs_mark_the_kda_norm_and_mla(tiny_partitioned: Program, monkeypatch):
+    """test-tiny: the KDA layers' gated_rmsnorm (o_proj next) and MLA attention (dense next) are marked in the
+    one-row graphs and never in verify's; with ENTRY_TRIGGER off nothing is."""
+    scheduled, record = Pdl().run(tiny_partitioned)
+    marked = record.details["entry_trigger"]
+    assert marked
+    for graph in scheduled.graphs.values():
+        for n in graph.nodes:
+            if n.meta.get("lingc.launch", {}).get("entry_trigger"):
+                assert n.target in (OPS.gated_rmsnorm, OPS.mla_attention, OPS.rmsnorm, OPS.add_rmsnorm,
+                                    OPS.combine_add_rmsnorm)
+                assert pdl_pass._next_launch(n).target in (OPS.linear, OPS.rmsnorm_linear, OPS.add_rmsnorm_linear)
+                assert pdl_pass._rows(pdl_pass._next_launch(n)) == 1
+    kinds = {n.target for g in scheduled.graphs.values() for n in g.nodes
+             if n.meta.get("lingc.launch", {}).get("entry_trigger")}
+    assert {OPS.gated_rmsnorm, OPS.mla_attention} <= kinds
+    assert {m.split(":")[0] for m in marked} >= {"decode", "step", "draft"}
+    assert not [m for m in marked if m.startswith(("verify", "prefill"))]
+    monkeypatch.setattr(pdl_pass, "ENTRY_TRIGGER", False)
+    _, off = Pdl().run(tiny_partitioned)
+    assert off.details["entry_trigger"] == []
