@@ -551,7 +551,7 @@ class GatedNorm:
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace: LinearWorkspace | None,
             config: LinearConfig | None, pdl: bool, norm: NormPrologue | None = None,
-            gated: GatedNorm | None = None) -> None:
+            gated: GatedNorm | None = None, launched_early: bool = False) -> None:
     """One kernel launch for y [M, N] = rows [M, K] (or their norm) @ weight.T, 1 <= M <= MAX_ROWS, K >= 1."""
     m, k = rows.shape
     n = weight.shape[0]
@@ -560,7 +560,8 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
     cfg = _fit_split(config, k) if config is not None else pick_config(n, k, weight.dtype)
     ws = _workspace(workspace, cfg, m, n, rows.device) if cfg.split_k > 1 else None
     pdl = pdl and pdl_supported(rows.device)
-    if linear_tma.eligible(rows, w, cfg, pdl, norm is not None or gated is not None) and linear_tma.launch(
+    if linear_tma.eligible(rows, w, cfg, pdl, norm is not None or gated is not None, launched_early) \
+            and linear_tma.launch(
             rows, w, y, ws.partials if ws else None, ws.counters if ws else None, cfg.split_k):
         return                              # the Hopper path: the weight slice lands before the PDL wait
     launch = {"launch_pdl": True} if pdl else {}
@@ -598,13 +599,14 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *, pdl: bool = False,
            out: torch.Tensor | None = None, workspace: LinearWorkspace | None = None,
-           config: LinearConfig | None = None) -> torch.Tensor:
+           config: LinearConfig | None = None, launched_early: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight [N, K].T as torch.ops.lingc.linear, in out_dtype (default x.dtype).
 
     M = prod(x.shape[:-1]) <= MAX_ROWS runs a Triton kernel; more rows run F.linear in the weight dtype.
     `out` (contiguous, [..., N], out_dtype) is written in place when given. `workspace` is the split-K scratch
     (default: the device's, see device_workspace); `config` overrides the table (the bench's sweep) and must
-    not depend on M either. pdl is dropped where unsupported (CPU / interpreter, pre-sm90).
+    not depend on M either. pdl is dropped where unsupported (CPU / interpreter, pre-sm90). launched_early (the pdl
+    pass's hint: the launch before triggers at its entry) lets the Hopper path take up to linear_tma.EARLY_MAX_ROWS.
     """
     n, k = _check(x, weight)
     y_dtype = out_dtype if out_dtype is not None else x.dtype
@@ -623,7 +625,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
         return out
     if k == 0:
         return out.zero_()
-    _launch(rows, weight, out.view(m, n), workspace, config, pdl)
+    _launch(rows, weight, out.view(m, n), workspace, config, pdl, launched_early=launched_early)
     return out
 
 

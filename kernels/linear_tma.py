@@ -73,6 +73,7 @@ SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
 MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of more rows run the Triton kernel
+EARLY_MAX_ROWS = 1       # the row limit of a launch whose predecessor triggers at entry (linear's launched_early)
 
 
 def smem_bytes(k_per_split: int, elem: int = 2) -> int:
@@ -96,12 +97,15 @@ def _major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool) -> bool:
+def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool,
+             launched_early: bool = False) -> bool:
     """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring). `pdl`: the
     launch is PDL-launched, already checked against the device (linear.py's launcher: pdl_supported). The row count
-    may decide (MAX_ROWS): both paths give the same bits, so a row's result does not depend on it."""
+    may decide (MAX_ROWS, or EARLY_MAX_ROWS where the launch before triggers at its entry): both paths give the same
+    bits, so a row's result does not depend on it."""
+    limit = max(MAX_ROWS, EARLY_MAX_ROWS) if launched_early else MAX_ROWS
     if not (ENABLED and HAVE_GLUON and not FAILED and pdl and not prologue and cfg.kind == "dot"
-            and rows.shape[0] <= MAX_ROWS and weight.dtype in (torch.bfloat16, torch.float16)):
+            and rows.shape[0] <= limit and weight.dtype in (torch.bfloat16, torch.float16)):
         return False
     if weight.device.type != "cuda" or _major(indexed(weight.device)) != HOPPER:
         return False                        # wgmma is sm_90's; Blackwell has other MMA instructions

@@ -159,6 +159,7 @@ ENTRY_TRIGGER = True
 ENTRY_TRIGGER_OPS = ("rmsnorm", "add_rmsnorm", "gated_rmsnorm", "combine_add_rmsnorm", "mla_attention")
 WEIGHTS_ONLY_PREWAIT = ("linear", "rmsnorm_linear", "add_rmsnorm_linear", "gated_rmsnorm_linear")
 ENTRY_TRIGGER_MAX_ROWS = 1
+ENTRY_TRIGGER_ROWS: dict[str, int] = {}   # per-op row limits over ENTRY_TRIGGER_MAX_ROWS (bench A/B)
 
 
 def _rows(node: fx.Node) -> int | None:
@@ -189,9 +190,12 @@ def mark_entry_triggers(graph: fx.Graph) -> list[str]:
     for short in ENTRY_TRIGGER_OPS:
         for node in calls(graph, short):
             nxt = _next_launch(node)
+            limit = ENTRY_TRIGGER_ROWS.get(short, ENTRY_TRIGGER_MAX_ROWS)
             if "lingc.pdl" in node.meta and nxt is not None and nxt.target in weights_only \
-                    and "lingc.pdl" in nxt.meta and (_rows(nxt) or ENTRY_TRIGGER_MAX_ROWS + 1) <= ENTRY_TRIGGER_MAX_ROWS:
+                    and "lingc.pdl" in nxt.meta and 1 <= (_rows(nxt) or limit + 1) <= limit:
                 node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
+                if nxt.target is OPS.linear:     # its launcher may then take the Gluon path at more rows
+                    nxt.meta["lingc.launch"] = {**nxt.meta.get("lingc.launch", {}), "launched_early": True}
                 marked.append(node.name)
     return marked
 

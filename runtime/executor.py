@@ -72,7 +72,8 @@ class Lowered:
 # artifact names data, never arbitrary launcher arguments.
 LAUNCH_HINTS = {"moe_up_act": {"shared_last": bool}, "moe_up_act_pairs": {"shared_last": bool},
                 **{op: {"entry_trigger": bool} for op in ("rmsnorm", "add_rmsnorm", "gated_rmsnorm",
-                                                          "combine_add_rmsnorm", "mla_attention")}}
+                                                          "combine_add_rmsnorm", "mla_attention")},
+                "linear": {"launched_early": bool}}
 
 
 def launch_hints(node: fx.Node) -> dict[str, Any]:

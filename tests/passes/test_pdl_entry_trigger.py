@@ -41,13 +41,18 @@ def test_a_norm_before_a_linear_triggers_at_entry():
     assert mark_entry_triggers(g) == [norm.name]
     assert norm.meta["lingc.launch"] == {"entry_trigger": True}
     assert launch_hints(norm) == {"entry_trigger": True}       # the executor accepts it for this op
+    lin = next(n for n in g.nodes if n.target is OPS.linear)
+    assert launch_hints(lin) == {"launched_early": True}       # the linear is told (kernels/linear_tma.py)
 
 
-def test_no_hint_before_a_linear_of_more_rows():
+def test_no_hint_before_a_linear_of_more_rows(monkeypatch):
     """Only one-row linears read their weights before the wait (kernels/linear_tma.py MAX_ROWS); verify's six-row
-    launches stay unmarked (the H200 measured them slower with the hint)."""
+    launches stay unmarked (the H200 measured them slower with the hint) unless a per-op limit allows them."""
     g, norm = _graph("linear", rows=6)
     assert mark_entry_triggers(g) == []
+    monkeypatch.setattr(pdl_pass, "ENTRY_TRIGGER_ROWS", {"gated_rmsnorm": 16})
+    assert mark_entry_triggers(g) == [norm.name]
+    monkeypatch.setattr(pdl_pass, "ENTRY_TRIGGER_ROWS", {})
     g, norm = _graph("linear")
     next(n for n in g.nodes if n.target is OPS.linear).meta.pop("lingc.tensor")
     assert mark_entry_triggers(g) == []                        # no shape meta: not marked
