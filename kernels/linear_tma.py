@@ -73,7 +73,9 @@ SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
 MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of more rows run the Triton kernel
-EARLY_MAX_ROWS = 1       # the row limit of a launch whose predecessor triggers at entry (linear's launched_early)
+EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers at entry (linear's launched_early):
+                         # its weight read then overlaps the kernel before that one (verify's o_proj: kda's 11 us);
+                         # H200 greedy verify 2.309 / 2.308 vs 2.327 / 2.325 ms (step-ab-h200-20261203-i.json)
 
 
 def smem_bytes(k_per_split: int, elem: int = 2) -> int:

@@ -150,8 +150,8 @@ def drop_unsafe_prewait(graph: fx.Graph) -> list[str]:
 # (kernels/linear.py: before its PDL wait it reads its weight slice and nothing else: the Gluon TMA ring, the register
 # preload) over at most ENTRY_TRIGGER_MAX_ROWS rows gets the launch hint entry_trigger, so that linear's programs
 # start, and read their weights, while the kernel before the norm still runs. Only the linear's own start moves;
-# what it reads early is a weight. The row limit is kernels/linear_tma.py's MAX_ROWS (1): the Gluon ring runs at one
-# row only, and where the linear reads nothing early its programs only hold SM slots sooner. H200, one process
+# what it reads early is a weight. The default row limit is kernels/linear_tma.py's MAX_ROWS (1): where the linear
+# reads nothing early its programs only hold SM slots sooner. H200, one process
 # (bench/results/step-ab-h200-20261203-h.json): greedy decode 1.164 / 1.164 ms against 1.182 / 1.198 without entry
 # triggers; marking verify's 6-row launches too made greedy verify 2.347 against 2.323 (the combine before the
 # 31.5 MB KDA projection), and the Gluon ring at 6 rows with them 2.333, so verify's launches stay unmarked.
@@ -159,7 +159,11 @@ ENTRY_TRIGGER = True
 ENTRY_TRIGGER_OPS = ("rmsnorm", "add_rmsnorm", "gated_rmsnorm", "combine_add_rmsnorm", "mla_attention")
 WEIGHTS_ONLY_PREWAIT = ("linear", "rmsnorm_linear", "add_rmsnorm_linear", "gated_rmsnorm_linear")
 ENTRY_TRIGGER_MAX_ROWS = 1
-ENTRY_TRIGGER_ROWS: dict[str, int] = {}   # per-op row limits over ENTRY_TRIGGER_MAX_ROWS (bench A/B)
+# Per-op row limits over ENTRY_TRIGGER_MAX_ROWS: the KDA o_norm and MLA attention precede o_proj / the MLA dense,
+# whose slices the Gluon path holds at verify's 6 rows too once launched early (kernels/linear_tma.py EARLY_MAX_ROWS):
+# greedy verify 2.309 / 2.308 ms against 2.327 / 2.325 with one-row marks only, and 2.327 with these marks but the
+# Triton linear (step-ab-h200-20261203-i.json); decode unchanged.
+ENTRY_TRIGGER_ROWS: dict[str, int] = {"gated_rmsnorm": 16, "mla_attention": 16}
 
 
 def _rows(node: fx.Node) -> int | None:
