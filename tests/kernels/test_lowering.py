@@ -187,7 +187,8 @@ def test_launch_hints_reach_the_triton_launcher_and_bad_ones_are_refused(tiny_pa
     ups = [l for l in lowered.launches if l.label.endswith("moe_up_act")]
     assert ups and any(l.kwargs.get("shared_last") is True for l in ups), [l.kwargs for l in ups]
     assert not [l for l in lower(program, "decode").launches if "shared_last" in l.kwargs]
-    node = next(n for n in program.graphs["decode"].nodes if n.meta.get("lingc.launch"))
+    node = next(n for n in program.graphs["decode"].nodes
+                if n.meta.get("lingc.launch", {}).get("shared_last"))
     node.meta["lingc.launch"] = {"shared_last": True, "out": 3}
     with pytest.raises(ValueError, match=r"launch hint out=3 is not one lingc knows \(known for moe_up_act: shared_last \(bool\)\)"):
         launch_hints(node)
