@@ -69,6 +69,8 @@ BLOCK_M = 16             # rows (the wgmma N); must equal kernels/linear.py BLOC
 BLOCK_N = 64             # weight rows a program (the wgmma M)
 BLOCK_K = 128
 MAX_BLOCKS = 4           # the slice's blocks, all in flight before the wait
+PARTIAL_RING = os.environ.get("LINGC_LINEAR_TMA_PARTIAL", "0") == "1"   # longer slices: a ring of up to MAX_BLOCKS
+                         # blocks, its first fill before the wait (one-wave grids only; `ring_blocks`)
 SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
@@ -78,20 +80,45 @@ EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers 
                          # H200 greedy verify 2.309 / 2.308 vs 2.327 / 2.325 ms (step-ab-h200-20261203-i.json)
 
 
-def smem_bytes(k_per_split: int, elem: int = 2) -> int:
-    """Shared memory of one program: the x slice [16, K/S] and the weight ring (every block of the slice)."""
-    return BLOCK_M * k_per_split * elem + (k_per_split // BLOCK_K) * BLOCK_N * BLOCK_K * elem
+def smem_bytes(k_per_split: int, elem: int = 2, ring: int | None = None) -> int:
+    """Shared memory of one program: the x slice [16, K/S] and the weight ring (every block of the slice, or `ring`
+    blocks)."""
+    blocks = k_per_split // BLOCK_K if ring is None else ring
+    return BLOCK_M * k_per_split * elem + blocks * BLOCK_N * BLOCK_K * elem
 
 
-def fits(n: int, k: int, split_k: int, block_n: int, block_k: int, elem: int) -> bool:
-    """The shape rule of `eligible` (no device facts): whole BK blocks in equal slices of at most MAX_BLOCKS, the
-    "dot" tiling this kernel reproduces, and 2 CTAs an SM."""
+def ring_blocks(n: int, k: int, split_k: int, block_n: int, block_k: int, elem: int,
+                max_programs: int | None = None) -> int:
+    """The weight ring's blocks for this shape: the whole slice where it has at most MAX_BLOCKS blocks; with
+    PARTIAL_RING, the most (>= 2) that fit 2 CTAs an SM where the grid is one wave (at most max_programs: a later
+    wave's programs start after the wait anyway); 0 where the kernel does not apply (no device facts)."""
     if elem != 2 or block_n != BLOCK_N or block_k != BLOCK_K or n < 1 or split_k < 1:
-        return False
+        return 0
     if k % (split_k * BLOCK_K):
-        return False
+        return 0
     per = k // split_k
-    return per // BLOCK_K <= MAX_BLOCKS and smem_bytes(per, elem) <= SMEM_2_CTAS
+    blocks = per // BLOCK_K
+    if blocks <= MAX_BLOCKS:
+        return blocks if smem_bytes(per, elem) <= SMEM_2_CTAS else 0
+    if not PARTIAL_RING or (max_programs is not None and -(-n // BLOCK_N) * split_k > max_programs):
+        return 0
+    ring = MAX_BLOCKS
+    while ring >= 2 and smem_bytes(per, elem, ring) > SMEM_2_CTAS:
+        ring -= 1
+    return ring if ring >= 2 else 0
+
+
+def fits(n: int, k: int, split_k: int, block_n: int, block_k: int, elem: int,
+         max_programs: int | None = None) -> bool:
+    """The shape rule of `eligible` (no device facts): whole BK blocks in equal slices, the "dot" tiling this kernel
+    reproduces, and 2 CTAs an SM: `ring_blocks` > 0."""
+    return ring_blocks(n, k, split_k, block_n, block_k, elem, max_programs) > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _one_wave(device: torch.device) -> int:
+    """Programs of one wave at 2 CTAs an SM."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +141,7 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
     n, k = weight.shape
     if weight.stride(1) != 1 or weight.data_ptr() % 16 or (weight.stride(0) * 2) % 16:
         return False
-    return fits(n, k, cfg.split_k, cfg.block_n, cfg.block_k, weight.element_size())
+    return fits(n, k, cfg.split_k, cfg.block_n, cfg.block_k, weight.element_size(), _one_wave(indexed(weight.device)))
 
 
 if HAVE_GLUON:
@@ -131,18 +158,20 @@ if HAVE_GLUON:
     @gluon.jit
     def _linear_tma_kernel(w_desc, x_ptr, y_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_ym,
                            K_PER_SPLIT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
-                           SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr):
-        """Program (n, s): y[:, n-tile] (S = 1) or its slice-s partial (module docstring). Launched with PDL only."""
+                           SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr, RING: gl.constexpr):
+        """Program (n, s): y[:, n-tile] (S = 1) or its slice-s partial (module docstring). Launched with PDL only.
+        RING < KB (the partial ring): blocks 0..RING-1 land before the wait, block b + RING refills block b's slot
+        once its wgmma has completed (same blocks, same order, same instruction: the same bits)."""
         KB: gl.constexpr = K_PER_SPLIT // BK
         pid_n = gl.program_id(0)
         pid_s = gl.program_id(1)
         n0 = pid_n * BN
         k0 = pid_s * K_PER_SPLIT
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [KB, BN, BK], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [KB, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(KB):
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [RING, BN, BK], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(RING):
             mbarrier.init(bars.index(b), count=1)
-        for b in gl.static_range(KB):       # weights: written by no kernel, so before the wait
+        for b in gl.static_range(RING):     # weights: written by no kernel, so before the wait
             mbarrier.expect(bars.index(b), w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [n0, k0 + b * BK], bars.index(b), w_smem.index(b))
         _gdc_wait()
@@ -162,9 +191,13 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BM, 16])
         acc = gl.zeros([BN, BM], gl.float32, acc_layout)
         for b in gl.static_range(KB):
-            mbarrier.wait(bars.index(b), 0)
-            acc = warpgroup_mma(w_smem.index(b), x_smem.index(b).permute((1, 0)), acc)
-        for b in gl.static_range(KB):
+            mbarrier.wait(bars.index(b % RING), (b // RING) % 2)
+            acc = warpgroup_mma(w_smem.index(b % RING), x_smem.index(b).permute((1, 0)), acc)   # waits for the MMA
+            if b + RING < KB:               # the partial ring: refill the slot this block's MMA has finished with
+                mbarrier.expect(bars.index(b % RING), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [n0, k0 + (b + RING) * BK], bars.index(b % RING),
+                                                w_smem.index(b % RING))
+        for b in gl.static_range(RING):
             mbarrier.invalidate(bars.index(b))
         if not EARLY_TRIGGER:
             _gdc_launch_dependents()        # the late trigger: after the last read of the previous kernel's output
@@ -207,11 +240,12 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: 
     m, k = rows.shape
     n = weight.shape[0]
     grid = (-(-n // BLOCK_N), split_k)
+    ring = ring_blocks(n, k, split_k, BLOCK_N, BLOCK_K, weight.element_size())
     try:
         _linear_tma_kernel[grid](_descriptor(weight), rows, y, partials if partials is not None else y,
                                  counters if counters is not None else y, m, n, rows.stride(0), y.stride(0),
                                  K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
-                                 EARLY_TRIGGER=TRIGGER == "early", num_warps=WARPS, launch_pdl=True)
+                                 EARLY_TRIGGER=TRIGGER == "early", RING=ring, num_warps=WARPS, launch_pdl=True)
     except (CompilationError, AttributeError, TypeError, ValueError, RuntimeError) as exc:
         FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         warnings.warn(f"lingc: the TMA linear (kernels/linear_tma.py) did not compile with Triton "

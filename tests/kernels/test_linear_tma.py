@@ -94,10 +94,11 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import lingc.kernels.linear_tma as T
 split, kps, early = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+ring = int(sys.argv[4]) if len(sys.argv) > 4 else kps // T.BLOCK_K
 lay = T.gl.NVMMASharedLayout.get_default_for([T.BLOCK_N, T.BLOCK_K], T.gl.bfloat16)
 sig = {"w_desc": f"tensordesc<bf16[{T.BLOCK_N}, {T.BLOCK_K}],{lay!r}>", "x_ptr": "*bf16", "y_ptr": "*bf16",
        "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-const = dict(K_PER_SPLIT=kps, BN=T.BLOCK_N, BK=T.BLOCK_K, BM=T.BLOCK_M, SPLIT_K=split, EARLY_TRIGGER=early)
+const = dict(K_PER_SPLIT=kps, BN=T.BLOCK_N, BK=T.BLOCK_K, BM=T.BLOCK_M, SPLIT_K=split, EARLY_TRIGGER=early, RING=ring)
 sig.update({k: "constexpr" for k in const})
 src = GluonASTSource(T._linear_tma_kernel, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4)})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": T.WARPS})
@@ -108,15 +109,20 @@ print(find("griddepcontrol.wait"), find("cp.async.bulk.tensor"), find("st.global
 """
 
 
+def _compile(split: int, kps: int, early: bool, ring: int | None = None) -> tuple:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [str(split), str(kps), "1" if early else "0"] + ([str(ring)] if ring is not None else [])
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tuple(eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
+
+
 @pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("split,kps,early", [(4, 512, True), (4, 384, False), (1, 512, True)],
                          ids=["o_proj-early", "q_a-late", "unsplit"])
 def test_weight_blocks_are_issued_before_the_wait(split: int, kps: int, early: bool) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(split), str(kps), "1" if early else "0"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    waits, tma, stores, wgmma, triggers, shared = (eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
+    waits, tma, stores, wgmma, triggers, shared = _compile(split, kps, early)
     blocks = kps // T.BLOCK_K
     assert len(waits) == 1 and len(tma) == blocks, (waits, tma)
     assert max(tma) < waits[0], "every weight block is requested before the PDL wait"
@@ -124,4 +130,31 @@ def test_weight_blocks_are_issued_before_the_wait(split: int, kps: int, early: b
     assert len(wgmma) == blocks * T.BLOCK_K // 16                        # m64n16k16, K order
     assert len(triggers) == 1 and triggers[0] > waits[0]
     assert (triggers[0] < min(wgmma)) == early                           # early: right after the wait
+    assert shared <= T.SMEM_2_CTAS
+
+
+def test_partial_ring_rule(monkeypatch):
+    """PARTIAL_RING (off by default): a slice longer than MAX_BLOCKS gets a ring of the most blocks (>= 2) that keep 2
+    CTAs an SM, where the grid is one wave; the KDA projection (12 blocks, 161 programs) takes 3, the lm_head (2456
+    programs) none."""
+    shapes = _tiny_shapes()
+    n, k = shapes["kda_projection"]
+    assert T.ring_blocks(n, k, 1, 64, 128, 2, 264) == (0 if not T.PARTIAL_RING else 3)
+    monkeypatch.setattr(T, "PARTIAL_RING", True)
+    assert T.ring_blocks(n, k, 1, 64, 128, 2, 264) == 3
+    assert T.smem_bytes(k, 2, 3) <= T.SMEM_2_CTAS < T.smem_bytes(k, 2, 4)
+    n, k = shapes["lm_head"]
+    assert T.ring_blocks(n, k, 1, 64, 128, 2, 264) == 0
+    assert T.ring_blocks(1536, 2048, 4, 64, 128, 2, 264) == 4        # a whole slice: as before
+
+
+@pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_partial_ring_refills_after_the_wait() -> None:
+    """The KDA projection's slice (12 blocks) on a 3-block ring: 3 TMA loads before the PDL wait, the other 9 after
+    it, one per consumed block, and the same 96 wgmma in K order as the whole-slice kernel."""
+    waits, tma, stores, wgmma, triggers, shared = _compile(1, 1536, True, ring=3)
+    assert len(waits) == 1 and len(tma) == 12, (waits, tma)
+    assert len([i for i in tma if i < waits[0]]) == 3
+    assert len(wgmma) == 12 * T.BLOCK_K // 16
+    assert stores and min(stores) > waits[0]
     assert shared <= T.SMEM_2_CTAS
