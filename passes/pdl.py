@@ -23,6 +23,10 @@ predecessor runs (its pre-wait prologue: weights into registers, the linear's L2
 and pays no full launch gap. Safe for the same reason as inside a chain: every lingc Triton kernel waits
 (`gdc_wait`) before touching what an earlier kernel wrote, and ops without a Triton kernel launch without PDL,
 so they are stream-ordered as before. SOLO = False restores chain-only annotation (bench A/B).
+Entry triggers (`mark_entry_triggers`, after the rest): a norm or MLA attention whose next launch is a linear that
+reads only weights before its wait gets the launch hint entry_trigger (it triggers at its entry, so the linear's
+weight read overlaps the kernel before the norm) and the linear launched_early (kernels/linear_tma.py); row limits
+from the H200 A/Bs (ENTRY_TRIGGER_MAX_ROWS, ENTRY_TRIGGER_ROWS).
 Scheduling only: numerics unchanged.
 
 Before:  L1_attention_q_conv1d_kda_conv, L1_attention_k_proj_linear, L1_attention_k_conv1d_kda_conv, ...
@@ -231,7 +235,8 @@ def _make_adjacent(graph: fx.Graph, chain: list[fx.Node]) -> tuple[list[list[fx.
 
 class Pdl(Pass):
     name = "pdl"
-    summary = "annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched"
+    summary = ("annotate PDL chains (router, MoE, KDA), the other kernels solo: every kernel PDL-launched; a norm "
+               "before a linear that reads its weights early triggers at entry")
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
              "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab", "fuse_align_into_moe")
