@@ -34,7 +34,7 @@ def _fmt_arg(a: object) -> str:
 
 
 def annotations(node: fx.Node) -> str:
-    """The pass annotations of a node, for its comment: pdl chain, compute dtype, layout."""
+    """The pass annotations of a node, for its comment: pdl chain, compute dtype, layout, launch hints."""
     notes = []
     pdl = node.meta.get("lingc.pdl")
     if pdl:
@@ -47,6 +47,10 @@ def annotations(node: fx.Node) -> str:
         notes.append(f"relay ({node.meta['lingc.stage']})")
     if "lingc.layout" in node.meta:
         notes.append(f"layout={node.meta['lingc.layout']}")
+    hints = node.meta.get("lingc.launch")
+    if isinstance(hints, dict) and hints:                 # Triton-launcher hints (docs/ir.md): the ones set, by name
+        notes.append("launch=" + ",".join(sorted(k if v is True else f"{k}:{v}" for k, v in hints.items()
+                                                 if v is not False)))
     return ("  " + " ".join(notes)) if notes else ""
 
 

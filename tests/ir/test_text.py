@@ -33,7 +33,12 @@ def test_pass_annotations_and_weight_info_print(tiny_program):
     # fuse_moe_align put the align inside router_align, which ends the router chain; the MoE chain starts at the up-GEMM
     # (layer 3 keeps its shared expert; layer 1's is expert 16 after fuse_shared_expert: 4 + 1 pairs)
     assert line_of(text, "L3_mlp_moe_up_act").endswith("# f32[4,64]  pdl=moe@L3 1/3 layout=gu_interleaved")
-    assert line_of(text, "L1_mlp_moe_up_act").endswith("# f32[5,64]  pdl=moe@L1 1/3 layout=gu_interleaved")
+    assert line_of(text, "L1_mlp_moe_up_act").endswith(
+        "# f32[5,64]  pdl=moe@L1 1/3 layout=gu_interleaved launch=shared_last")
+    # pdl's entry triggers: the KDA o_norm before o_proj, MLA attention before the dense, and the linear told so
+    assert line_of(text, "L0_attention_gated_rmsnorm").endswith("launch=entry_trigger")
+    assert line_of(text, "L0_attention_o_proj_linear").endswith("launch=launched_early")
+    assert line_of(text, "L4_attention_mla_attention").endswith("launch=entry_trigger")
     # fuse_norm_linear runs the post-attention norm inside the gate's GEMV: the router chain is norm+gate -> align
     assert line_of(text, "L3_mlp_router_align").endswith("pdl=router@L3 2/2 early")
     assert line_of(text, "L3_post_attention_layernorm_add_rmsnorm_linear").endswith(
