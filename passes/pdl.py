@@ -152,13 +152,14 @@ def drop_unsafe_prewait(graph: fx.Graph) -> list[str]:
 
 # Entry triggers (kernels/pdl.py): a short kernel of ENTRY_TRIGGER_OPS whose next launch is one of WEIGHTS_ONLY_PREWAIT
 # (kernels/linear.py: before its PDL wait it reads its weight slice and nothing else: the Gluon TMA ring, the register
-# preload) over at most ENTRY_TRIGGER_MAX_ROWS rows gets the launch hint entry_trigger, so that linear's programs
-# start, and read their weights, while the kernel before the norm still runs. Only the linear's own start moves;
-# what it reads early is a weight. The default row limit is kernels/linear_tma.py's MAX_ROWS (1): where the linear
-# reads nothing early its programs only hold SM slots sooner. H200, one process
+# preload) over at most its row limit gets the launch hint entry_trigger, so that linear's programs start, and read
+# their weights, while the kernel before the norm still runs. Only the linear's own start moves; what it reads early
+# is a weight. The default row limit, ENTRY_TRIGGER_MAX_ROWS, is kernels/linear_tma.py's MAX_ROWS (1): where the
+# linear reads nothing early its programs only hold SM slots sooner. H200, one process
 # (bench/results/step-ab-h200-20261203-h.json): greedy decode 1.164 / 1.164 ms against 1.182 / 1.198 without entry
-# triggers; marking verify's 6-row launches too made greedy verify 2.347 against 2.323 (the combine before the
-# 31.5 MB KDA projection), and the Gluon ring at 6 rows with them 2.333, so verify's launches stay unmarked.
+# triggers; marking every op before verify's 6-row launches too made greedy verify 2.347 against 2.323 (the combine
+# before the 31.5 MB KDA projection, a Triton linear that reads nothing early). The ops of ENTRY_TRIGGER_ROWS have
+# their own, higher limit (below).
 ENTRY_TRIGGER = True
 ENTRY_TRIGGER_OPS = ("rmsnorm", "add_rmsnorm", "gated_rmsnorm", "combine_add_rmsnorm", "mla_attention")
 WEIGHTS_ONLY_PREWAIT = ("linear", "rmsnorm_linear", "add_rmsnorm_linear", "gated_rmsnorm_linear")
@@ -191,16 +192,18 @@ def _next_launch(node: fx.Node) -> fx.Node | None:
 
 def mark_entry_triggers(graph: fx.Graph) -> list[str]:
     """After every annotation: give each PDL-launched ENTRY_TRIGGER_OPS node whose next launch is a PDL-launched
-    WEIGHTS_ONLY_PREWAIT op of at most ENTRY_TRIGGER_MAX_ROWS rows the launch hint entry_trigger. Returns the names of
-    the nodes it marked."""
+    WEIGHTS_ONLY_PREWAIT op of 1 to its row limit rows (ENTRY_TRIGGER_ROWS, else ENTRY_TRIGGER_MAX_ROWS) the launch
+    hint entry_trigger, and that linear launched_early. Returns the names of the nodes it marked."""
     marked = []
     weights_only = {getattr(OPS, op) for op in WEIGHTS_ONLY_PREWAIT if op in OPS}
     for short in ENTRY_TRIGGER_OPS:
         for node in calls(graph, short):
             nxt = _next_launch(node)
-            limit = ENTRY_TRIGGER_ROWS.get(short, ENTRY_TRIGGER_MAX_ROWS)
-            if "lingc.pdl" in node.meta and nxt is not None and nxt.target in weights_only \
-                    and "lingc.pdl" in nxt.meta and 1 <= (_rows(nxt) or limit + 1) <= limit:
+            if nxt is None or nxt.target not in weights_only or "lingc.pdl" not in node.meta \
+                    or "lingc.pdl" not in nxt.meta:
+                continue
+            rows = _rows(nxt)
+            if rows is not None and 1 <= rows <= ENTRY_TRIGGER_ROWS.get(short, ENTRY_TRIGGER_MAX_ROWS):
                 node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
                 if nxt.target is OPS.linear:     # its launcher may then take the Gluon path at more rows
                     nxt.meta["lingc.launch"] = {**nxt.meta.get("lingc.launch", {}), "launched_early": True}
