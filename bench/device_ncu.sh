@@ -22,7 +22,7 @@ for t in $TARGETS; do
     --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
     python3 bench/device_ncu.py "$t" > "$OUT/csv/$t.csv" 2> "/tmp/ncu/$t.err" || tail -5 "/tmp/ncu/$t.err"
 done
-for spec in "mla6:_split_kernel" "kda6:_kda_fused_kernel" "moe1:_moe"; do
+for spec in "mla6:_split_kernel" "kda6:_kda_(fused|gluon)_kernel" "kda1:_kda_(fused|gluon)_kernel" "moe1:_moe"; do
   t=${spec%%:*}; k=${spec#*:}
   case " $TARGETS " in *" $t "*) ;; *) continue;; esac
   timeout 150 "${NCU[@]}" --set full --import-source no -k "regex:$k" -c 1 -f -o "/tmp/ncu/$t" \

@@ -440,6 +440,120 @@ def _fused_decode_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
     return rows
 
 
+# kernels/kda_gluon.py (BLOCK_V, WARPS, FAST_MATH); the first is the default. (8, 4), (16, 8) and (8, 8) measured
+# 17.1 / 17.2 / 30.8 us at T = 6 against 10.5 (2026-12-03): every V tile recomputes its head's convs and gates
+GLUON_SWEEP = ((16, 4, False), (16, 4, True))   # LATE_TICKET as set (the step A/B varies it)
+
+
+def _gluon_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
+    """kda_fused_verify (T = 6) and kda_fused_decode (T = 1) on the Gluon kernel (kernels/kda_gluon.py), the GPU
+    default, per (BLOCK_V, WARPS) of GLUON_SWEEP: close to the Triton kernel and the reference ops (other fp32
+    summation orders), PDL on == off bit for bit, row invariant (a verify chain == T Gluon decode steps from the same
+    pools: outputs, staged states and staged windows against the pools after each step, bit for bit), the head
+    counters back at zero; time against the Triton kernel (PDL on, cold state)."""
+    from lingc.kernels import kda as K
+    from lingc.kernels import kda_gluon as KG
+
+    T = VERIFY_T
+    n = cold_copies(STATE_BYTES * (1 + T))
+    x = Fused(T, n, dev, g)
+    shape = f"B=1 T={T} H={H} D={D} W={W}"
+    counters = K.device_counters(dev)
+    if not KG.eligible(dev, D, W, T):
+        return [_row("kda_gluon", shape, False, None, None, None, None, None, 0, note="not eligible here",
+                     failed=list(KG.FAILED))]
+    default = (KG.BLOCK_V, KG.WARPS, KG.FAST_MATH)
+
+    def verify(i, gluon=True, pdl=False):
+        KG.ENABLED = gluon
+        try:
+            return K.kda_fused_verify(*x.args(i), *x.stg[i], LOWER_BOUND, pdl=pdl)
+        finally:
+            KG.ENABLED = True
+
+    def decode(i, t, cp, st, gluon=True, pdl=False):
+        KG.ENABLED = gluon
+        one = lambda y: y[:, t:t + 1]  # noqa: E731
+        try:
+            return K.kda_fused_decode(*[one(r) for r in x.raw], one(x.f), one(x.b), *x.ws, *cp, x.A_log, x.dt_bias,
+                                      st, x.slots, LOWER_BOUND, pdl=pdl)
+        finally:
+            KG.ENABLED = True
+
+    def staged():
+        return [s.clone() for s in x.stg[0]]
+
+    o_t = verify(0, gluon=False)
+    st_t = staged()
+    o_ref = K.kda_fused_verify_ref(*x.args(0), *x.stg[0], LOWER_BOUND)
+    st_ref = staged()
+    rows = []
+    for bv, warps, fast in GLUON_SWEEP:
+        KG.BLOCK_V, KG.WARPS, KG.FAST_MATH = bv, warps, fast
+        try:
+            o_g = verify(0)
+            st_g = staged()
+            o_gp = verify(0, pdl=True)
+            pdl_eq = torch.equal(o_g, o_gp) and _equal(zip(st_g, x.stg[0]))
+            close_triton = _close(o_g, o_t, BF16_TOL) and _close(st_g[3], st_t[3], FUSED_STATE_TOL) \
+                and _equal(zip(st_g[:3], st_t[:3]))
+            close_ref = _close(o_g, o_ref, BF16_TOL) and _close(st_g[3], st_ref[3], FUSED_STATE_TOL) \
+                and _equal(zip(st_g[:3], st_ref[:3]))
+            # row invariance: T decode steps (Gluon) from the same pools give the chain's bits, position by position
+            cp = [p.clone() for p in x.cpools[0]]
+            st = x.state[0].clone()
+            row_inv = True
+            for t in range(T):
+                o_d = decode(0, t, cp, st)
+                row_inv &= torch.equal(o_d[:, 0], o_g[:, t]) and torch.equal(st[0], st_g[3][0, t])
+                row_inv &= all(torch.equal(p[0], s[0, t]) for p, s in zip(cp, st_g[:3]))
+            zero = not bool(counters.any())
+            # decode against the Triton kernel: DECODE_STEPS steps from one set of pools
+            pg = ([p.clone() for p in x.cpools[1]], x.state[1].clone())
+            pt = ([p.clone() for p in x.cpools[1]], x.state[1].clone())
+            dec_close = True
+            dec_err = 0.0
+            for _ in range(DECODE_STEPS):
+                a = decode(1, 0, *pg, pdl=True)
+                b = decode(1, 0, *pt, gluon=False, pdl=True)
+                dec_close &= _close(a, b, BF16_TOL) and _close(pg[1], pt[1], FUSED_STATE_TOL) \
+                    and _equal(zip(pg[0], pt[0]))
+                dec_err = max(dec_err, _err(a, b), _err(pg[1], pt[1]))
+            zero &= not bool(counters.any())
+            ok = close_triton and close_ref and pdl_eq and row_inv and zero and not KG.FAILED
+            rows.append(_row("kda_gluon", shape, ok, max(_err(o_g, o_t), _err(st_g[3], st_t[3])),
+                             bool(torch.equal(o_g, o_t)), pdl_eq, None, None, x.nbytes(), block_v=bv,
+                             num_warps=warps, fast_math=fast, default=(bv, warps, fast) == default, close_to_triton=bool(close_triton),
+                             close_to_reference=bool(close_ref),
+                             err_vs_reference=max(_err(o_g, o_ref), _err(st_g[3], st_ref[3])),
+                             row_invariant=bool(row_inv), decode_close_to_triton=bool(dec_close),
+                             decode_err_vs_triton=dec_err, counters_zero=bool(zero), failed=list(KG.FAILED)))
+        finally:
+            KG.BLOCK_V, KG.WARPS, KG.FAST_MATH = default
+    # times last: the decode timings update the pools they run on
+    triton_us = {f"verify_T{T}_triton_us": graph_time_us([lambda i=i: verify(i, False, pdl=True) for i in range(n)])}
+    for r in rows:
+        KG.BLOCK_V, KG.WARPS, KG.FAST_MATH = r["block_v"], r["num_warps"], r["fast_math"]
+        try:
+            r["time_us"] = r[f"verify_T{T}_gluon_us"] = graph_time_us([lambda i=i: verify(i, pdl=True)
+                                                                       for i in range(n)])
+        finally:
+            KG.BLOCK_V, KG.WARPS, KG.FAST_MATH = default
+    triton_us["decode_T1_triton_us"] = graph_time_us([lambda i=i: decode(i, 0, x.cpools[i], x.state[i], False,
+                                                                         pdl=True) for i in range(n)])
+    for r in rows:
+        KG.BLOCK_V, KG.WARPS, KG.FAST_MATH = r["block_v"], r["num_warps"], r["fast_math"]
+        try:
+            r["decode_T1_gluon_us"] = graph_time_us([lambda i=i: decode(i, 0, x.cpools[i], x.state[i], pdl=True)
+                                                     for i in range(n)])
+        finally:
+            KG.BLOCK_V, KG.WARPS, KG.FAST_MATH = default
+        r.update(triton_us, ref_time_us=triton_us[f"verify_T{T}_triton_us"])
+        r["counters_zero"] = r["counters_zero"] and not bool(counters.any())
+        r["ok"] = r["ok"] and r["counters_zero"]
+    return rows
+
+
 def run(device: torch.device) -> list[dict]:
     import lingc  # noqa: F401  (registers the reference ops)
 
@@ -447,12 +561,23 @@ def run(device: torch.device) -> list[dict]:
     rows: list[dict] = []
     sections: list[Callable] = [_conv_rows, _recurrent_rows, _commit_rows, _norm_rows, _fused_rows,
                                 _fused_decode_rows]
-    for section in sections:
-        rows += section(device, g)
-    rows.append(_batch2_row(device, g))
+    from lingc.kernels import kda_gluon
+    kda_gluon.ENABLED = False         # these rows check the Triton kernels' bits against each other
+    try:
+        for section in sections:
+            rows += section(device, g)
+        rows.append(_batch2_row(device, g))
+    finally:
+        kda_gluon.ENABLED = True
+    rows += _gluon_rows(device, g)
     return rows
 
 
 if __name__ == "__main__":
-    for r in run(torch.device("cuda")):
-        print(json.dumps(r))
+    if sys.argv[1:] == ["--gluon"]:   # only the Gluon kernel's rows
+        import lingc  # noqa: F401
+        for r in _gluon_rows(torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)):
+            print(json.dumps(r))
+    else:
+        for r in run(torch.device("cuda")):
+            print(json.dumps(r))

@@ -121,7 +121,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from lingc.kernels import workspace
+from lingc.kernels import kda_gluon, workspace
 from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
@@ -910,11 +910,15 @@ def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, s
         st_strides = (st[0].stride(0), st[0].stride(1), st[3].stride(0), st[3].stride(1))
     else:                                      # the pools stand in for the stagings: never written as such
         st, count, st_strides = (*pools, state_pool), counters, (0, 0, 0, 0)
-    _kda_fused_kernel[(B * H, triton.cdiv(D, bv))](
-        *raw, f, b, *ws, *pools, A_log, dt_bias, state_pool, slots, *st, count, o,
-        H, q_raw.stride(0), q_raw.stride(1), *f.stride()[:3], *b.stride(), conv_q_pool.stride(0), *st_strides,
-        D ** -0.5, lower_bound, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], STAGED=stagings is not None,
-        PRECISE=_precise(q_raw.device), PDL=pdl, **_launch_opts(pdl, num_warps or FUSED_WARPS))
+    args = (*raw, f, b, *ws, *pools, A_log, dt_bias, state_pool, slots, *st, count, o,
+            H, q_raw.stride(0), q_raw.stride(1), *f.stride()[:3], *b.stride(), conv_q_pool.stride(0), *st_strides,
+            D ** -0.5, lower_bound)
+    if block_v is None and num_warps is None and kda_gluon.eligible(q_raw.device, D, conv_q_w.shape[2], T) \
+            and kda_gluon.launch(args, B, H, T, stagings is not None, pdl):
+        return o
+    warps = num_warps or FUSED_WARPS
+    _kda_fused_kernel[(B * H, triton.cdiv(D, bv))](*args, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], STAGED=stagings is not None,
+                            PRECISE=_precise(q_raw.device), PDL=pdl, **_launch_opts(pdl, warps))
     return o
 
 
