@@ -107,6 +107,11 @@ they replace do (kda_conv_qkv and kda_commit_multi run those kernels' program bo
 its counters only after the wait and triggers after the window updates (the last tile loads the q/k windows
 after its ticket), before the state write-back, as kda_recurrent.
 
+GPU path: on sm_90+ `kda_fused_decode` and `kda_fused_verify` (default tile and warps) run kernels/kda_gluon.py's
+Gluon kernel instead of `_kda_fused_kernel`: the same program with chosen layouts and fast math in the convs and
+gates, other bits (a numerics change there, row invariant by construction; that module's docstring). Everything
+above describes the Triton kernel, which the interpreter, other GPUs and LINGC_KDA_GLUON=0 run.
+
 One file for the family, past the usual ~400 lines: the composites call the separate kernels' device helpers,
 and sharing them is what keeps the composites bit-identical to the kernels they replace.
 """
