@@ -523,7 +523,8 @@ def _gluon_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
             ok = close_triton and close_ref and pdl_eq and row_inv and zero and not KG.FAILED
             rows.append(_row("kda_gluon", shape, ok, max(_err(o_g, o_t), _err(st_g[3], st_t[3])),
                              bool(torch.equal(o_g, o_t)), pdl_eq, None, None, x.nbytes(), block_v=bv,
-                             num_warps=warps, fast_math=fast, default=(bv, warps, fast) == default, close_to_triton=bool(close_triton),
+                             num_warps=warps, fast_math=fast, default=(bv, warps, fast) == default,
+                             close_to_triton=bool(close_triton),
                              close_to_reference=bool(close_ref),
                              err_vs_reference=max(_err(o_g, o_ref), _err(st_g[3], st_ref[3])),
                              row_invariant=bool(row_inv), decode_close_to_triton=bool(dec_close),

@@ -5,31 +5,31 @@ Why: kernels/kda.py's Triton kernel spends its T-position chain on CTA barriers.
 crosses warps through shared memory, and each [D] input of a step arrives in yet another layout (8 conversions a
 position). sm_90 SASS of the T = 6 verify kernel: 24 BAR.SYNC and 582 instructions in the loop body; on the H200
 ~1.5 us a position (11.8 us at T = 6, 4.3 at T = 1 in the step, bench/results/launches-entry-h200-20261203.json).
-Here the layouts are chosen (4 warps, D = 128, BV = 16):
+Here the layouts are chosen (WARPS = 4, D = 128, BLOCK_V = 16):
 
     LS   [D, BV]  the state slice: a thread holds 4 K rows x 4 V columns, the 32 lanes span K, the 4 warps V, so a
                   K reduction is 4 in-thread adds and 5 lane shuffles, never a barrier
-    L1   [D]      one channel a thread: the q / k convs and the gates (no transcendental work done twice)
-    LTK  [TP, D]  every position's q, k and decay stacked (TP = T rounded up to a power of two), a full copy in each
-                  warp: ONE conversion L1 -> LTK per input kind for all positions; the l2 norms reduce a row inside
-                  the warp
-    LTV  [TP, BV] the v conv outputs, a copy in each lane
+    LT1  [TP, D]  one channel a thread, every position in its registers (TP = T rounded up to a power of two): the
+                  q / k convs and the gates (no transcendental work done twice in a program), stacked by position,
+                  and the l2 norms (one cross-warp sum a kind for all positions)
 
-and the chain is a runtime loop (`.pragma "nounroll"`: unrolled, the straight-line code stalls on instruction fetch)
-that picks position t's row with an in-thread max (exact) and has no barrier.
+then every position's qn, kn, decay and v go to shared memory once (one barrier), and the chain is a runtime loop
+(`.pragma "nounroll"`: unrolled, the straight-line code stalls on instruction fetch) that reads position t's rows
+in LS's slice layouts and has no barrier.
 
 The Triton kernel's math: fp32 inside, no fp contraction (the launch's enable_fp_fusion=False), the taps summed
 j = 0..W-1, the conv outputs rounded to the activation dtype, the l2 norm as x * rsqrt(sum x^2 + eps) (* scale), the
 step as _delta_step, but other reduction trees (fp32 summation order) and, with FAST_MATH (the default), ex2.approx
 and div.full for the convs' silu and the gates instead of libdevice expf and IEEE division (~2 ulp fp32 before the
 bf16 rounding; 9.8e-4 max on the fp32 state against the Triton kernel at T = 6). So the bits are not the Triton
-kernel's, nor torch's conv bits: a numerics change for kda_fused_* on the GPU (tolerances in bench/kernel_kda.py). Row invariance holds by
-construction: the step's layouts do not depend on T, a norm reduces its row in the same in-warp order whatever TP
-is, and the convs and gates are elementwise, so position t of a verify chain has the bits of a decode step from the
-same state, and staged + commit(a) == a decode steps, as long as decode and verify both run this kernel (`eligible`
-does not look at T). PDL placement, the staging writes and kda_fused_decode's per-head ticket are the Triton
-kernel's (kernels/kda.py `_kda_fused_kernel`, `_update_windows`): weights, the slot, the state slice and the pool
-windows before the wait (.cg); the projection's outputs after it; the window update after every window read.
+kernel's, nor torch's conv bits: a numerics change for kda_fused_* on the GPU (tolerances in bench/kernel_kda.py).
+Row invariance holds by construction: the step's layouts do not depend on T, a norm sums its row over the same
+threads in the same order whatever TP is, and the convs and gates are elementwise, so position t of a verify chain
+has the bits of a decode step from the same state, and staged + commit(a) == a decode steps, as long as decode and
+verify both run this kernel (`eligible` does not look at T). PDL placement, the staging writes and kda_fused_decode's
+per-head ticket are the Triton kernel's (kernels/kda.py `_kda_fused_kernel`, `_update_windows`): weights, the slot,
+the state slice and the pool windows before the wait (.cg); the projection's outputs after it; the window update
+after every window read.
 
 Measured on the H200 (bench/results/kernels-kda-gluon-h200-20261203.json, step-ab-h200-20261203-k/-l/-m.json): alone,
 verify T = 6 9.3 us against the Triton kernel's 10.3 (10.4-10.5 with precise math: the chain was not the bound, the
@@ -61,6 +61,7 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.extra import libdevice
+    from lingc.kernels.pdl import gluon_gdc_launch_dependents, gluon_gdc_wait
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
@@ -76,7 +77,8 @@ MAX_T = 16
 # kernel's PRECISE). H200 step (step-ab-h200-20261203-m.json): greedy verify 2.282 / 2.281 ms against 2.299 / 2.299
 FAST_MATH = os.environ.get("LINGC_KDA_GLUON_FAST", "1") == "1"
 # decode: take the head's ticket (release) right after the window reads and read it at the end, so its round trip
-# overlaps the work. Off: the H200 step measured it slower (greedy decode 1.206 vs 1.192 ms with the ticket read at once)
+# overlaps the work. Off: the H200 step measured it slower (greedy decode 1.206 vs 1.192 ms with the ticket read
+# at once)
 LATE_TICKET = os.environ.get("LINGC_KDA_GLUON_LATE_TICKET", "0") == "1"
 L2NORM_EPS = gl.constexpr(1e-6) if HAVE_GLUON else 1e-6   # kernels/kda.py L2NORM_EPS
 
@@ -97,16 +99,6 @@ def eligible(device: torch.device, head_dim: int, width: int, T: int) -> bool:
 
 
 if HAVE_GLUON:
-    @gluon.jit
-    def _gdc_wait():
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-    @gluon.jit
-    def _gdc_launch_dependents():
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
     @gluon.jit
     def _fence_acq_rel():
         gl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -231,9 +223,9 @@ if HAVE_GLUON:
             win_k = win_k + (gl.load(ck_row + i, cache_modifier=".cg").to(xty),)
             win_v = win_v + (gl.load(cv_row + i, cache_modifier=".cg").to(xty),)
         if PDL:
-            _gdc_wait()
+            gluon_gdc_wait()
             if EARLY_TRIGGER:
-                _gdc_launch_dependents()
+                gluon_gdc_launch_dependents()
         # every load of the projection's outputs, all positions at once
         fs = ()
         bs = ()
@@ -257,7 +249,7 @@ if HAVE_GLUON:
                 gl.store(cv_row + c, win_v[T + c].to(cv_ptr.dtype.element_ty))
         if PDL:
             if not EARLY_TRIGGER:
-                _gdc_launch_dependents()
+                gluon_gdc_launch_dependents()
         # the convs and gates of every position, stacked by position
         tq = gl.arange(0, TP, layout=gl.SliceLayout(1, LT1))
         tv = gl.arange(0, TP, layout=gl.SliceLayout(1, LTV1))

@@ -63,6 +63,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the T
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from lingc.kernels.pdl import gluon_gdc_launch_dependents, gluon_gdc_wait
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
@@ -153,16 +154,6 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _gdc_wait():
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-    @gluon.jit
-    def _gdc_launch_dependents():
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
     def _linear_tma_kernel(w_desc, x_ptr, y_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_ym,
                            K_PER_SPLIT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
                            SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr, RING: gl.constexpr):
@@ -181,9 +172,9 @@ if HAVE_GLUON:
         for b in gl.static_range(RING):     # weights: written by no kernel, so before the wait
             mbarrier.expect(bars.index(b), w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [n0, k0 + b * BK], bars.index(b), w_smem.index(b))
-        _gdc_wait()
+        gluon_gdc_wait()
         if EARLY_TRIGGER:
-            _gdc_launch_dependents()
+            gluon_gdc_launch_dependents()
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, xl))
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))
@@ -207,7 +198,7 @@ if HAVE_GLUON:
         for b in gl.static_range(RING):
             mbarrier.invalidate(bars.index(b))
         if not EARLY_TRIGGER:
-            _gdc_launch_dependents()        # the late trigger: after the last read of the previous kernel's output
+            gluon_gdc_launch_dependents()  # the late trigger: after the last read of the previous kernel's output
         ol: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [0, 1])
         out = gl.convert_layout(acc, ol)                                       # [BN, BM]
         on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, ol))

@@ -100,6 +100,25 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)
 
 
+try:  # the same two calls for Gluon kernels (kernels/linear_tma.py, kernels/kda_gluon.py); Gluon: Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def gluon_gdc_wait():
+        """griddepcontrol.wait in a Gluon kernel (the caller decides where the early trigger goes)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def gluon_gdc_launch_dependents():
+        """griddepcontrol.launch_dependents in a Gluon kernel."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+except ImportError:  # pragma: no cover - depends on the Triton build
+    pass
+
+
 def pdl_supported(device: torch.device) -> bool:
     """PDL needs a CUDA tensor on sm90+, a Triton with gdc_wait, and no interpreter (it cannot run GDC)."""
     if device.type != "cuda" or triton.knobs.runtime.interpret:
