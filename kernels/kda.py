@@ -921,9 +921,9 @@ def _fused(op: str, raw: tuple, f, b, ws: tuple, pools: tuple, A_log, dt_bias, s
     if block_v is None and num_warps is None and kda_gluon.eligible(q_raw.device, D, conv_q_w.shape[2], T) \
             and kda_gluon.launch(args, B, H, T, stagings is not None, pdl):
         return o
-    warps = num_warps or FUSED_WARPS
-    _kda_fused_kernel[(B * H, triton.cdiv(D, bv))](*args, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], STAGED=stagings is not None,
-                            PRECISE=_precise(q_raw.device), PDL=pdl, **_launch_opts(pdl, warps))
+    _kda_fused_kernel[(B * H, triton.cdiv(D, bv))](
+        *args, T=T, D=D, DB=db, BV=bv, W=conv_q_w.shape[2], STAGED=stagings is not None, PRECISE=_precise(q_raw.device),
+        PDL=pdl, **_launch_opts(pdl, num_warps or FUSED_WARPS))
     return o
 
 

@@ -151,11 +151,6 @@ if HAVE_GLUON:
         return _div(y, 1.0 + _exp(-y, FAST), FAST)
 
     @gluon.jit
-    def _row(X, rows, t):
-        """Row t of a stacked [TP, N] tensor as an [N] vector (an in-thread max over one live value: exact)."""
-        return gl.max(gl.where((rows == t)[:, None], X, float("-inf")), axis=0)
-
-    @gluon.jit
     def _pick(values, t, T: gl.constexpr):
         """values[t] for a runtime t < T (a tuple of T scalars): a chain of selects, exact."""
         x = values[0]
