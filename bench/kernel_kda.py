@@ -555,6 +555,75 @@ def _gluon_rows(dev: torch.device, g: torch.Generator) -> list[dict]:
     return rows
 
 
+def _gluon_batch2_row(dev: torch.device, g: torch.Generator) -> dict:
+    """The Gluon kernel at B = 2 with scattered slots [3, 1] (a serve batch): kda_fused_verify (T = 6) and one
+    kda_fused_decode step, each batch row bit for bit against the same row run alone (B = 1, its slot), and close
+    to the Triton kernel at B = 2 (other fp32 summation orders). Correctness only."""
+    from lingc.kernels import kda as K
+    from lingc.kernels import kda_gluon as KG
+
+    T, B, slots_n = VERIFY_T, 2, 5
+    shape = f"B=2 T={T} H={H} D={D} slots=[3,1]"
+    if not KG.eligible(dev, D, W, T):
+        return _row("kda_gluon_batch2", shape, False, None, None, None, None, None, 0, note="not eligible here")
+    r = lambda *sh: torch.randn(*sh, device=dev, generator=g)  # noqa: E731
+    raw = [r(B, T, P).to(DTYPE) for _ in range(3)]
+    f, b = r(B, T, H, D).to(DTYPE), r(B, T, H).to(DTYPE)
+    ws = [0.5 * r(P, 1, W) for _ in range(3)]
+    A_log = torch.log(torch.rand(H, device=dev, generator=g) * 15 + 1)
+    dt_bias = 0.1 * r(P)
+    cpools = [r(slots_n, P, W - 1).to(DTYPE) for _ in range(3)]
+    state = 0.1 * r(slots_n, H, D, D)
+    slots = torch.tensor([3, 1], device=dev, dtype=torch.int32)
+
+    def stg(n):
+        return [torch.empty(n, T, P, W - 1, device=dev, dtype=DTYPE) for _ in range(3)] \
+            + [torch.empty(n, T, H, D, D, device=dev)]
+
+    def verify(rows, sl, st, gluon=True):
+        KG.ENABLED = gluon
+        try:
+            return K.kda_fused_verify(*[x[rows] for x in raw], f[rows], b[rows], *ws, *cpools, A_log, dt_bias, state,
+                                      sl, *st, LOWER_BOUND, pdl=True)
+        finally:
+            KG.ENABLED = True
+
+    def decode(rows, sl, cp, stt, gluon=True):
+        KG.ENABLED = gluon
+        try:
+            return K.kda_fused_decode(*[x[rows, :1] for x in raw], f[rows, :1], b[rows, :1], *ws, *cp, A_log,
+                                      dt_bias, stt, sl, LOWER_BOUND, pdl=True)
+        finally:
+            KG.ENABLED = True
+
+    st2, st2_t = stg(2), stg(2)
+    o2, o2_t = verify(slice(0, 2), slots, st2), verify(slice(0, 2), slots, st2_t, gluon=False)
+    alone = True
+    for i in range(B):
+        st1 = stg(1)
+        o1 = verify(slice(i, i + 1), slots[i:i + 1], st1)
+        alone &= torch.equal(o1[0], o2[i]) and all(torch.equal(a[0], c[i]) for a, c in zip(st1, st2))
+    close = _close(o2, o2_t, BF16_TOL) and _close(st2[3], st2_t[3], FUSED_STATE_TOL) \
+        and _equal(zip(st2[:3], st2_t[:3]))
+    # one decode step at B = 2 (it commits into the pools) against each row alone from copies of the same pools
+    cp2, s2 = [c.clone() for c in cpools], state.clone()
+    d2 = decode(slice(0, 2), slots, cp2, s2)
+    dec_alone = True
+    for i in range(B):
+        cp1, s1 = [c.clone() for c in cpools], state.clone()
+        d1 = decode(slice(i, i + 1), slots[i:i + 1], cp1, s1)
+        k = int(slots[i])
+        dec_alone &= torch.equal(d1[0], d2[i]) and torch.equal(s1[k], s2[k]) \
+            and all(torch.equal(a[k], c[k]) for a, c in zip(cp1, cp2))
+    torch.cuda.synchronize()
+    zero = not bool(K.device_counters(dev).any())
+    ok = alone and close and dec_alone and zero and not KG.FAILED
+    return _row("kda_gluon_batch2", shape, ok, max(_err(o2, o2_t), _err(st2[3], st2_t[3])),
+                bool(torch.equal(o2, o2_t)), None, None, None, 0, rows_equal_alone=bool(alone),
+                close_to_triton=bool(close), decode_rows_equal_alone=bool(dec_alone), counters_zero=zero,
+                failed=list(KG.FAILED))
+
+
 def run(device: torch.device) -> list[dict]:
     import lingc  # noqa: F401  (registers the reference ops)
 
@@ -571,13 +640,15 @@ def run(device: torch.device) -> list[dict]:
     finally:
         kda_gluon.ENABLED = True
     rows += _gluon_rows(device, g)
+    rows.append(_gluon_batch2_row(device, g))
     return rows
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--gluon"]:   # only the Gluon kernel's rows
         import lingc  # noqa: F401
-        for r in _gluon_rows(torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        for r in _gluon_rows(torch.device("cuda"), gen) + [_gluon_batch2_row(torch.device("cuda"), gen)]:
             print(json.dumps(r))
     else:
         for r in run(torch.device("cuda")):

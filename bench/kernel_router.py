@@ -215,15 +215,87 @@ def _vocab_expand_rows(dev: torch.device) -> list[dict]:
     return rows
 
 
+GLUON_SHAPES = ((128, 8, 4, 8), (64, 4, 2, 6), (256, 8, 4, 8), (32, 2, 1, 4))   # (E, n_group, topk_group, k)
+GLUON_SEEDS = 24
+
+
+def _gluon_rows(dev: torch.device) -> list[dict]:
+    """kernels/router_gluon.py against router.py's Triton kernels on the GPU, bit for bit: router_align at one row
+    (every cell of the five outputs against "rows") and router_topk at 1, 2 and 6 rows, over GLUON_SEEDS random
+    inputs and as many tie-heavy ones (logits from {-1, 0, 1}, a bias from a few values) per shape, with and
+    without the fused shared expert; PDL on == off; then graph-replay times at Ling-3.0-tiny's shape (PDL on)."""
+    from lingc.kernels import router_gluon as RG
+    from lingc.kernels.router import router_align, router_topk
+
+    def triton_only(fn, *a, **kw):
+        RG.ENABLED = False
+        try:
+            return fn(*a, **kw)
+        finally:
+            RG.ENABLED = True
+
+    g = torch.Generator(device=dev).manual_seed(3)
+    rows = []
+    for e, ng, tg, k in GLUON_SHAPES:
+        if not RG.eligible(dev, e, ng, tg, k):
+            rows.append(_row("router_gluon", f"E={e} g={ng}/{tg} k={k}", False, None, None, None, None, None, 0,
+                             note="not eligible here", failed=list(RG.FAILED)))
+            continue
+        align_eq = topk_eq = pdl_eq = True
+        cases = 0
+        for shared in (0, 1):
+            for seed in range(2 * GLUON_SEEDS):
+                ties = seed % 2 == 1
+                for N in (1, 2, 6):
+                    if ties:
+                        x = torch.randint(-1, 2, (N, e), device=dev, generator=g).float()
+                        bias = 0.25 * torch.randint(0, 3, (e,), device=dev, generator=g).float()
+                    else:
+                        x = 2 * torch.randn(N, e, device=dev, generator=g)
+                        bias = 0.05 * torch.randn(e, device=dev, generator=g)
+                    args = (x, bias, ng, tg, k, SCALE)
+                    got = router_topk(*args, shared)
+                    topk_eq &= _equal(got, triton_only(router_topk, *args, shared))
+                    pdl_eq &= _equal(got, router_topk(*args, shared, pdl=True))
+                    if N == 1:
+                        a_args = (*args, e + shared, BLOCK_M, shared)
+                        got = router_align(*a_args, variant="gluon")
+                        align_eq &= _equal(got, triton_only(router_align, *a_args, variant="rows"))
+                        pdl_eq &= _equal(got, router_align(*a_args, variant="gluon", pdl=True))
+                    cases += 1
+        ok = align_eq and topk_eq and pdl_eq and not RG.FAILED
+        rows.append(_row("router_gluon", f"E={e} g={ng}/{tg} k={k} S=0,1 N=1,2,6", ok, 0.0 if ok else None, ok,
+                         pdl_eq, None, None, 0, cases=cases, align_equals_rows=bool(align_eq),
+                         topk_equals_triton=bool(topk_eq), failed=list(RG.FAILED)))
+    # times at the step's shape (E = 128 + the fused shared expert), PDL on
+    for N in (1, 6):
+        copies = [(torch.randn(N, E, device=dev, generator=g) * 2, 0.05 * torch.randn(E, device=dev, generator=g))
+                  for _ in range(cold_copies(N * E * 4 + E * 4))]
+        args = (N_GROUP, TOPK_GROUP, TOP_K, SCALE)
+        t_g = _time(lambda a, b: router_topk(a, b, *args, 1, pdl=True), copies)
+        t_t = _time(lambda a, b: triton_only(router_topk, a, b, *args, 1, pdl=True), copies)
+        row = dict(kernel="router_gluon_time", shape=f"N={N} E={E}+1 k={TOP_K}", topk_gluon_us=t_g,
+                   topk_triton_us=t_t)
+        if N == 1:
+            a_args = (*args, E + 1, BLOCK_M, 1)
+            row["align_gluon_us"] = _time(lambda a, b: router_align(a, b, *a_args, variant="gluon", pdl=True), copies)
+            row["align_rows_us"] = _time(lambda a, b: triton_only(router_align, a, b, *a_args, variant="rows",
+                                                                  pdl=True), copies)
+        rows.append(row)
+    return rows
+
+
 def run(device: torch.device, only: str = "") -> list[dict]:
     import lingc  # noqa: F401  (registers the reference ops)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if only == "vocab_expand":
         return _vocab_expand_rows(device)
+    if only == "gluon":
+        return _gluon_rows(device)
     return _router_rows(device) + _sample_rows(device)
 
 
-if __name__ == "__main__":          # python3 bench/kernel_router.py [vocab_expand]   (JSON lines)
+if __name__ == "__main__":          # python3 bench/kernel_router.py [vocab_expand | gluon]   (JSON lines)
     for row in run(torch.device("cuda", torch.cuda.current_device()), *sys.argv[1:2]):
         print(json.dumps(row))

@@ -81,6 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.kernels import router_gluon
 from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
@@ -127,8 +128,13 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 # the up-GEMM's shared-expert tile before the PDL wait (shared_last, SHARED_EARLY in _moe_gemm_kernel; moe_up_act at
 # one token, moe_up_act_pairs at any): the fused shared expert's 3 MB of w13 stream while the router routes, off the
-# up-GEMM's post-wait path. Same bits. LINGC_MOE_SHARED_EARLY=0 turns it off
-SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "1") == "1"
+# up-GEMM's post-wait path. Same bits. It paid behind router.py's ~3 us pick-chain router (greedy decode 1.199 ->
+# 1.191 ms, step-ab-h200-20261203.json) and costs behind the Gluon router (kernels/router_gluon.py, ~1.9 us): greedy
+# decode 1.1545 / 1.1532 ms without it against 1.191 / 1.185 and 1.188 / 1.188 with it, NEXTN and verify level
+# (step-ab-h200-20261203-p.json). So "auto" (the default) runs it only where the Gluon router does not route the
+# layer (judged from the device and the stack's routed experts, one fused shared expert assumed); LINGC_MOE_SHARED_EARLY
+# =1 / =0 forces it on / off
+SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "auto")
 # Where the SHARED_EARLY rows let the next kernel launch: in pdl_wait, after their compute. Triggering at entry
 # instead (the routed rows still trigger after their wait) measured level on the H200 (decode 1.199 / 1.189 against
 # 1.190-1.193 ms, NEXTN level; bench/results/step-ab-h200-20261203-b.json), so that knob was removed.
@@ -636,7 +642,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
     grid = (triton.cdiv(n, config.block_n), min(block_expert.numel(), num_pairs))
     chunks = preload_chunks(preload and not config.swap_ab, k, config.block_k, num_pairs)
     # one token: the shared expert's block is block top_k - 1
-    shared = _shared_early(shared_last and a.shape[0] == 1 and grid[1] == top_k, top_k, chunks)
+    shared = _shared_early(shared_last and a.shape[0] == 1 and grid[1] == top_k, top_k, chunks, a.device, num_experts)
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
@@ -650,10 +656,13 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
     return out
 
 
-def _shared_early(shared_last: bool, top_k: int, chunks: int) -> dict:
+def _shared_early(shared_last: bool, top_k: int, chunks: int, device: torch.device, num_experts: int) -> dict:
     """The SHARED_EARLY constexpr of an up-GEMM launch whose layout allows the early shared tile (shared_last: the
-    caller checked it), from the module's SHARED_EARLY."""
-    return {"SHARED_EARLY": bool(shared_last and SHARED_EARLY and top_k >= 2 and chunks == 0)}
+    caller checked it), from the module's SHARED_EARLY ("1", "0", or "auto": on unless the Gluon router routes this
+    stack's num_experts - 1 routed experts on this device)."""
+    on = SHARED_EARLY in ("1", True) or (SHARED_EARLY == "auto" and not (
+        shared_last and router_gluon.routes(device, num_experts - 1)))
+    return {"SHARED_EARLY": bool(shared_last and on and top_k >= 2 and chunks == 0)}
 
 
 def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> GemmConfig:
@@ -690,7 +699,7 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         return out
     a, pdl, launch, interpret = _launch_setup(op, a, w, k, pdl)
     chunks = preload_chunks(preload and pdl and not config.swap_ab, k, config.block_k, num_pairs)
-    shared = _shared_early(shared_last and top_k == pair_rows, top_k, chunks)
+    shared = _shared_early(shared_last and top_k == pair_rows, top_k, chunks, a.device, num_experts)
     _moe_gemm_kernel[(triton.cdiv(n, config.block_n), num_pairs)](
         a, w, out, topk_ids, topk_ids, topk_ids,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),

@@ -13,6 +13,13 @@ go to the lower group id. The k selected scores are summed one by one in that or
 elementwise or an exact max/min, so a row's bits do not depend on the tile layout, on num_warps or on the
 other rows: `router_topk` and `router_align` give the same bits for a row.
 
+On sm_90+ GPUs both run kernels/router_gluon.py where it applies (E = 32 x 2^n <= 256 routed experts in groups of <=
+32: Ling-3.0-tiny's 128 / 8): the same bits without the serial pick chain (each expert's rank from one parallel
+count; H200, PDL on: router_topk 1.84 vs 2.74 us at 1 and 6 rows, router_align at one row 1.92 vs "rows" 2.97;
+bench/results/kernels-router-gluon-h200-20261203.json). router_align takes it at one row ("auto", or variant
+"gluon"); LINGC_ROUTER_GLUON=0 / LINGC_ROUTER_GLUON_ALIGN=0 keep this file's kernels. Everything below describes
+this file's kernels, which the interpreter, other GPUs and other shapes run.
+
 `router_align` = router_topk then moe_align (`torch.ops.lingc.moe_align`) in ONE launch. Three kernels, chosen by
 the launcher's `variant` ("auto", the default: "split" from SPLIT_FROM rows up where N * (k + S) <= MAX_PAIRS,
 else "rows" from ROWS_FROM rows up where it applies, else "pairs"):
@@ -107,6 +114,7 @@ import triton.language as tl
 
 from lingc.kernels import workspace as _workspace
 from lingc.kernels.moe_align import moe_align
+from lingc.kernels import router_gluon
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import align_sizes
@@ -118,7 +126,7 @@ MAX_ROWS = 16                  # router_align "rows" runs for N <= MAX_ROWS (bit
 ROW_LANES = 32                 # "rows": experts of a group per lane chunk (L = min(32, GS padded)); rows fill the rest
 ROW_MAX_WARPS = 8
 ROW_ELEMENTS_PER_THREAD = 32   # "rows": tile cells per thread (E = 512, N = 16: 32 -> 245 registers); more spill
-ALIGN_VARIANTS = ("auto", "rows", "pairs", "split")
+ALIGN_VARIANTS = ("auto", "rows", "pairs", "split", "gluon")   # "gluon": kernels/router_gluon.py (GPU, one row)
 ROWS_FROM = int(os.environ.get("LINGC_ROUTER_ROWS_FROM", "1"))   # "auto": "rows" from this many rows up (where
                 # "split" does not apply), "pairs" below. H200 2026-12-01 with the shared expert, PDL on: N = 1 rows
                 # 2.96 us vs pairs 3.87 (bench/results/kernels-router-warp-h200-20261201.json), and the decode step
@@ -542,6 +550,9 @@ def router_topk(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, t
     if N == 0:
         return weights, ids
     pdl = pdl and pdl_supported(logits.device)
+    if router_gluon.eligible(logits.device, logits.shape[1], n_group, topk_group, top_k) and router_gluon.router_topk(
+            logits, expert_bias, weights, ids, n_group, topk_group, top_k, routed_scaling_factor, fused_shared, pdl):
+        return weights, ids
     launch = {"launch_pdl": True} if pdl else {}
     tile = _tile(n_group, group_size, top_k, fused_shared)
     _router_topk_kernel[(N,)](logits, expert_bias, weights, ids, N, logits.stride(0), group_size, n_group, topk_group,
@@ -613,6 +624,12 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
     width = top_k + fused_shared
     num_pairs = N * width
     fits_pairs = 0 < num_pairs <= MAX_PAIRS
+    use_gluon = N == 1 and (variant == "gluon" or (variant == "auto" and router_gluon.ALIGN)) \
+        and router_gluon.eligible(logits.device, E, n_group, topk_group, top_k)
+    if variant == "gluon" and not use_gluon:
+        raise ValueError(f"router_align: variant 'gluon' needs one row on a GPU where kernels/router_gluon.py "
+                         f"runs (sm_90+, E = 32 x warps up to 256, groups of <= 32), got N={N}, E={E}, "
+                         f"n_group={n_group} on {logits.device}")
     use_split = fits_pairs and (variant == "split" or (variant == "auto" and N >= SPLIT_FROM))
     use_rows = not use_split and (variant == "rows" or (variant == "auto" and N >= ROWS_FROM))
     rows = _rows_launch(N, n_group, group_size, top_k, fused_shared) if use_rows else None
@@ -630,6 +647,10 @@ def router_align(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, 
     pdl = pdl and pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
     outputs = (weights, ids, sorted_pairs, block_expert, total)
+    if use_gluon and router_gluon.router_align(logits, expert_bias, outputs, n_group, topk_group, top_k,
+                                               routed_scaling_factor, fused_shared, block_m, max_padded, n_blocks,
+                                               pdl):
+        return outputs
     if rows is not None:
         _router_align_rows_kernel[(1,)](
             logits, expert_bias, *outputs, N, logits.stride(0), n_group, topk_group, float(routed_scaling_factor),
