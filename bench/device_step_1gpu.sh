@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 rm -rf /tmp/lingc-site /tmp/lingc-tf
 pip install -q --no-deps --no-build-isolation --target /tmp/lingc-site . || exit 1
 export PYTHONPATH=/tmp/lingc-site
-timeout 420 python3 bench/device_step.py --e2e --json "$OUT/step.json" 2>&1 | grep -v Warning
+timeout 450 python3 bench/device_step.py --e2e --json "$OUT/step.json" 2>&1 | grep -v Warning
 merge=(torch_compile="$OUT/torch_compile_decode.json" torch_compile="$OUT/torch_compile_nextn.json")
 for p in torch_compile_decode torch_compile_nextn; do
   PEER_DUMP_S=100 timeout 110 python3 bench/peers.py "$p" --json "$OUT/$p.json" > "/tmp/lingc-$p.log" 2>&1 &
