@@ -48,13 +48,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 import triton
-from triton.compiler.errors import CompilationError
 
 from lingc.kernels.pdl import TRIGGER
+from lingc.kernels.gluon_launch import guarded
 from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5
@@ -308,16 +307,8 @@ if HAVE_GLUON:
 def launch(args: tuple, B: int, H: int, T: int, staged: bool, pdl: bool) -> bool:
     """Run the kernel on kernels/kda.py `_kda_fused_kernel`'s positional arguments (the caller checked `eligible`).
     False, with one warning, where it does not compile: the caller then runs the Triton kernel."""
-    try:
-        _kda_gluon_kernel[(B * H, D // BLOCK_V)](
-            *args, T=T, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
-            EARLY_TRIGGER=TRIGGER == "early", NW=WARPS, FAST=FAST_MATH, LATE_TICKET=LATE_TICKET,
-            num_warps=WARPS, enable_fp_fusion=False,
-            **({"launch_pdl": True} if pdl else {}))
-    except (CompilationError, AttributeError, TypeError, ValueError, RuntimeError) as exc:
-        FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        warnings.warn(f"lingc: the Gluon KDA kernel (kernels/kda_gluon.py) did not compile with Triton "
-                      f"{triton.__version__} ({FAILED[0]}); the Triton kernel runs instead. LINGC_KDA_GLUON=0 skips "
-                      f"the attempt.", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return guarded(lambda: _kda_gluon_kernel[(B * H, D // BLOCK_V)](
+        *args, T=T, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
+        EARLY_TRIGGER=TRIGGER == "early", NW=WARPS, FAST=FAST_MATH, LATE_TICKET=LATE_TICKET,
+        num_warps=WARPS, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {})),
+        FAILED, "the Gluon KDA kernel (kernels/kda_gluon.py)", "the Triton kernel", "LINGC_KDA_GLUON")

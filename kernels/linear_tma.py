@@ -49,13 +49,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 import triton
-from triton.compiler.errors import CompilationError
 
 from lingc.kernels.pdl import TRIGGER
+from lingc.kernels.gluon_launch import guarded
 from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the Triton kernel runs everywhere
@@ -239,15 +238,8 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: 
     n = weight.shape[0]
     grid = (-(-n // BLOCK_N), split_k)
     ring = ring_blocks(n, k, split_k, BLOCK_N, BLOCK_K, weight.element_size())
-    try:
-        _linear_tma_kernel[grid](_descriptor(weight), rows, y, partials if partials is not None else y,
-                                 counters if counters is not None else y, m, n, rows.stride(0), y.stride(0),
-                                 K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
-                                 EARLY_TRIGGER=TRIGGER == "early", RING=ring, num_warps=WARPS, launch_pdl=True)
-    except (CompilationError, AttributeError, TypeError, ValueError, RuntimeError) as exc:
-        FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        warnings.warn(f"lingc: the TMA linear (kernels/linear_tma.py) did not compile with Triton "
-                      f"{triton.__version__} ({FAILED[0]}); the Triton kernel runs instead. LINGC_LINEAR_TMA=0 "
-                      f"skips the attempt.", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return guarded(lambda: _linear_tma_kernel[grid](
+        _descriptor(weight), rows, y, partials if partials is not None else y, counters if counters is not None else y,
+        m, n, rows.stride(0), y.stride(0), K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M,
+        SPLIT_K=split_k, EARLY_TRIGGER=TRIGGER == "early", RING=ring, num_warps=WARPS, launch_pdl=True),
+        FAILED, "the TMA linear (kernels/linear_tma.py)", "the Triton kernel", "LINGC_LINEAR_TMA")

@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 import triton
-from triton.compiler.errors import CompilationError
 
 from lingc.kernels.pdl import TRIGGER
+from lingc.kernels.gluon_launch import guarded
 from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5
@@ -214,16 +213,10 @@ def _constexprs(num_routed: int, n_group: int, topk_group: int, top_k: int, shar
 
 
 def _launch(grid: int, args: tuple, consts: dict, pdl: bool) -> bool:
-    try:
-        _router_gluon_kernel[(grid,)](*args, **consts, PDL=pdl, EARLY_TRIGGER=TRIGGER == "early",
-                                      num_warps=consts["NW"], **({"launch_pdl": True} if pdl else {}))
-    except (CompilationError, AttributeError, TypeError, ValueError, RuntimeError) as exc:
-        FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        warnings.warn(f"lingc: the Gluon router (kernels/router_gluon.py) did not compile with Triton "
-                      f"{triton.__version__} ({FAILED[0]}); router.py's kernels run instead. LINGC_ROUTER_GLUON=0 "
-                      f"skips the attempt.", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+    return guarded(lambda: _router_gluon_kernel[(grid,)](
+        *args, **consts, PDL=pdl, EARLY_TRIGGER=TRIGGER == "early", num_warps=consts["NW"],
+        **({"launch_pdl": True} if pdl else {})),
+        FAILED, "the Gluon router (kernels/router_gluon.py)", "router.py's kernels", "LINGC_ROUTER_GLUON")
 
 
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_group: int,

@@ -34,3 +34,26 @@ def poison_float_empty(monkeypatch) -> None:
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+def pretend_sm90(monkeypatch, module) -> None:
+    """For the rest of a test, a Gluon module's `eligible` (kda_gluon, router_gluon) sees a CUDA sm_90 device: no
+    interpreter, compute capability 9, the device index taken as given."""
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(module, "_major", lambda device: 9)
+    monkeypatch.setattr(module, "indexed", lambda device: device)
+
+
+class BrokenGluonKernel:
+    """A Gluon kernel stand-in whose launch fails as another Triton's Gluon API would (the AttributeError message names
+    the missing attribute), for the kernels/gluon_launch.py fallback tests."""
+
+    def __init__(self, missing: str) -> None:
+        self.missing = missing
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise AttributeError(f"module 'gluon' has no attribute '{self.missing}'")
+        return launch

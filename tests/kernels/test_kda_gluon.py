@@ -17,22 +17,16 @@ import triton
 
 from lingc.kernels import kda as K
 from lingc.kernels import kda_gluon as G
+from kernel_support import BrokenGluonKernel, pretend_sm90  # noqa: E402  (tests/kernels is on sys.path)
 
 LOWER_BOUND = -5.0
-
-
-def _cuda_eligible(monkeypatch) -> None:
-    """Pretend to be an sm_90 CUDA device for `eligible`'s device checks."""
-    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
-    monkeypatch.setattr(G, "_major", lambda device: 9)
-    monkeypatch.setattr(G, "indexed", lambda device: device)
 
 
 @pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
 def test_eligible_rules(monkeypatch) -> None:
     cuda = torch.device("cuda")
     assert not G.eligible(torch.device("cpu"), 128, 4, 1)             # the interpreter never runs Gluon
-    _cuda_eligible(monkeypatch)
+    pretend_sm90(monkeypatch, G)
     assert G.eligible(cuda, 128, 4, 1) and G.eligible(cuda, 128, 4, 6) and G.eligible(cuda, 128, 4, G.MAX_T)
     assert not G.eligible(cuda, 64, 4, 1)                              # the layouts are D = 128's
     assert not G.eligible(cuda, 128, 3, 1)                             # the taps are spelled out for W = 4
@@ -63,14 +57,8 @@ def test_a_kernel_that_does_not_compile_falls_back_to_triton(monkeypatch) -> Non
 
     want, want_st = run()
 
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise AttributeError("module 'gluon' has no attribute 'allocate_shared_memory'")
-            return launch
-
     monkeypatch.setattr(G, "FAILED", [])
-    monkeypatch.setattr(G, "_kda_gluon_kernel", Broken())
+    monkeypatch.setattr(G, "_kda_gluon_kernel", BrokenGluonKernel("allocate_shared_memory"))
     monkeypatch.setattr(G, "eligible", lambda *args: not G.FAILED)
     with pytest.warns(RuntimeWarning, match=r"kernels/kda_gluon.py.*allocate_shared_memory.*LINGC_KDA_GLUON=0"):
         got, got_st = run()

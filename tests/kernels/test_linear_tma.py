@@ -17,6 +17,7 @@ import torch
 from lingc.kernels import linear as L
 from lingc.kernels import linear_tma as T
 from lingc.presets import preset
+from kernel_support import BrokenGluonKernel  # noqa: E402  (tests/kernels is on sys.path)
 
 
 def _tiny_shapes() -> dict[str, tuple[int, int]]:
@@ -72,13 +73,8 @@ def test_a_kernel_that_does_not_compile_falls_back_once(monkeypatch):
     later launch skips the path (FAILED)."""
     monkeypatch.setattr(T, "FAILED", [])
 
-    class Broken:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                raise AttributeError("module 'gluon' has no attribute 'warpgroup_mma'")
-            return run
 
-    monkeypatch.setattr(T, "_linear_tma_kernel", Broken())
+    monkeypatch.setattr(T, "_linear_tma_kernel", BrokenGluonKernel("warpgroup_mma"))
     monkeypatch.setattr(T, "_descriptor", lambda w: None)
     w = torch.zeros(1536, 2048, dtype=torch.bfloat16)
     x, y = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.zeros(1, 1536, dtype=torch.bfloat16)

@@ -19,20 +19,14 @@ import triton
 from lingc.kernels import router as R
 from lingc.kernels import router_gluon as RG
 from lingc.ops.moe import moe_align
-
-
-def _cuda_eligible(monkeypatch) -> None:
-    """Pretend to be an sm_90 CUDA device for `eligible`'s device checks."""
-    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
-    monkeypatch.setattr(RG, "_major", lambda device: 9)
-    monkeypatch.setattr(RG, "indexed", lambda device: device)
+from kernel_support import BrokenGluonKernel, pretend_sm90  # noqa: E402  (tests/kernels is on sys.path)
 
 
 @pytest.mark.skipif(not RG.HAVE_GLUON, reason="this Triton has no Gluon")
 def test_eligible_rules(monkeypatch) -> None:
     cuda = torch.device("cuda")
     assert not RG.eligible(torch.device("cpu"), 128, 8, 4, 8)       # the interpreter never runs Gluon
-    _cuda_eligible(monkeypatch)
+    pretend_sm90(monkeypatch, RG)
     assert RG.eligible(cuda, 128, 8, 4, 8) and RG.eligible(cuda, 32, 2, 1, 4) and RG.eligible(cuda, 256, 8, 4, 8)
     assert not RG.eligible(cuda, 512, 8, 4, 8)                       # Ling-3.0-flash: more experts than threads
     assert not RG.eligible(cuda, 96, 8, 3, 9)                        # E a multiple of 32 that is not 32 x 2^n
@@ -60,14 +54,8 @@ def test_a_kernel_that_does_not_compile_falls_back_to_triton(monkeypatch) -> Non
     want = R.router_topk(x, bias, 8, 4, 8, 2.5, 1)
     want_align = R.router_align(x[:1], bias, 8, 4, 8, 2.5, 129, 16, 1)
 
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise AttributeError("module 'gluon' has no attribute 'allocate_shared_memory'")
-            return launch
-
     monkeypatch.setattr(RG, "FAILED", [])
-    monkeypatch.setattr(RG, "_router_gluon_kernel", Broken())
+    monkeypatch.setattr(RG, "_router_gluon_kernel", BrokenGluonKernel("allocate_shared_memory"))
     monkeypatch.setattr(RG, "eligible", lambda *args: not RG.FAILED)
     with pytest.warns(RuntimeWarning, match=r"kernels/router_gluon.py.*allocate_shared_memory.*LINGC_ROUTER_GLUON=0"):
         got = R.router_topk(x, bias, 8, 4, 8, 2.5, 1)
