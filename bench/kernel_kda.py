@@ -581,20 +581,20 @@ def _gluon_batch2_row(dev: torch.device, g: torch.Generator) -> dict:
             + [torch.empty(n, T, H, D, D, device=dev)]
 
     def verify(rows, sl, st, gluon=True):
-        KG.ENABLED = gluon
+        enabled, KG.ENABLED = KG.ENABLED, gluon
         try:
             return K.kda_fused_verify(*[x[rows] for x in raw], f[rows], b[rows], *ws, *cpools, A_log, dt_bias, state,
                                       sl, *st, LOWER_BOUND, pdl=True)
         finally:
-            KG.ENABLED = True
+            KG.ENABLED = enabled
 
     def decode(rows, sl, cp, stt, gluon=True):
-        KG.ENABLED = gluon
+        enabled, KG.ENABLED = KG.ENABLED, gluon
         try:
             return K.kda_fused_decode(*[x[rows, :1] for x in raw], f[rows, :1], b[rows, :1], *ws, *cp, A_log,
                                       dt_bias, stt, sl, LOWER_BOUND, pdl=True)
         finally:
-            KG.ENABLED = True
+            KG.ENABLED = enabled
 
     st2, st2_t = stg(2), stg(2)
     o2, o2_t = verify(slice(0, 2), slots, st2), verify(slice(0, 2), slots, st2_t, gluon=False)

@@ -228,11 +228,11 @@ def _gluon_rows(dev: torch.device) -> list[dict]:
     from lingc.kernels.router import router_align, router_topk
 
     def triton_only(fn, *a, **kw):
-        RG.ENABLED = False
+        enabled, RG.ENABLED = RG.ENABLED, False
         try:
             return fn(*a, **kw)
         finally:
-            RG.ENABLED = True
+            RG.ENABLED = enabled
 
     g = torch.Generator(device=dev).manual_seed(3)
     rows = []
