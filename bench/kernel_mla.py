@@ -19,6 +19,7 @@ launches they replace (mla_prep; mla_attention with its gate; ok = bit-exact) cl
 
     python3 bench/kernel_mla.py [--json $OUT/mla.json]
     python3 bench/kernel_mla.py --tiles [--json ...]   # the split at SPLIT_TILE_ROWS 16 and 64 only
+    python3 bench/kernel_mla.py --gluon [--json ...]   # the Gluon split (kernels/mla_gluon.py) against the Triton one
 """
 
 from __future__ import annotations
@@ -324,13 +325,48 @@ def tile_rows(tiles: tuple[int, ...] = (16, 64)) -> list[dict]:
     return rows
 
 
+def gluon_rows() -> list[dict]:
+    """mla_attention with the Gluon split (kernels/mla_gluon.py) and with the Triton split, 1 and 6 queries at
+    contexts 8192 and 1024 (most splits past the positions): the attention row's checks (reference tolerance, row
+    invariance, PDL on == off, determinism) and time for each, and the two splits' largest difference."""
+    import lingc.kernels.mla as K
+    import lingc.kernels.mla_gluon as MG
+
+    saved = MG.ENABLED
+    rows = []
+    try:
+        for T, ctx in CASES:
+            c = _case(T, ctx, 1, seed=11 + T)
+            outs = {}
+            for on in (True, False):
+                MG.ENABLED = on
+                r = _attention_rows(T, ctx, sweep=[])[0]
+                outs[on] = K.mla_attention(c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"],
+                                           c["positions"], SCALE)
+                keep = {k: r[k] for k in ("shape", "time_us", "time_us_nopdl", "rel_err", "row_invariant",
+                                          "pdl_equal", "deterministic", "ok")}
+                keep.update(kernel=f"mla_attention[{'gluon' if on else 'triton'}]", T=T, ctx=ctx,
+                            gluon_ran=bool(on and MG.eligible(c["kv"][0], c["q_rope"], H, R, RR, K.SPLIT_ROWS)))
+                rows.append(keep)
+            rows[-2]["max_diff_triton"] = (outs[True].float() - outs[False].float()).abs().max().item()
+            del c
+    finally:
+        MG.ENABLED = saved
+    return rows
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--tiles", action="store_true",
                     help="only the split at SPLIT_TILE_ROWS 16 and 64 (time, checks, bits against 16)")
+    ap.add_argument("--gluon", action="store_true",
+                    help="only mla_attention with the Gluon split against the Triton split (checks, time, bits)")
     args = ap.parse_args()
-    if args.tiles:
+    if args.gluon:
+        import lingc  # noqa: F401  (registers the reference ops)
+        all_rows = gluon_rows()
+    elif args.tiles:
         import lingc  # noqa: F401  (registers the reference ops)
         all_rows = tile_rows()
     else:

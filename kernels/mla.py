@@ -8,7 +8,9 @@ Letters (lingc/ops/mla.py): B requests, T new tokens, M = B*T queries, H heads, 
 R kv_lora rank, L = R + Rr cached values per token, Vd value dim, NP pages of PS rows, MP pages per request,
 S = cdiv(MP*PS, SPLIT_ROWS) key splits.
 
-`mla_attention` (one launcher, four kernels, all of them written out by the kernels themselves):
+`mla_attention` (one launcher, four kernels, all of them written out by the kernels themselves; on sm_90 the split is
+kernels/mla_gluon.py's wgmma kernel where it applies, four queries' heads a tile and the split's cache rows in shared
+memory before the PDL wait, other bits than the Triton split below but row invariant the same way):
     1. q_absorb   grid (H, R/QA_BLOCK_R, M) q_lat[m, h] = q_nope[m, h] @ W_uk[h]      fp32 sum, stored in the
                                             cache dtype (it is an MMA operand in stage 2)
     2. split      grid (B*cdiv(T,QPP), S)   one program = QPP consecutive queries of a request, all H heads, the
@@ -91,6 +93,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.kernels import mla_gluon
 from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import MAX_BLOCK_N as MAX_NORM_BLOCK, _num_warps as _norm_warps, _rmsnorm_row
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
@@ -696,15 +699,17 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
         num_warps=GEMV_WARPS, **launch)
-    _split_kernel[(B * triton.cdiv(T, qpp), S)](
-        q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,
-        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
-        page_rows.stride(0), positions.stride(0), positions.stride(1),
-        PS=PS, H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
-        BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
-        L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r), EARLY_POS=EARLY_POS,
-        QPP=qpp, num_warps=split_warps, num_stages=split_stages,
-        **launch)
+    gluon = mla_gluon.eligible(kv_pages, q_rope, H, R, Rr, split_rows) and mla_gluon.launch(
+        q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, B, T, S, capacity, scale * LOG2E, pdl)
+    if not gluon:
+        _split_kernel[(B * triton.cdiv(T, qpp), S)](
+            q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,
+            q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
+            page_rows.stride(0), positions.stride(0), positions.stride(1),
+            PS=PS, H=H, R=R, RR=Rr, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=_pow2(Rr, MIN_DOT), SPLIT=split_rows,
+            BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
+            L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r),
+            EARLY_POS=EARLY_POS, QPP=qpp, num_warps=split_warps, num_stages=split_stages, **launch)
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,

@@ -1,0 +1,249 @@
+"""mla_attention's split kernel on Hopper (Gluon): four queries' heads as one wgmma tile, the split's cache rows in
+shared memory before the PDL wait.
+
+kernels/mla.py's Triton split gives each query its own program ([16 heads, R] x [R, 64] mma.sync steps): a 6-query
+verify runs 384 programs that each re-read their split's 147 KB of cache rows, and a program's time is the latency
+of its dependent MMA chain after the wait (H200 ncu at 6 queries: 23 us, 11% occupancy; launches-entry: 33 us a
+verify layer for the four kernels). Here one program takes QPP = 64 / H consecutive queries of a request (all heads:
+64 MMA rows, the wgmma M) and one split of SPLIT = 128 cache rows:
+
+    before the wait   the tile's positions, the split's page-table rows, and its 128 cache rows [128, R + Rr] by
+                      cp.async into shared memory (zero where a row is past the tile's last visible row): the rows
+                      and the table were written by earlier steps or by mla_prep, two launches back, which has
+                      completed when this kernel starts (the PDL chain, kernels/pdl.py); the launch right before,
+                      q_absorb, writes only q_lat
+    after the wait    q_lat [64, R] and q_rope [64, Rr] (cp.async), then
+                      S = Q K^T       [64, 128] as two [64, 64] halves, 9 chunks of 64 columns each (wgmma, 2
+                                      warpgroups on N)
+                      m = max over the row's visible columns, p = 2^(S * scale - m), l = sum p (fp32)
+                      P -> shared memory (bf16, over the query tile: Q is dead by then)
+                      O = P V         [64, R] in 8 chunks of 64 latent columns (wgmma, K = the 128 rows)
+                      the unnormalised partial (m, l, O) of every live query, as kernels/mla.py's split writes it
+                      (the combine and v_absorb are that module's)
+
+No online softmax: a split is one 128-row block. Shared memory: the cache rows 144 KB + the query tile 72 KB at
+Ling-3.0-tiny's R = 512, Rr = 64 (1 CTA an SM, 8 warps); a 6-query verify runs 2 x S programs, decode S (S = 73 at
+the bench's capacity; a split past every query's position exits at once).
+
+Row invariance: a query's row in the tile gets the same instructions whatever T is and whichever slot it sits in
+(a wgmma row depends only on its own operands; the row reductions run the same shuffle tree on every row), a T = 1
+call fills slot 0 and repeats the query in the other slots, storing nothing from them. So a verify chain's query has
+the bits of a decode step as long as both run this kernel (`eligible` does not look at T). Numerics against the
+Triton split: one 128-row softmax block instead of two 64-row online steps, wgmma instead of mma.sync (other fp32
+summation order): a numerics change for mla_attention on sm_90 (bench/kernel_mla.py checks it against the reference
+and against the Triton kernel's tolerance).
+
+Where it runs (`eligible`): CUDA sm_90 (wgmma is Hopper's), Gluon importable, LINGC_MLA_GLUON not 0, a 2-byte cache,
+H in {16, 32, 64}, R and Rr multiples of 64 with the tile and the rows fitting shared memory, SPLIT_ROWS = 128, rows
+16-byte aligned. Elsewhere kernels/mla.py's Triton split runs; CPU tests compile this one for sm_90 offline
+(tests/kernels/test_mla_gluon.py). A compile failure warns once and falls back (kernels/gluon_launch.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from lingc.kernels.gluon_launch import guarded
+from lingc.kernels.workspace import indexed
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from lingc.kernels.pdl import gluon_gdc_launch_dependents, gluon_gdc_wait
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the Triton build
+    HAVE_GLUON = False
+
+ENABLED = os.environ.get("LINGC_MLA_GLUON", "1") == "1"   # LINGC_MLA_GLUON=0: kernels/mla.py's Triton split
+FAILED: list[str] = []   # the first compile failure's message; once set, every launch runs the Triton split
+TILE_ROWS = 64           # the wgmma M: QPP = TILE_ROWS // H queries a program
+SPLIT = 128              # cache rows a program (kernels/mla.py SPLIT_ROWS must equal it)
+CHUNK = 128              # latent columns a shared-memory chunk (and an O accumulator)
+WARPS = 8                # two warpgroups, side by side on the MMAs' N
+HOPPER = 9
+SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
+
+
+def smem_bytes(r: int, rr: int) -> int:
+    """Shared memory of a program: the split's cache rows and the query tile (P reuses the tile), 2-byte values."""
+    return (SPLIT + TILE_ROWS) * (r + rr) * 2
+
+
+@functools.lru_cache(maxsize=None)
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def eligible(kv_pages: torch.Tensor, q_rope: torch.Tensor, H: int, R: int, Rr: int, split_rows: int) -> bool:
+    """Whether mla_attention's split runs here rather than on kernels/mla.py's Triton kernel (module docstring). T
+    does not decide (row invariance: decode and verify must run the same kernel)."""
+    if not (ENABLED and HAVE_GLUON and not FAILED and kv_pages.device.type == "cuda"
+            and not triton.knobs.runtime.interpret):
+        return False
+    if kv_pages.dtype not in (torch.bfloat16, torch.float16) or H not in (16, 32, 64) or split_rows != SPLIT:
+        return False
+    if R % CHUNK or Rr != 64 or smem_bytes(R, Rr) > SMEM_LIMIT:
+        return False
+    if kv_pages.stride(-1) != 1 or (kv_pages.stride(1) * 2) % 16 or (kv_pages.stride(0) * 2) % 16 \
+            or kv_pages.data_ptr() % 16:
+        return False
+    if q_rope.stride(-1) != 1 or any((st * 2) % 16 for st in q_rope.stride()[:3]) or q_rope.data_ptr() % 16:
+        return False                        # cp.async moves 16 B a thread
+    return _major(indexed(kv_pages.device)) == HOPPER
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP: gl.constexpr):
+        """The largest position of the tile's live queries t0 .. min(t0 + QPP, T) - 1 (scalar loads)."""
+        last = gl.load(pos_b + t0 * stride_pos_t, cache_modifier=".cg").to(gl.int32)
+        for i in gl.static_range(1, QPP):
+            ti = gl.minimum(t0 + i, T - 1)
+            last = gl.maximum(last, gl.load(pos_b + ti * stride_pos_t, cache_modifier=".cg").to(gl.int32))
+        return last
+
+    @gluon.jit
+    def _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end, n: gl.constexpr,
+                   PS: gl.constexpr, layout: gl.constexpr):
+        """The flat element offsets of cache rows start .. start + n - 1 (page table lookups) and which are < end."""
+        rows = start + gl.arange(0, n, layout=layout)
+        valid = rows < end
+        page = gl.load(pages_ptr + b.to(gl.int64) * stride_pages_b + rows // PS, mask=valid, other=0,
+                       cache_modifier=".cg")
+        return page.to(gl.int64) * stride_page + (rows % PS) * stride_row, valid
+
+    @gluon.jit
+    def _mla_split_gluon_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
+                                T, S, CAP, qk_scale,
+                                stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
+                                stride_pos_b, stride_pos_t,
+                                PS: gl.constexpr, H: gl.constexpr, R: gl.constexpr, RR: gl.constexpr,
+                                SPLIT_N: gl.constexpr, CW: gl.constexpr, QPP: gl.constexpr, PDL: gl.constexpr,
+                                NW: gl.constexpr):
+        """Unnormalised softmax partials (m, l, O) of QPP consecutive queries of one request over split s of
+        SPLIT_N cache rows (module docstring); program (request x query tile, split)."""
+        BM: gl.constexpr = QPP * H                 # MMA rows: (query, head) pairs
+        RC: gl.constexpr = R // CW                 # latent chunks
+        WN: gl.constexpr = NW // 4                 # warpgroups, side by side on N
+        dt: gl.constexpr = kv_ptr.dtype.element_ty
+        tile = gl.program_id(0)
+        s = gl.program_id(1)
+        tiles_t = (T + QPP - 1) // QPP
+        b = tile // tiles_t
+        t0 = (tile % tiles_t) * QPP
+        pos_b = pos_ptr + b.to(gl.int64) * stride_pos_b
+        # written at the step's start (many launches back): safe before the wait
+        last = _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP)
+        start = s * SPLIT_N
+        end = gl.minimum(gl.minimum(start + SPLIT_N, last + 1), CAP)
+        if start < end:
+            LW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])    # [*, CW]: 16 B a thread
+            LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [*, RR]
+            a_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
+                                                          instr_shape=[16, CW // WN, 16])   # S and O: [BM, CW]
+            # shared memory: one allocation a chunk (no barrier between the copies into them)
+            kv_lat = ()
+            q_lat = ()
+            for c in gl.static_range(RC):
+                kv_lat = kv_lat + (gl.allocate_shared_memory(
+                    dt, [SPLIT_N, CW], gl.NVMMASharedLayout.get_default_for([SPLIT_N, CW], dt)),)
+                q_lat = q_lat + (gl.allocate_shared_memory(
+                    dt, [BM, CW], gl.NVMMASharedLayout.get_default_for([BM, CW], dt)),)
+            kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR], gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
+            q_rope = gl.allocate_shared_memory(dt, [BM, RR], gl.NVMMASharedLayout.get_default_for([BM, RR], dt))
+            # before the wait (module docstring): the split's cache rows (rows past `end` land as zeros) and the
+            # tile's positions
+            base, valid = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end, SPLIT_N, PS,
+                                     gl.SliceLayout(1, LW))
+            cols = gl.arange(0, CW, layout=gl.SliceLayout(0, LW))
+            for c in gl.static_range(RC):
+                async_copy.async_copy_global_to_shared(kv_lat[c], kv_ptr + base[:, None] + (c * CW + cols)[None, :],
+                                                       mask=valid[:, None])
+            base_r, valid_r = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end, SPLIT_N,
+                                         PS, gl.SliceLayout(1, LR))
+            cols_r = gl.arange(0, RR, layout=gl.SliceLayout(0, LR))
+            async_copy.async_copy_global_to_shared(kv_rope, kv_ptr + base_r[:, None] + (R + cols_r)[None, :],
+                                                   mask=valid_r[:, None])
+            async_copy.commit_group()
+            sr = gl.arange(0, BM, layout=gl.SliceLayout(1, a_l))
+            sc = gl.arange(0, CW, layout=gl.SliceLayout(0, a_l))
+            ts = gl.minimum(t0 + sr // H, T - 1)
+            end_q = gl.minimum(gl.minimum(start + SPLIT_N, gl.load(pos_b + ts * stride_pos_t, cache_modifier=".cg")
+                                          .to(gl.int32) + 1), CAP)             # [BM] a row's visible end
+            keep = (t0 + sr // H < T) & (end_q > start)                        # rows whose partial is stored
+            if PDL:
+                gluon_gdc_wait()
+            # the query tile: row r is query t0 + r // H, head r % H; rows past the chain's end load nothing (their
+            # results are not stored, and a row's MMA results do not depend on the other rows)
+            qr = gl.arange(0, BM, layout=gl.SliceLayout(1, LW))
+            live_q = t0 + qr // H < T
+            qrow = ((b * T + gl.minimum(t0 + qr // H, T - 1)) * H + qr % H).to(gl.int64) * R
+            for c in gl.static_range(RC):
+                async_copy.async_copy_global_to_shared(q_lat[c], qlat_ptr + qrow[:, None] + (c * CW + cols)[None, :],
+                                                       mask=live_q[:, None])
+            qr2 = gl.arange(0, BM, layout=gl.SliceLayout(1, LR))
+            rrow = (b.to(gl.int64) * stride_rb + gl.minimum(t0 + qr2 // H, T - 1) * stride_rt
+                    + (qr2 % H) * stride_rh)
+            async_copy.async_copy_global_to_shared(q_rope, qrope_ptr + rrow[:, None] + cols_r[None, :],
+                                                   mask=(t0 + qr2 // H < T)[:, None])
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            if PDL:
+                gluon_gdc_launch_dependents()      # after the last read of the previous kernel's output
+            # S = Q K^T [BM, SPLIT_N]: one chain in the columns' order (latent 0 .. R-1, then the rope part)
+            s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
+                                                          instr_shape=[16, SPLIT_N // WN, 16])
+            acc = gl.zeros([BM, SPLIT_N], gl.float32, s_l)
+            for c in gl.static_range(RC):
+                acc = warpgroup_mma(q_lat[c], kv_lat[c].permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(q_rope, kv_rope.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            n_s = start + gl.arange(0, SPLIT_N, layout=gl.SliceLayout(0, s_l))
+            end_s = gl.convert_layout(end_q, gl.SliceLayout(1, s_l))
+            x = gl.where(n_s[None, :] < end_s[:, None], acc * qk_scale, float("-inf"))
+            m_i = gl.max(x, axis=1)
+            m_i = gl.where(m_i == float("-inf"), 0.0, m_i)     # a row that sees none of the split: not stored
+            p = gl.exp2(x - m_i[:, None])
+            l_i = gl.sum(p, axis=1)
+            # P over the query tile's first chunk (both warpgroups' S MMAs have completed: the wait, the barrier)
+            gl.thread_barrier()
+            q_lat[0].store(p.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            # O = P V [BM, R]: every chunk's MMAs issued, then one wait
+            o = ()
+            for c in gl.static_range(RC):
+                o = o + (warpgroup_mma(q_lat[0], kv_lat[c], gl.zeros([BM, CW], gl.float32, a_l), is_async=True),)
+            o = warpgroup_mma_wait(0, deps=o)
+            prow = ((b * T + ts) * S + s).to(gl.int64) * H + sr % H                # partial rows
+            for c in gl.static_range(RC):
+                gl.store(part_o_ptr + prow[:, None] * R + (c * CW + sc)[None, :], o[c], mask=keep[:, None])
+            m_k = gl.convert_layout(m_i, gl.SliceLayout(1, a_l))
+            l_k = gl.convert_layout(l_i, gl.SliceLayout(1, a_l))
+            gl.store(part_ml_ptr + prow * 2, m_k, mask=keep)
+            gl.store(part_ml_ptr + prow * 2 + 1, l_k, mask=keep)
+
+
+def launch(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, page_rows: torch.Tensor,
+           positions: torch.Tensor, part_o: torch.Tensor, part_ml: torch.Tensor, B: int, T: int, S: int,
+           capacity: int, qk_scale: float, pdl: bool) -> bool:
+    """kernels/mla.py's split on this path (the caller checked `eligible`; q_lat [M, H, R] and the partials are that
+    module's buffers). False, with one warning, where the kernel does not compile: the caller runs the Triton split."""
+    H, R = q_lat.shape[1], q_lat.shape[2]
+    qpp = TILE_ROWS // H
+    grid = (B * triton.cdiv(T, qpp), S)
+    return guarded(lambda: _mla_split_gluon_kernel[grid](
+        q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, qk_scale,
+        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
+        page_rows.stride(0), positions.stride(0), positions.stride(1),
+        PS=kv_pages.shape[1], H=H, R=R, RR=q_rope.shape[3], SPLIT_N=SPLIT, CW=CHUNK, QPP=qpp, PDL=pdl, NW=WARPS,
+        num_warps=WARPS, **({"launch_pdl": True} if pdl else {})),
+        FAILED, "the Gluon MLA split (kernels/mla_gluon.py)", "the Triton split", "LINGC_MLA_GLUON")
