@@ -1,4 +1,4 @@
-"""The launch guard of lingc's Gluon kernels (kernels/kda_gluon.py, linear_tma.py, router_gluon.py).
+"""The launch guard of lingc's Gluon kernels (kernels/kda_gluon.py, linear_tma.py, router_gluon.py, mla_gluon.py).
 
 A Gluon kernel that does not compile (a Triton whose Gluon API differs from the 3.6 these were written against)
 warns once, naming its module and its off switch, and the caller runs the Triton kernel it stands in for; the

@@ -34,8 +34,8 @@ summation order): a numerics change for mla_attention on sm_90 (bench/kernel_mla
 and against the Triton kernel's tolerance).
 
 Where it runs (`eligible`): CUDA sm_90 (wgmma is Hopper's), Gluon importable, LINGC_MLA_GLUON not 0, a 2-byte cache,
-H in {16, 32, 64}, R and Rr multiples of 64 with the tile and the rows fitting shared memory, SPLIT_ROWS = 128, rows
-16-byte aligned. Elsewhere kernels/mla.py's Triton split runs; CPU tests compile this one for sm_90 offline
+H = 16 (the code takes any H dividing 64, but only 16, Ling-3.0-tiny's, has run on the GPU), R a multiple of 128 and
+Rr = 64 with the tile and the rows fitting shared memory, SPLIT_ROWS = 128, rows 16-byte aligned. Elsewhere kernels/mla.py's Triton split runs; CPU tests compile this one for sm_90 offline
 (tests/kernels/test_mla_gluon.py). A compile failure warns once and falls back (kernels/gluon_launch.py).
 """
 
@@ -86,7 +86,7 @@ def eligible(kv_pages: torch.Tensor, q_rope: torch.Tensor, H: int, R: int, Rr: i
     if not (ENABLED and HAVE_GLUON and not FAILED and kv_pages.device.type == "cuda"
             and not triton.knobs.runtime.interpret):
         return False
-    if kv_pages.dtype not in (torch.bfloat16, torch.float16) or H not in (16, 32, 64) or split_rows != SPLIT:
+    if kv_pages.dtype not in (torch.bfloat16, torch.float16) or H != 16 or split_rows != SPLIT:
         return False
     if R % CHUNK or Rr != 64 or smem_bytes(R, Rr) > SMEM_LIMIT:
         return False
