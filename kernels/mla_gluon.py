@@ -12,30 +12,38 @@ verify layer for the four kernels). Here one program takes QPP = 64 / H consecut
                       and the table were written by earlier steps or by mla_prep, two launches back, which has
                       completed when this kernel starts (the PDL chain, kernels/pdl.py); the launch right before,
                       q_absorb, writes only q_lat
-    after the wait    q_lat [64, R] and q_rope [64, Rr] (cp.async), then
-                      S = Q K^T       [64, 128] as two [64, 64] halves, 9 chunks of 64 columns each (wgmma, 2
-                                      warpgroups on N)
+    after the wait    q_lat [64, R] and q_rope [64, Rr] (cp.async; rows of queries past the chain's end load
+                      nothing), then
+                      S = Q K^T       [64, 128]: 4 latent chunks of 128 columns, then the rope chunk, on one
+                                      accumulator (wgmma, the 2 warpgroups side by side on N)
                       m = max over the row's visible columns, p = 2^(S * scale - m), l = sum p (fp32)
-                      P -> shared memory (bf16, over the query tile: Q is dead by then)
-                      O = P V         [64, R] in 8 chunks of 64 latent columns (wgmma, K = the 128 rows)
+                      P -> shared memory (bf16, over the query tile's first chunk: Q is dead by then)
+                      O = P V         [64, R]: 4 accumulators of 128 latent columns, issued together, one wait
                       the unnormalised partial (m, l, O) of every live query, as kernels/mla.py's split writes it
                       (the combine and v_absorb are that module's)
 
-No online softmax: a split is one 128-row block. Shared memory: the cache rows 144 KB + the query tile 72 KB at
-Ling-3.0-tiny's R = 512, Rr = 64 (1 CTA an SM, 8 warps); a 6-query verify runs 2 x S programs, decode S (S = 73 at
-the bench's capacity; a split past every query's position exits at once).
+No online softmax: a split is one 128-row block. Shared memory (one allocation a chunk, so no barrier separates the
+copies): the cache rows 144 KB + the query tile 72 KB at Ling-3.0-tiny's R = 512, Rr = 64 (1 CTA an SM, 8 warps,
+154 registers); a 6-query verify runs 2 x S programs, decode S (S = 73 at the bench's capacity; a split past every
+query's position exits at once).
 
 Row invariance: a query's row in the tile gets the same instructions whatever T is and whichever slot it sits in
-(a wgmma row depends only on its own operands; the row reductions run the same shuffle tree on every row), a T = 1
-call fills slot 0 and repeats the query in the other slots, storing nothing from them. So a verify chain's query has
-the bits of a decode step as long as both run this kernel (`eligible` does not look at T). Numerics against the
-Triton split: one 128-row softmax block instead of two 64-row online steps, wgmma instead of mma.sync (other fp32
-summation order): a numerics change for mla_attention on sm_90 (bench/kernel_mla.py checks it against the reference
-and against the Triton kernel's tolerance).
+(a wgmma row depends only on its own operands; the row reductions run the same shuffle tree on every row); a T = 1
+call fills slot 0 and stores nothing from the other slots. So a verify chain's query has the bits of a decode step
+as long as both run this kernel (`eligible` does not look at T; checked on the H200). Numerics against the Triton
+split: one 128-row softmax block instead of two 64-row online steps, wgmma instead of mma.sync (other fp32 summation
+order): a numerics change for mla_attention on sm_90 (max |diff| 3.9e-3 on bf16 outputs; bench/kernel_mla.py
+--gluon checks both against the reference's tolerance).
 
-Where it runs (`eligible`): CUDA sm_90 (wgmma is Hopper's), Gluon importable, LINGC_MLA_GLUON not 0, a 2-byte cache,
-H = 16 (the code takes any H dividing 64, but only 16, Ling-3.0-tiny's, has run on the GPU), R a multiple of 128 and
-Rr = 64 with the tile and the rows fitting shared memory, SPLIT_ROWS = 128, rows 16-byte aligned. Elsewhere kernels/mla.py's Triton split runs; CPU tests compile this one for sm_90 offline
+Measured on the H200 (bench/results/kernels-mla-gluon-h200-20261203.json, step-ab-h200-20261203-q.json): mla_attention
+25.7 against 34.6 us at 6 queries, 15.4 against 16.3 at one (context 8192, cold caches, PDL on); in the step greedy
+decode 1.146 against 1.165 ms, verify 2.218 against 2.265, NEXTN 3.154 against 3.230. At a short context (1024: 16
+live programs) 6 queries took 21.9 against 20.7 us: there one program's dependent steps decide.
+
+Where it runs (`eligible`): CUDA sm_90 (wgmma is Hopper's), Gluon importable, LINGC_MLA_GLUON not 0, a bf16 cache
+and H = 16 (the code takes any 2-byte dtype and any H dividing 64, but only Ling-3.0-tiny's bf16 and 16 heads have
+run on the GPU), R a multiple of 128 and Rr = 64 with the rows and the tile fitting shared memory, SPLIT_ROWS = 128,
+rows 16-byte aligned. Elsewhere kernels/mla.py's Triton split runs; CPU tests compile this one for sm_90 offline
 (tests/kernels/test_mla_gluon.py). A compile failure warns once and falls back (kernels/gluon_launch.py).
 """
 
@@ -86,7 +94,7 @@ def eligible(kv_pages: torch.Tensor, q_rope: torch.Tensor, H: int, R: int, Rr: i
     if not (ENABLED and HAVE_GLUON and not FAILED and kv_pages.device.type == "cuda"
             and not triton.knobs.runtime.interpret):
         return False
-    if kv_pages.dtype not in (torch.bfloat16, torch.float16) or H != 16 or split_rows != SPLIT:
+    if kv_pages.dtype != torch.bfloat16 or H != 16 or split_rows != SPLIT:
         return False
     if R % CHUNK or Rr != 64 or smem_bytes(R, Rr) > SMEM_LIMIT:
         return False
@@ -155,7 +163,8 @@ if HAVE_GLUON:
                     dt, [SPLIT_N, CW], gl.NVMMASharedLayout.get_default_for([SPLIT_N, CW], dt)),)
                 q_lat = q_lat + (gl.allocate_shared_memory(
                     dt, [BM, CW], gl.NVMMASharedLayout.get_default_for([BM, CW], dt)),)
-            kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR], gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
+            kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR],
+                                                gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
             q_rope = gl.allocate_shared_memory(dt, [BM, RR], gl.NVMMASharedLayout.get_default_for([BM, RR], dt))
             # before the wait (module docstring): the split's cache rows (rows past `end` land as zeros) and the
             # tile's positions

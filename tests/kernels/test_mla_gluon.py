@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 import lingc.kernels.mla as mla
 from lingc.kernels import mla_gluon as MG
@@ -62,6 +61,8 @@ def test_eligible_rules(monkeypatch) -> None:
     assert not MG.eligible(kv, qr, 16, 1024, 64, 128)                     # the rows and the tile overflow smem
     kv32, qr32 = _tiny_buffers(torch.float32)
     assert not MG.eligible(kv32, qr32, 16, 512, 64, 128)                  # fp32 caches: IEEE dots in Triton
+    kv16, qr16 = _tiny_buffers(torch.float16)
+    assert not MG.eligible(kv16, qr16, 16, 512, 64, 128)                  # only bf16 has run on the GPU
     odd = _Cuda(torch.empty(1, 6, 16, 64 + 4, dtype=torch.bfloat16)[..., 4:])
     assert not MG.eligible(kv, odd, 16, 512, 64, 128)                     # q_rope rows not 16-byte aligned
     monkeypatch.setattr(MG, "_major", lambda device: 10)
