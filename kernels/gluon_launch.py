@@ -3,14 +3,17 @@
 A Gluon kernel that does not compile (a Triton whose Gluon API differs from the 3.6 these were written against)
 warns once, naming its module and its off switch, and the caller runs the Triton kernel it stands in for; the
 module's FAILED list keeps the first message, so its `eligible` says no from then on. Compilation comes before any
-GPU work, so nothing has half-run when the fallback starts.
+GPU work, so nothing has half-run when the fallback starts. `major` is the cached compute-capability query their
+`eligible` shares.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
+import torch
 import triton
 from triton.compiler.errors import CompilationError
 
@@ -28,3 +31,10 @@ def guarded(launch: Callable[[], object], failed: list[str], what: str, fallback
                       f"runs instead. {knob}=0 skips the attempt.", RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def major(device: torch.device) -> int:
+    """The compute capability's major number of a CUDA device (cached: the Gluon modules' `eligible` asks at every
+    launch). Each module imports it as `_major`, the name the tests replace."""
+    return torch.cuda.get_device_capability(device)[0]

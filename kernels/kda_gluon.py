@@ -46,14 +46,13 @@ Triton whose Gluon differs from 3.6's) warns once and falls back, as kernels/lin
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 
 from lingc.kernels.pdl import TRIGGER
-from lingc.kernels.gluon_launch import guarded
+from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5
@@ -80,11 +79,6 @@ FAST_MATH = os.environ.get("LINGC_KDA_GLUON_FAST", "1") == "1"
 # at once)
 LATE_TICKET = os.environ.get("LINGC_KDA_GLUON_LATE_TICKET", "0") == "1"
 L2NORM_EPS = gl.constexpr(1e-6) if HAVE_GLUON else 1e-6   # kernels/kda.py L2NORM_EPS
-
-
-@functools.lru_cache(maxsize=None)
-def _major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 def eligible(device: torch.device, head_dim: int, width: int, T: int) -> bool:

@@ -54,7 +54,7 @@ import torch
 import triton
 
 from lingc.kernels.pdl import TRIGGER
-from lingc.kernels.gluon_launch import guarded
+from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the Triton kernel runs everywhere
@@ -126,11 +126,6 @@ def fits(n: int, k: int, split_k: int, block_n: int, block_k: int, elem: int,
 def _one_wave(device: torch.device) -> int:
     """Programs of one wave at 2 CTAs an SM."""
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool,

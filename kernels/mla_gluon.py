@@ -49,13 +49,12 @@ rows 16-byte aligned. Elsewhere kernels/mla.py's Triton split runs; CPU tests co
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 
-from lingc.kernels.gluon_launch import guarded
+from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5
@@ -81,11 +80,6 @@ SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
 def smem_bytes(r: int, rr: int) -> int:
     """Shared memory of a program: the split's cache rows and the query tile (P reuses the tile), 2-byte values."""
     return (SPLIT + TILE_ROWS) * (r + rr) * 2
-
-
-@functools.lru_cache(maxsize=None)
-def _major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 def eligible(kv_pages: torch.Tensor, q_rope: torch.Tensor, H: int, R: int, Rr: int, split_rows: int) -> bool:

@@ -36,14 +36,13 @@ Where it runs (`eligible`): CUDA sm_90+, Gluon importable, LINGC_ROUTER_GLUON no
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 
 from lingc.kernels.pdl import TRIGGER
-from lingc.kernels.gluon_launch import guarded
+from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
 
 try:  # Gluon ships with Triton >= 3.5
@@ -59,11 +58,6 @@ ALIGN = os.environ.get("LINGC_ROUTER_GLUON_ALIGN", "1") == "1"   # router_align 
 FAILED: list[str] = []       # the first compile failure's message; once set, router.py's kernels run
 MAX_WARPS = 8                # E = 32 x warps, one expert a thread
 FILL = gl.constexpr(16) if HAVE_GLUON else 16   # sentinel cells a thread per loop step (router_align)
-
-
-@functools.lru_cache(maxsize=None)
-def _major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 def eligible(device: torch.device, num_routed: int, n_group: int, topk_group: int, top_k: int) -> bool:

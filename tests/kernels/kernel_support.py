@@ -37,7 +37,7 @@ def poison_float_empty(monkeypatch) -> None:
 
 
 def pretend_sm90(monkeypatch, module) -> None:
-    """For the rest of a test, a Gluon module's `eligible` (kda_gluon, router_gluon) sees a CUDA sm_90 device: no
+    """For the rest of a test, a Gluon module's `eligible` (kda_gluon, router_gluon, mla_gluon) sees a CUDA sm_90 device: no
     interpreter, compute capability 9, the device index taken as given."""
     import triton
 
