@@ -156,19 +156,23 @@ def attribute(launches, eager_names, owner, reps, bandwidth_gbps: float, replay_
     durations = [statistics.median(t[i] for t in times) for i in range(len(eager_names))]
     per_launch: dict[int, float] = collections.defaultdict(float)
     kernels_of: collections.Counter = collections.Counter(owner)
+    kernel_us: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for i, d in enumerate(durations):
         per_launch[owner[i]] += d
+        kernel_us[owner[i]][eager_names[i]] += d
     groups: dict[str, dict] = {}
     for i, launch in enumerate(launches):
         if not kernels_of[i] and not sum(launch["bytes"].values()):
             continue                                         # views, getitems: no kernel, no bytes
         g = groups.setdefault(launch["group"], {"group": launch["group"], "launches": 0, "kernels": 0,
-                                                "bytes": 0, "us": 0.0})
+                                                "bytes": 0, "us": 0.0, "by_kernel": collections.Counter()})
         g["launches"] += 1
         g["kernels"] += kernels_of[i]
         g["bytes"] += sum(launch["bytes"].values())
         g["us"] += per_launch.get(i, 0.0)
+        g["by_kernel"].update(kernel_us.get(i, {}))
     for g in groups.values():
+        g["by_kernel"] = {k: v / g["launches"] for k, v in g["by_kernel"].most_common()}   # us a launch, per kernel
         g["floor_us"] = g["bytes"] / bandwidth_gbps / 1e3
         g["excess_us"] = g["us"] - g["floor_us"]
         g["gbps"] = g["bytes"] / g["us"] / 1e3 if g["us"] else 0.0

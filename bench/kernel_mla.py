@@ -326,32 +326,37 @@ def tile_rows(tiles: tuple[int, ...] = (16, 64)) -> list[dict]:
 
 
 def gluon_rows() -> list[dict]:
-    """mla_attention with the Gluon split (kernels/mla_gluon.py) and with the Triton split, 1 and 6 queries at
-    contexts 8192 and 1024 (most splits past the positions): the attention row's checks (reference tolerance, row
-    invariance, PDL on == off, determinism) and time for each, and the two splits' largest difference."""
+    """mla_attention with the Gluon split (kernels/mla_gluon.py; its bf16 partials, then fp32 ones) and with the
+    Triton split, 1 and 6 queries at contexts 8192 and 1024 (most splits past the positions): the attention row's
+    checks (reference tolerance, row invariance, PDL on == off, determinism) and time for each, and each Gluon row's
+    largest difference from the Triton split's output (max_diff_triton) and from the fp32-partial Gluon row's."""
     import lingc.kernels.mla as K
     import lingc.kernels.mla_gluon as MG
 
-    saved = MG.ENABLED
+    saved = MG.ENABLED, MG.PARTIAL_BF16
     rows = []
     try:
         for T, ctx in CASES:
             c = _case(T, ctx, 1, seed=11 + T)
             outs = {}
-            for on in (True, False):
-                MG.ENABLED = on
+            for name, on, bf16 in (("gluon", True, True), ("gluon-fp32-partials", True, False),
+                                   ("triton", False, False)):
+                MG.ENABLED, MG.PARTIAL_BF16 = on, bf16
                 r = _attention_rows(T, ctx, sweep=[])[0]
-                outs[on] = K.mla_attention(c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"],
-                                           c["positions"], SCALE)
+                outs[name] = K.mla_attention(c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"],
+                                             c["positions"], SCALE)
                 keep = {k: r[k] for k in ("shape", "time_us", "time_us_nopdl", "rel_err", "row_invariant",
                                           "pdl_equal", "deterministic", "ok")}
-                keep.update(kernel=f"mla_attention[{'gluon' if on else 'triton'}]", T=T, ctx=ctx,
+                keep.update(kernel=f"mla_attention[{name}]", T=T, ctx=ctx,
                             gluon_ran=bool(on and MG.eligible(c["kv"][0], c["q_rope"], H, R, RR, K.SPLIT_ROWS)))
                 rows.append(keep)
-            rows[-2]["max_diff_triton"] = (outs[True].float() - outs[False].float()).abs().max().item()
+            for row, name in zip(rows[-3:-1], ("gluon", "gluon-fp32-partials")):
+                row["max_diff_triton"] = (outs[name].float() - outs["triton"].float()).abs().max().item()
+            rows[-3]["max_diff_fp32_partials"] = (outs["gluon"].float()
+                                                  - outs["gluon-fp32-partials"].float()).abs().max().item()
             del c
     finally:
-        MG.ENABLED = saved
+        MG.ENABLED, MG.PARTIAL_BF16 = saved
     return rows
 
 

@@ -361,7 +361,7 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
         m_s = tl.load(part_ml_ptr + prow * 2, mask=mask_s, other=float("-inf"))
         l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=mask_s, other=0.0)
         o_s = tl.load(part_o_ptr + prow[:, None] * R + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
-                      other=0.0)                                                       # [BLOCK_S, BLOCK_R]
+                      other=0.0).to(tl.float32)                                        # [BLOCK_S, BLOCK_R]
         w = tl.exp2(m_s - m_max)                                                       # 0 on masked splits
         l_sum += w * l_s
         o_sum += tl.sum(w[:, None] * o_s, axis=0)
@@ -689,8 +689,10 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     PS = kv_pages.shape[1]
     capacity = page_rows.shape[1] * PS                                                 # MP * PS cache rows
     S = triton.cdiv(capacity, split_rows)
+    gluon = mla_gluon.eligible(kv_pages, q_rope, H, R, Rr, split_rows)
+    part_dtype = torch.bfloat16 if gluon and mla_gluon.PARTIAL_BF16 else torch.float32
     q_lat = torch.empty((M, H, R), dtype=kv_pages.dtype, device=dev)                   # [M, H, R]
-    part_o = torch.empty((M, S, H, R), dtype=torch.float32, device=dev)                # [M, S, H, R]
+    part_o = torch.empty((M, S, H, R), dtype=part_dtype, device=dev)                   # [M, S, H, R]
     part_ml = torch.empty((M, S, H, 2), dtype=torch.float32, device=dev)               # [M, S, H, (m, l)]
     o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
     pdl, launch = _launch_opts(pdl, dev)
@@ -699,9 +701,11 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
         num_warps=GEMV_WARPS, **launch)
-    gluon = mla_gluon.eligible(kv_pages, q_rope, H, R, Rr, split_rows) and mla_gluon.launch(
+    gluon = gluon and mla_gluon.launch(
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, B, T, S, capacity, scale * LOG2E, pdl)
     if not gluon:
+        if part_o.dtype != torch.float32:      # the Gluon launch failed to compile: the Triton split's fp32 partials
+            part_o = torch.empty((M, S, H, R), dtype=torch.float32, device=dev)
         _split_kernel[(B * triton.cdiv(T, qpp), S)](
             q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, scale * LOG2E,
             q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),

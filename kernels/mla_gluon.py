@@ -75,6 +75,10 @@ CHUNK = 128              # latent columns a shared-memory chunk (and an O accumu
 WARPS = 8                # two warpgroups, side by side on the MMAs' N
 HOPPER = 9
 SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
+# The split's unnormalised partial O in bf16 rather than fp32 (kernels/mla.py allocates part_o in this dtype where this
+# kernel runs; m and l stay fp32), stored a row a warp. H200 (bench/results/...): see the module docstring.
+# LINGC_MLA_PARTIAL_BF16=0 keeps fp32 partials (the Triton split's)
+PARTIAL_BF16 = os.environ.get("LINGC_MLA_PARTIAL_BF16", "1") == "1"
 
 
 def smem_bytes(r: int, rr: int) -> int:
@@ -226,9 +230,18 @@ if HAVE_GLUON:
             for c in gl.static_range(RC):
                 o = o + (warpgroup_mma(q_lat[0], kv_lat[c], gl.zeros([BM, CW], gl.float32, a_l), is_async=True),)
             o = warpgroup_mma_wait(0, deps=o)
-            prow = ((b * T + ts) * S + s).to(gl.int64) * H + sr % H                # partial rows
+            # O in part_o's dtype (bf16 on the launcher's default path), a row's 128 columns by one warp, 4 values a
+            # thread: whole rows per store, not the accumulator layout's 8-row strips
+            LO: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])                # [BM, CW]
+            po = part_o_ptr.dtype.element_ty
+            orow = gl.arange(0, BM, layout=gl.SliceLayout(1, LO))
+            ocol = gl.arange(0, CW, layout=gl.SliceLayout(0, LO))
+            prow_o = ((b * T + gl.minimum(t0 + orow // H, T - 1)) * S + s).to(gl.int64) * H + orow % H
+            keep_o = gl.convert_layout(keep, gl.SliceLayout(1, LO))
             for c in gl.static_range(RC):
-                gl.store(part_o_ptr + prow[:, None] * R + (c * CW + sc)[None, :], o[c], mask=keep[:, None])
+                gl.store(part_o_ptr + prow_o[:, None] * R + (c * CW + ocol)[None, :],
+                         gl.convert_layout(o[c].to(po), LO), mask=keep_o[:, None])
+            prow = ((b * T + ts) * S + s).to(gl.int64) * H + sr % H                # partial rows
             m_k = gl.convert_layout(m_i, gl.SliceLayout(1, a_l))
             l_k = gl.convert_layout(l_i, gl.SliceLayout(1, a_l))
             gl.store(part_ml_ptr + prow * 2, m_k, mask=keep)

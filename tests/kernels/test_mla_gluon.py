@@ -108,7 +108,8 @@ const = dict(PS=16, H=16, R=512, RR=64, SPLIT_N=MG.SPLIT, CW=MG.CHUNK, QPP=MG.TI
 sig = {}
 for n in fn.arg_names:
     if n in const: sig[n] = "constexpr"
-    elif n in ("part_o_ptr", "part_ml_ptr"): sig[n] = "*fp32"
+    elif n == "part_o_ptr": sig[n] = "*bf16" if MG.PARTIAL_BF16 else "*fp32"
+    elif n == "part_ml_ptr": sig[n] = "*fp32"
     elif n in ("pages_ptr", "pos_ptr"): sig[n] = "*i32"
     elif n.endswith("_ptr"): sig[n] = "*bf16"
     elif n == "qk_scale": sig[n] = "fp32"
