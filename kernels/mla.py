@@ -50,7 +50,7 @@ IEEE dots), exp2 with log2(e) folded into the scale. Measured in the interpreter
 Bytes per call (Ling-3.0-tiny, bf16): the visible cache rows (pos+1) * L * 2 per query, 9.4 MB at 8192 rows
 (T > 1 queries of one request re-read the same rows, mostly from L2: their programs are adjacent in the grid),
 kv_b 4 MB, partials M * S_visible * H * R * 4 written and read once (2.1 MB per query at 8192 rows and
-SPLIT_ROWS=128, L2-resident).
+SPLIT_ROWS=128, L2-resident; half that where the Gluon split stores them in bf16, kernels/mla_gluon.py PARTIAL_BF16).
 
 `mla_cache_write` scatters the M latent rows into their flat cache rows (one program per row). `rope` and
 `sigmoid_gate` are one-program-per-token elementwise kernels replacing ~10 and ~4 small torch launches; their
@@ -140,7 +140,11 @@ SMALL_ACC = 16 * 512     # QPP * BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
 CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 16384 rows in one step
-CB_BLOCK_R = 128         # latent columns per combine program (M*H x R/128 programs: 64 at T = 1)
+# latent columns per combine program (M*H x R/64 programs: 128 at T = 1; the columns do not enter the arithmetic, so
+# the same bits at any value). 128 until 2026-12-04: with the Gluon split's bf16 partials, 64 measured greedy verify
+# 2.199 against 2.210 / 2.213 ms and greedy NEXTN 3.132 against 3.146 / 3.147, decode level (1.148 against 1.149 /
+# 1.150; bench/results/step-ab-h200-20261204-a.json, where CB_BLOCK_S = 64, another reduction shape, was slower)
+CB_BLOCK_R = 64
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4

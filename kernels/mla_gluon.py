@@ -19,8 +19,8 @@ verify layer for the four kernels). Here one program takes QPP = 64 / H consecut
                       m = max over the row's visible columns, p = 2^(S * scale - m), l = sum p (fp32)
                       P -> shared memory (bf16, over the query tile's first chunk: Q is dead by then)
                       O = P V         [64, R]: 4 accumulators of 128 latent columns, issued together, one wait
-                      the unnormalised partial (m, l, O) of every live query, as kernels/mla.py's split writes it
-                      (the combine and v_absorb are that module's)
+                      the unnormalised partial (m, l, O) of every live query in kernels/mla.py's layout, O in bf16
+                      (PARTIAL_BF16) and a row a warp (the combine and v_absorb are that module's)
 
 No online softmax: a split is one 128-row block. Shared memory (one allocation a chunk, so no barrier separates the
 copies): the cache rows 144 KB + the query tile 72 KB at Ling-3.0-tiny's R = 512, Rr = 64 (1 CTA an SM, 8 warps,
@@ -76,7 +76,14 @@ WARPS = 8                # two warpgroups, side by side on the MMAs' N
 HOPPER = 9
 SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
 # The split's unnormalised partial O in bf16 rather than fp32 (kernels/mla.py allocates part_o in this dtype where this
-# kernel runs; m and l stay fp32), stored a row a warp. H200 (bench/results/...): see the module docstring.
+# kernel runs; m and l stay fp32; FlashInfer's split-KV decode keeps its partial outputs in the output dtype too), stored
+# a row a warp: half the bytes the split writes and the combine reads (2 MB -> 1 MB a query at 8192 rows). A numerics
+# change (the partials rounded to bf16 before the fp32 combine): max |diff| 7.8e-3 against fp32 partials on bf16
+# outputs of |out| ~ 1 (one bf16 ulp at 1-2), within the reference tolerance, row invariant, PDL on == off
+# (bench/results/kernels-mla-gluon-bf16-h200-20261204.json). H200 step, one process (step-ab-h200-20261204-a.json):
+# greedy verify 2.210 / 2.213 ms against 2.221 with fp32 partials, greedy NEXTN 3.146 / 3.147 against 3.172, greedy
+# decode level (1.149 / 1.150 against 1.150). Isolated (the split alone, cold, PDL off): 6 queries 11.9 against 13.7 us,
+# 1 query level (10.2 against 9.9-10.1); stored in the accumulator's layout bf16 was slower (16.3 us at 6 queries).
 # LINGC_MLA_PARTIAL_BF16=0 keeps fp32 partials (the Triton split's)
 PARTIAL_BF16 = os.environ.get("LINGC_MLA_PARTIAL_BF16", "1") == "1"
 
