@@ -288,7 +288,8 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
 
 
 def greedy_parity(model, traced, passes: list[str], tokens: int = 48) -> dict:
-    """Greedy NEXTN == plain decode == reference (the same artifact, Triton kernels, CUDA graphs)."""
+    """Greedy NEXTN == plain decode == reference (the same artifact, Triton kernels, CUDA graphs), and == the same
+    passes without `pdl` (PDL on == off over the whole step)."""
     from lingc.passes.manager import PassManager
     from lingc.runtime.engine import Engine, Request
     program = PassManager(passes).run(traced).program
@@ -300,11 +301,20 @@ def greedy_parity(model, traced, passes: list[str], tokens: int = 48) -> dict:
             r = eng.generate(Request(prompt, tokens, ignore_eos=True))
             out[spec, greedy_graphs], graphs[spec, greedy_graphs] = r.tokens, r.graphs
             del eng
+    # the same passes without `pdl` (every launch stream-ordered): PDL must not change a bit (kernels read before
+    # their wait only what earlier launches completed)
+    no_pdl = PassManager([p.name for p in PassManager(passes).passes if p.name != "pdl"]).run(traced).program
+    for spec in ("nextn", "none"):
+        eng = Engine(no_pdl, "cuda", spec, greedy_graphs=True)
+        out[spec, "no-pdl"] = eng.generate(Request(prompt, tokens, ignore_eos=True)).tokens
+        del eng
+    del no_pdl
     ref = model.generate(torch.tensor([prompt], device="cuda"), tokens)[0].tolist()
     gc.collect()
     torch.cuda.empty_cache()
     plain = out["none", True]
     return {"nextn_equals_plain": out["nextn", True] == plain,
+            "pdl_off_equals_on": all(out[s, "no-pdl"] == out[s, True] for s in ("nextn", "none")),
             "general_nextn_equals_plain": out["nextn", False] == out["none", False],
             "greedy_graphs_equal_general": all(out[s, True] == out[s, False] for s in ("nextn", "none")),
             "graphs": {f"{s}{'' if g else ' (general)'}": list(v) for (s, g), v in graphs.items()},

@@ -150,6 +150,12 @@ VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 12
 GEMV_WARPS = 4
 # q_absorb's early path (EARLY: under PDL, its q load and sum before the wait); LINGC_MLA_QABSORB_EARLY=0 turns it off
 QA_EARLY = os.environ.get("LINGC_MLA_QABSORB_EARLY", "1") == "1"
+# q_absorb's entry trigger (under PDL): the split launches when q_absorb starts, not when it has passed its wait, so
+# the split's pre-wait cache reads overlap q_absorb and mla_prep's tail. Safe because the split reads nothing before
+# its wait that the two launches before it write: the positions and the page table come from the step's head, and
+# the Gluon split copies the cache rows of this step's tokens (mla_prep's) only after its wait (kernels/mla_gluon.py
+# UNIT); the Triton split reads only the positions there. LINGC_MLA_QABSORB_ENTRY=0 turns it off
+QA_ENTRY = os.environ.get("LINGC_MLA_QABSORB_ENTRY", "1") == "1"
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
 # the split's pre-wait L2 prefetch: off by default (the H200 step measured slower with it and the MoE down-GEMM's on,
@@ -170,11 +176,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, stride_w,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                     BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                     BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                     ENTRY: tl.constexpr = False):
     """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m).
     EARLY (under PDL): q is loaded (through L2) and the sum run before the wait. q_nope's writer, the q projection,
     is two launches back (mla_prep or the cache write sits between; the pdl pass launches mla_attention without PDL
-    where the launch just before it produced or wrote q_nope, passes/pdl.py PREWAIT_INPUTS)."""
+    where the launch just before it produced or wrote q_nope, passes/pdl.py PREWAIT_INPUTS). ENTRY (under PDL): the
+    split may launch at this kernel's entry (QA_ENTRY: what the split reads before its wait is older than the
+    launch before this one, kernels/mla_gluon.py)."""
+    if PDL and ENTRY:
+        pdl_launch_next()
     h = tl.program_id(0)
     m = tl.program_id(2)
     offs_n = tl.arange(0, BLOCK_NOPE)
@@ -704,6 +715,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), M)](
         q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
+        ENTRY=QA_ENTRY,
         num_warps=GEMV_WARPS, **launch)
     gluon = gluon and mla_gluon.launch(
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, B, T, S, capacity, scale * LOG2E, pdl)

@@ -8,11 +8,13 @@ verify layer for the four kernels). Here one program takes QPP = 64 / H consecut
 64 MMA rows, the wgmma M) and one split of SPLIT = 128 cache rows:
 
     before the wait   the tile's positions, the split's page-table rows, and its 128 cache rows [128, R + Rr] by
-                      cp.async into shared memory (zero where a row is past the tile's last visible row): the rows
-                      and the table were written by earlier steps or by mla_prep, two launches back, which has
-                      completed when this kernel starts (the PDL chain, kernels/pdl.py); the launch right before,
-                      q_absorb, writes only q_lat
-    after the wait    q_lat [64, R] and q_rope [64, Rr] (cp.async; rows of queries past the chain's end load
+                      cp.async into shared memory (zero where a row is past the tile's last visible row), UNIT = 32
+                      rows a copy, every unit whose rows all precede the request's first query of this step: those
+                      rows, the positions and the table were written by earlier steps or at the step's head, long
+                      complete. q_absorb, the launch before, triggers at its entry (kernels/mla.py QA_ENTRY), so
+                      this kernel may start while mla_prep, two launches back, still writes this step's rows
+    after the wait    the units holding a row of this step's tokens (one at decode; mla_prep has completed), then
+                      q_lat [64, R] and q_rope [64, Rr] (cp.async; rows of queries past the chain's end load
                       nothing), then
                       S = Q K^T       [64, 128]: 4 latent chunks of 128 columns, then the rope chunk, on one
                                       accumulator (wgmma, the 2 warpgroups side by side on N)
@@ -72,6 +74,7 @@ FAILED: list[str] = []   # the first compile failure's message; once set, every 
 TILE_ROWS = 64           # the wgmma M: QPP = TILE_ROWS // H queries a program
 SPLIT = 128              # cache rows a program (kernels/mla.py SPLIT_ROWS must equal it)
 CHUNK = 128              # latent columns a shared-memory chunk (and an O accumulator)
+UNIT = 32                # cache rows a copy: the rows of this step's tokens wait for the PDL wait a unit at a time
 WARPS = 8                # two warpgroups, side by side on the MMAs' N
 HOPPER = 9
 SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
@@ -132,11 +135,28 @@ if HAVE_GLUON:
         return page.to(gl.int64) * stride_page + (rows % PS) * stride_row, valid
 
     @gluon.jit
+    def _copy_rows(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, slot,
+                   cols, cols_r, R: gl.constexpr, RC: gl.constexpr, CW: gl.constexpr, N: gl.constexpr,
+                   PS: gl.constexpr, LW: gl.constexpr, LR: gl.constexpr):
+        """cp.async of cache rows first .. first + N - 1 (zeros past `end`) into rows slot .. slot + N - 1 of the
+        split's shared-memory chunks."""
+        base, valid = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, N, PS,
+                                 gl.SliceLayout(1, LW))
+        for c in gl.static_range(RC):
+            async_copy.async_copy_global_to_shared(kv_lat[c].slice(slot, N),
+                                                   kv_ptr + base[:, None] + (c * CW + cols)[None, :],
+                                                   mask=valid[:, None])
+        base_r, valid_r = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, N, PS,
+                                     gl.SliceLayout(1, LR))
+        async_copy.async_copy_global_to_shared(kv_rope.slice(slot, N), kv_ptr + base_r[:, None] + (R + cols_r)[None, :],
+                                               mask=valid_r[:, None])
+
+    @gluon.jit
     def _mla_split_gluon_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                                 T, S, CAP, qk_scale,
                                 stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
                                 stride_pos_b, stride_pos_t,
-                                PS: gl.constexpr, H: gl.constexpr, R: gl.constexpr, RR: gl.constexpr,
+                                UNIT: gl.constexpr, PS: gl.constexpr, H: gl.constexpr, R: gl.constexpr, RR: gl.constexpr,
                                 SPLIT_N: gl.constexpr, CW: gl.constexpr, QPP: gl.constexpr, PDL: gl.constexpr,
                                 NW: gl.constexpr):
         """Unnormalised softmax partials (m, l, O) of QPP consecutive queries of one request over split s of
@@ -171,19 +191,16 @@ if HAVE_GLUON:
             kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR],
                                                 gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
             q_rope = gl.allocate_shared_memory(dt, [BM, RR], gl.NVMMASharedLayout.get_default_for([BM, RR], dt))
-            # before the wait (module docstring): the split's cache rows (rows past `end` land as zeros) and the
-            # tile's positions
-            base, valid = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end, SPLIT_N, PS,
-                                     gl.SliceLayout(1, LW))
+            # before the wait (module docstring): the split's cache rows that earlier steps wrote (rows past `end`
+            # land as zeros), UNIT rows a copy; a unit holding a row of this step's tokens (position >= the
+            # request's first query's) is copied after the wait, when mla_prep's write of it is complete
             cols = gl.arange(0, CW, layout=gl.SliceLayout(0, LW))
-            for c in gl.static_range(RC):
-                async_copy.async_copy_global_to_shared(kv_lat[c], kv_ptr + base[:, None] + (c * CW + cols)[None, :],
-                                                       mask=valid[:, None])
-            base_r, valid_r = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end, SPLIT_N,
-                                         PS, gl.SliceLayout(1, LR))
             cols_r = gl.arange(0, RR, layout=gl.SliceLayout(0, LR))
-            async_copy.async_copy_global_to_shared(kv_rope, kv_ptr + base_r[:, None] + (R + cols_r)[None, :],
-                                                   mask=valid_r[:, None])
+            pos_new = gl.load(pos_b, cache_modifier=".cg").to(gl.int32)
+            for u in gl.static_range(SPLIT_N // UNIT):
+                if start + (u + 1) * UNIT <= pos_new:
+                    _copy_rows(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row,
+                               start + u * UNIT, end, u * UNIT, cols, cols_r, R, RC, CW, UNIT, PS, LW, LR)
             async_copy.commit_group()
             sr = gl.arange(0, BM, layout=gl.SliceLayout(1, a_l))
             sc = gl.arange(0, CW, layout=gl.SliceLayout(0, a_l))
@@ -193,6 +210,10 @@ if HAVE_GLUON:
             keep = (t0 + sr // H < T) & (end_q > start)                        # rows whose partial is stored
             if PDL:
                 gluon_gdc_wait()
+            for u in gl.static_range(SPLIT_N // UNIT):
+                if start + (u + 1) * UNIT > pos_new:
+                    _copy_rows(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row,
+                               start + u * UNIT, end, u * UNIT, cols, cols_r, R, RC, CW, UNIT, PS, LW, LR)
             # the query tile: row r is query t0 + r // H, head r % H; rows past the chain's end load nothing (their
             # results are not stored, and a row's MMA results do not depend on the other rows)
             qr = gl.arange(0, BM, layout=gl.SliceLayout(1, LW))
@@ -267,6 +288,6 @@ def launch(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, pa
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, qk_scale,
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
         page_rows.stride(0), positions.stride(0), positions.stride(1),
-        PS=kv_pages.shape[1], H=H, R=R, RR=q_rope.shape[3], SPLIT_N=SPLIT, CW=CHUNK, QPP=qpp, PDL=pdl, NW=WARPS,
+        UNIT=UNIT, PS=kv_pages.shape[1], H=H, R=R, RR=q_rope.shape[3], SPLIT_N=SPLIT, CW=CHUNK, QPP=qpp, PDL=pdl, NW=WARPS,
         num_warps=WARPS, **({"launch_pdl": True} if pdl else {})),
         FAILED, "the Gluon MLA split (kernels/mla_gluon.py)", "the Triton split", "LINGC_MLA_GLUON")
