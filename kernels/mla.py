@@ -154,7 +154,11 @@ QA_EARLY = os.environ.get("LINGC_MLA_QABSORB_EARLY", "1") == "1"
 # the split's pre-wait cache reads overlap q_absorb and mla_prep's tail. Safe because the split reads nothing before
 # its wait that the two launches before it write: the positions and the page table come from the step's head, and
 # the Gluon split copies the cache rows of this step's tokens (mla_prep's) only after its wait (kernels/mla_gluon.py
-# UNIT); the Triton split reads only the positions there. LINGC_MLA_QABSORB_ENTRY=0 turns it off
+# UNIT); the Triton split reads only the positions there. H200 (bench/results/step-ab-h200-20261204-b.json, one
+# process): greedy verify 2.189 / 2.192 ms against 2.201 without, greedy NEXTN 3.127 / 3.117 against 3.136, decode
+# level (1.147 / 1.140 against 1.145); PDL on == off over the whole step (greedy tokens) and mla_attention alone 13.8
+# against 15.6 us at one query, 22.8 against 24.8 at six (kernels-mla-gluon-entry-h200-20261204.json against -bf16-).
+# LINGC_MLA_QABSORB_ENTRY=0 turns it off
 QA_ENTRY = os.environ.get("LINGC_MLA_QABSORB_ENTRY", "1") == "1"
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
