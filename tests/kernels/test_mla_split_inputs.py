@@ -1,0 +1,71 @@
+"""What mla_attention's split reads, and when (2026-12-04): the combine takes bf16 partials (the Gluon split's
+PARTIAL_BF16) as the fp32 values they hold, and q_absorb's entry trigger (QA_ENTRY) puts `launch_dependents` ahead
+of its wait and of every load, compiled for sm_90 without a GPU. The Gluon split's side (its cache-row units before
+and after the wait) is tests/kernels/test_mla_gluon.py's PTX check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lingc.kernels.mla as mla
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _combine(part_o: torch.Tensor, part_ml: torch.Tensor, positions: torch.Tensor, split: int) -> torch.Tensor:
+    M, S, H, R = part_o.shape
+    o_lat = torch.full((M, H, R), float("nan"))
+    mla._combine_kernel[(M * H, _cdiv(R, 16))](
+        part_o, part_ml, positions, o_lat, positions.shape[1], S, positions.stride(0), positions.stride(1),
+        H=H, R=R, SPLIT=split, S_POW2=16, BLOCK_S=16, BLOCK_R=16, PDL=False)
+    return o_lat
+
+
+def test_the_combine_reads_bf16_partials_as_their_values() -> None:
+    g = torch.Generator().manual_seed(3)
+    B, T, S, H, R, split = 1, 3, 5, 2, 32, 8
+    part = (torch.randn(B * T, S, H, R, generator=g) * 4).to(torch.bfloat16)       # values a bf16 store leaves
+    ml = torch.stack([torch.randn(B * T, S, H, generator=g), torch.rand(B * T, S, H, generator=g) * 8 + 1], -1)
+    positions = torch.tensor([[17, 26, 39]])                                         # 3, 4 and 5 visible splits
+    got = _combine(part, ml.contiguous(), positions, split)
+    want = _combine(part.float(), ml.contiguous(), positions, split)
+    assert torch.equal(got, want)
+    assert not got.isnan().any()
+
+
+_PROBE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lingc.kernels.mla as K
+sig = dict(q_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", T="i32", stride_qb="i32", stride_qt="i32", stride_qh="i32",
+           stride_w="i32", H="constexpr", N="constexpr", R="constexpr", HEAD_ROWS="constexpr", BLOCK_NOPE="constexpr",
+           BLOCK_R="constexpr", PDL="constexpr", EARLY="constexpr", ENTRY="constexpr")
+const = dict(H=16, N=128, R=512, HEAD_ROWS=256, BLOCK_NOPE=128, BLOCK_R=K.QA_BLOCK_R, PDL=True, EARLY=True,
+             ENTRY=True)
+ptx = triton.compile(ASTSource(fn=K._q_absorb_kernel, signature=sig, constexprs=const),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": K.GEMV_WARPS}).asm["ptx"]
+lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
+find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
+print(find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), find("ld.global"), sep="|")
+"""
+
+
+def test_q_absorb_entry_trigger_comes_first() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    waits, triggers, loads = (eval(part) for part in proc.stdout.strip().splitlines()[-1].split("|"))
+    assert len(waits) == 1 and triggers and loads, (waits, triggers, loads)
+    assert triggers[0] < min(loads) and triggers[0] < waits[0]     # at entry: before the weight and q loads
