@@ -40,7 +40,12 @@ order): a numerics change for mla_attention on sm_90 (max |diff| 3.9e-3 on bf16 
 Measured on the H200 (bench/results/kernels-mla-gluon-h200-20261203.json, step-ab-h200-20261203-q.json): mla_attention
 25.7 against 34.6 us at 6 queries, 15.4 against 16.3 at one (context 8192, cold caches, PDL on); in the step greedy
 decode 1.146 against 1.165 ms, verify 2.218 against 2.265, NEXTN 3.154 against 3.230. At a short context (1024: 16
-live programs) 6 queries took 21.9 against 20.7 us: there one program's dependent steps decide.
+live programs) 6 queries took 21.9 against 20.7 us: there one program's dependent steps decide. 2026-12-04: with bf16
+partials and q_absorb's entry trigger 13.8 us at one query and 22.8 at six (19.6 against the Triton split's 22.0 at
+1024; kernels-mla-gluon-entry-h200-20261204.json). Where a program's time goes (the split alone, cold, PDL off,
+parts compiled out; probe-mla-split-h200-20261204.json): ~3.5 us of cache-row copies, then 3.1 us of the two MMA
+chains (a T = 1 call computes 48 dead rows of the 64), then the partial stores (1.8 / 4.3 us at 1 / 6 queries with
+fp32 partials), on top of ~3 us of launch and position / page-table round trips.
 
 Where it runs (`eligible`): CUDA sm_90 (wgmma is Hopper's), Gluon importable, LINGC_MLA_GLUON not 0, a bf16 cache
 and H = 16 (the code takes any 2-byte dtype and any H dividing 64, but only Ling-3.0-tiny's bf16 and 16 heads have
