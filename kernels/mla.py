@@ -10,7 +10,8 @@ S = cdiv(MP*PS, SPLIT_ROWS) key splits.
 
 `mla_attention` (one launcher, four kernels, all of them written out by the kernels themselves; on sm_90 the split is
 kernels/mla_gluon.py's wgmma kernel where it applies, four queries' heads a tile and the split's cache rows in shared
-memory before the PDL wait, other bits than the Triton split below but row invariant the same way):
+memory before the PDL wait, its partial O in bf16, other bits than the Triton split below but row invariant the same
+way):
     1. q_absorb   grid (H, R/QA_BLOCK_R, M) q_lat[m, h] = q_nope[m, h] @ W_uk[h]      fp32 sum, stored in the
                                             cache dtype (it is an MMA operand in stage 2)
     2. split      grid (B*cdiv(T,QPP), S)   one program = QPP consecutive queries of a request, all H heads, the
