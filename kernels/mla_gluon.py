@@ -140,21 +140,25 @@ if HAVE_GLUON:
         return page.to(gl.int64) * stride_page + (rows % PS) * stride_row, valid
 
     @gluon.jit
-    def _copy_rows(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, slot,
-                   cols, cols_r, R: gl.constexpr, RC: gl.constexpr, CW: gl.constexpr, N: gl.constexpr,
-                   PS: gl.constexpr, LW: gl.constexpr, LR: gl.constexpr):
-        """cp.async of cache rows first .. first + N - 1 (zeros past `end`) into rows slot .. slot + N - 1 of the
-        split's shared-memory chunks."""
-        base, valid = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, N, PS,
-                                 gl.SliceLayout(1, LW))
-        for c in gl.static_range(RC):
-            async_copy.async_copy_global_to_shared(kv_lat[c].slice(slot, N),
-                                                   kv_ptr + base[:, None] + (c * CW + cols)[None, :],
-                                                   mask=valid[:, None])
-        base_r, valid_r = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, N, PS,
-                                     gl.SliceLayout(1, LR))
-        async_copy.async_copy_global_to_shared(kv_rope.slice(slot, N), kv_ptr + base_r[:, None] + (R + cols_r)[None, :],
-                                               mask=valid_r[:, None])
+    def _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end, pos_new,
+                    cols, cols_r, R: gl.constexpr, RC: gl.constexpr, CW: gl.constexpr, UNIT: gl.constexpr,
+                    SPLIT_N: gl.constexpr, PS: gl.constexpr, LW: gl.constexpr, LR: gl.constexpr, OLD: gl.constexpr):
+        """cp.async of the split's UNIT-row units into the same rows of its shared-memory chunks (zeros past `end`):
+        OLD, the units whose rows all precede pos_new (written by earlier steps); else the others."""
+        for u in gl.static_range(SPLIT_N // UNIT):
+            if (start + (u + 1) * UNIT <= pos_new) == OLD:
+                first = start + u * UNIT
+                base, valid = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, UNIT, PS,
+                                         gl.SliceLayout(1, LW))
+                for c in gl.static_range(RC):
+                    async_copy.async_copy_global_to_shared(kv_lat[c].slice(u * UNIT, UNIT),
+                                                           kv_ptr + base[:, None] + (c * CW + cols)[None, :],
+                                                           mask=valid[:, None])
+                base_r, valid_r = _rows_base(pages_ptr, b, stride_pages_b, stride_page, stride_row, first, end, UNIT,
+                                             PS, gl.SliceLayout(1, LR))
+                async_copy.async_copy_global_to_shared(kv_rope.slice(u * UNIT, UNIT),
+                                                       kv_ptr + base_r[:, None] + (R + cols_r)[None, :],
+                                                       mask=valid_r[:, None])
 
     @gluon.jit
     def _mla_split_gluon_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
@@ -202,10 +206,8 @@ if HAVE_GLUON:
             cols = gl.arange(0, CW, layout=gl.SliceLayout(0, LW))
             cols_r = gl.arange(0, RR, layout=gl.SliceLayout(0, LR))
             pos_new = gl.load(pos_b, cache_modifier=".cg").to(gl.int32)
-            for u in gl.static_range(SPLIT_N // UNIT):
-                if start + (u + 1) * UNIT <= pos_new:
-                    _copy_rows(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row,
-                               start + u * UNIT, end, u * UNIT, cols, cols_r, R, RC, CW, UNIT, PS, LW, LR)
+            _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
+                        pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, True)
             async_copy.commit_group()
             sr = gl.arange(0, BM, layout=gl.SliceLayout(1, a_l))
             sc = gl.arange(0, CW, layout=gl.SliceLayout(0, a_l))
@@ -215,10 +217,8 @@ if HAVE_GLUON:
             keep = (t0 + sr // H < T) & (end_q > start)                        # rows whose partial is stored
             if PDL:
                 gluon_gdc_wait()
-            for u in gl.static_range(SPLIT_N // UNIT):
-                if start + (u + 1) * UNIT > pos_new:
-                    _copy_rows(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row,
-                               start + u * UNIT, end, u * UNIT, cols, cols_r, R, RC, CW, UNIT, PS, LW, LR)
+            _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
+                        pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, False)
             # the query tile: row r is query t0 + r // H, head r % H; rows past the chain's end load nothing (their
             # results are not stored, and a row's MMA results do not depend on the other rows)
             qr = gl.arange(0, BM, layout=gl.SliceLayout(1, LW))

@@ -12,20 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 import lingc.kernels.mla as mla
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _combine(part_o: torch.Tensor, part_ml: torch.Tensor, positions: torch.Tensor, split: int) -> torch.Tensor:
     M, S, H, R = part_o.shape
     o_lat = torch.full((M, H, R), float("nan"))
-    mla._combine_kernel[(M * H, _cdiv(R, 16))](
+    mla._combine_kernel[(M * H, triton.cdiv(R, 16))](
         part_o, part_ml, positions, o_lat, positions.shape[1], S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split, S_POW2=16, BLOCK_S=16, BLOCK_R=16, PDL=False)
     return o_lat
