@@ -59,6 +59,8 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.extra import libdevice
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from lingc.kernels.pdl import gluon_gdc_launch_dependents, gluon_gdc_wait
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the Triton build
@@ -78,6 +80,15 @@ FAST_MATH = os.environ.get("LINGC_KDA_GLUON_FAST", "1") == "1"
 # overlaps the work. Off: the H200 step measured it slower (greedy decode 1.206 vs 1.192 ms with the ticket read
 # at once)
 LATE_TICKET = os.environ.get("LINGC_KDA_GLUON_LATE_TICKET", "0") == "1"
+# the step's output from the decayed state before its update, o = S'^T q + (k.q) err, so S'.k and S'.q reduce together
+# (two shuffle trees interleaved) instead of S'.k, the update, then S.q one after the other; a numerics change (other
+# fp32 rounding of o; the state's bits are unchanged). LINGC_KDA_GLUON_PARALLEL_O=0: o = S^T q after the update
+PARALLEL_O = os.environ.get("LINGC_KDA_GLUON_PARALLEL_O", "1") == "1"
+# verify's staged state through shared memory and one TMA store a position ([D, BLOCK_V] box: whole 64 B row segments)
+# instead of 4 plain 16 B stores a thread at a 512 B stride (ncu: the loop's back edge waited on their registers, and
+# the kernel's L2 traffic was ~half its peak with DRAM at 2%); one CTA barrier a position. Same bits.
+# LINGC_KDA_GLUON_TMA_STAGE=0: the plain stores
+TMA_STAGE = os.environ.get("LINGC_KDA_GLUON_TMA_STAGE", "1") == "1"
 L2NORM_EPS = gl.constexpr(1e-6) if HAVE_GLUON else 1e-6   # kernels/kda.py L2NORM_EPS
 
 
@@ -155,10 +166,11 @@ if HAVE_GLUON:
     def _kda_gluon_kernel(qx_ptr, kx_ptr, vx_ptr, f_ptr, b_ptr, wq_ptr, wk_ptr, wv_ptr, cq_ptr, ck_ptr, cv_ptr,
                           a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, sq_ptr, sk_ptr, sv_ptr, staging_ptr,
                           count_ptr, o_ptr, H, s_xb, s_xt, s_fb, s_ft, s_fh, s_bb, s_bt, s_bh, s_cpool, s_cstb,
-                          s_cstt, s_stb, s_stt, scale, lower_bound,
+                          s_cstt, s_stb, s_stt, scale, lower_bound, st_desc,
                           T: gl.constexpr, TP: gl.constexpr, D: gl.constexpr, BV: gl.constexpr,
                           STAGED: gl.constexpr, PDL: gl.constexpr, EARLY_TRIGGER: gl.constexpr, NW: gl.constexpr,
-                          FAST: gl.constexpr, LATE_TICKET: gl.constexpr):
+                          FAST: gl.constexpr, LATE_TICKET: gl.constexpr, PARALLEL_O: gl.constexpr,
+                          TMA_STAGE: gl.constexpr):
         """Program (b*H + h, V tile): kernels/kda.py `_kda_fused_kernel` (STAGED: verify, else decode) with the
         module docstring's layouts."""
         W: gl.constexpr = 4
@@ -275,8 +287,11 @@ if HAVE_GLUON:
         kn_s = gl.allocate_shared_memory(gl.float32, [TP, D], rows2, KN)._reinterpret(gl.float32, [TP, D], rows1)
         g_s = gl.allocate_shared_memory(gl.float32, [TP, D], rows2, G)._reinterpret(gl.float32, [TP, D], rows1)
         v_s = gl.allocate_shared_memory(gl.float32, [TP, BV], rows2, V)._reinterpret(gl.float32, [TP, BV], rows1)
+        if STAGED and TMA_STAGE:   # a [D, BV] buffer a position, each stored by one TMA (module docstring)
+            st_smem = gl.allocate_shared_memory(gl.float32, [T, D, BV], st_desc.layout)
+            st_row = ((b * s_stb) // D + h * D).to(gl.int32)
         gl.thread_barrier()
-        # the chain: S and the step's K reductions stay inside each warp, no barrier
+        # the chain: S and the step's K reductions stay inside each warp, no barrier (but TMA_STAGE's, one a position)
         for t in range(T):
             _no_unroll()
             kn = kn_s.index(t).load(LK)
@@ -284,12 +299,28 @@ if HAVE_GLUON:
             decay = g_s.index(t).load(LK)
             v = v_s.index(t).load(LV)
             S = S * decay[:, None]
-            err = _pick(betas, t, T) * (v - gl.sum(S * kn[:, None], axis=0))
-            S = S + kn[:, None] * err[None, :]
-            o = gl.sum(S * qn[:, None], axis=0)
+            if PARALLEL_O:   # o = S'^T q + (k.q) err: both K reductions read S' together (module docstring)
+                kq = gl.sum(kn * qn, axis=0)
+                sk = gl.sum(S * kn[:, None], axis=0)
+                sq = gl.sum(S * qn[:, None], axis=0)
+                err = _pick(betas, t, T) * (v - sk)
+                S = S + kn[:, None] * err[None, :]
+                o = sq + kq * err
+            else:
+                err = _pick(betas, t, T) * (v - gl.sum(S * kn[:, None], axis=0))
+                S = S + kn[:, None] * err[None, :]
+                o = gl.sum(S * qn[:, None], axis=0)
             gl.store(o_ptr + ((b * T + t) * H + h) * D + rvS, o.to(o_ptr.dtype.element_ty))
             if STAGED:
-                gl.store(staging_ptr + b * s_stb + t * s_stt + tile, S)
+                if TMA_STAGE:
+                    st_smem.index(t).store(S)
+                    fence_async_shared()
+                    gl.thread_barrier()     # every warp's columns are in the buffer before the one thread's TMA
+                    tma.async_copy_shared_to_global(st_desc, [st_row + t * (s_stt // D), vt * BV], st_smem.index(t))
+                else:
+                    gl.store(staging_ptr + b * s_stb + t * s_stt + tile, S)
+        if STAGED and TMA_STAGE:
+            tma.store_wait(0)               # the buffers outlive the stores that read them
         if not STAGED:
             gl.store(pool_ptr + slot * H * D * D + tile, S)
             if LATE_TICKET:
@@ -298,11 +329,26 @@ if HAVE_GLUON:
                     _store_qk_windows(cq_row, ck_row, win_q, win_k, count_ptr + pid, T, W)
 
 
+STAGING_STATE_ARG = 18     # the state staging's place among `launch`'s args (kernels/kda.py `_fused`)
+
+
+def _staging_descriptor(staging: torch.Tensor):
+    """The state staging [B, T, H, D, D] fp32 as [B*T*H*D, D] rows, [D, BLOCK_V] boxes (a program's slice of one
+    position); None where TMA_STAGE is off or the staging is not one contiguous block (the kernel then stores it
+    with plain stores)."""
+    if not TMA_STAGE or not staging.is_contiguous() or staging.dtype != torch.float32 or staging.data_ptr() % 16:
+        return None
+    layout = gl.NVMMASharedLayout.get_default_for([D, BLOCK_V], gl.float32)
+    return TensorDescriptor.from_tensor(staging.view(-1, D), [D, BLOCK_V], layout)
+
+
 def launch(args: tuple, B: int, H: int, T: int, staged: bool, pdl: bool) -> bool:
     """Run the kernel on kernels/kda.py `_kda_fused_kernel`'s positional arguments (the caller checked `eligible`).
     False, with one warning, where it does not compile: the caller then runs the Triton kernel."""
+    desc = _staging_descriptor(args[STAGING_STATE_ARG]) if staged else None
     return guarded(lambda: _kda_gluon_kernel[(B * H, D // BLOCK_V)](
-        *args, T=T, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
+        *args, desc, T=T, TMA_STAGE=desc is not None, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
         EARLY_TRIGGER=TRIGGER == "early", NW=WARPS, FAST=FAST_MATH, LATE_TICKET=LATE_TICKET,
+        PARALLEL_O=PARALLEL_O,
         num_warps=WARPS, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {})),
         FAILED, "the Gluon KDA kernel (kernels/kda_gluon.py)", "the Triton kernel", "LINGC_KDA_GLUON")

@@ -75,11 +75,16 @@ import lingc.kernels.kda_gluon as G
 T, staged = int(sys.argv[1]), sys.argv[2] == "1"
 fn = G._kda_gluon_kernel
 const = dict(T=T, TP=triton.next_power_of_2(T), D=G.D, BV=G.BLOCK_V, STAGED=staged, PDL=True, EARLY_TRIGGER=True,
-             NW=G.WARPS, FAST=G.FAST_MATH, LATE_TICKET=G.LATE_TICKET)
+             NW=G.WARPS, FAST=G.FAST_MATH, LATE_TICKET=G.LATE_TICKET, PARALLEL_O=G.PARALLEL_O,
+             TMA_STAGE=staged and G.TMA_STAGE)
 fp32 = ("wq_ptr", "wk_ptr", "wv_ptr", "a_log_ptr", "dt_bias_ptr", "pool_ptr", "staging_ptr")
 sig = {}
+lay = G.gl.NVMMASharedLayout.get_default_for([G.D, G.BLOCK_V], G.gl.float32)
+if not const["TMA_STAGE"]:
+    const["st_desc"] = None
 for n in fn.arg_names:
     if n in const: sig[n] = "constexpr"
+    elif n == "st_desc": sig[n] = f"tensordesc<fp32[{G.D}, {G.BLOCK_V}],{lay!r}>"
     elif n in ("slots_ptr", "count_ptr"): sig[n] = "*i32"
     elif n.endswith("_ptr"): sig[n] = "*fp32" if n in fp32 else "*bf16"
     elif n in ("scale", "lower_bound"): sig[n] = "fp32"
@@ -127,5 +132,11 @@ def test_sm90_chain_has_no_barrier_and_pdl_order(T: int, staged: bool) -> None:
         start, end = max(loops, key=lambda lo: lo[1] - lo[0])
         body = lines[start:end]
         assert '.pragma "nounroll";' in body
-        assert not [line for line in body if line.startswith("bar.sync")]
+        barriers = [line for line in body if line.startswith("bar.sync")]
+        if staged and G.TMA_STAGE:      # the staged state: shared memory, then one TMA store a position
+            assert len(barriers) <= 2, barriers
+            assert len([line for line in body if line.startswith("cp.async.bulk.tensor")]) == 1
+            assert not [line for line in body if line.startswith("st.global.v4")]
+        else:
+            assert not barriers
         assert [line for line in body if line.startswith("shfl.sync")]
