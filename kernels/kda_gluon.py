@@ -83,12 +83,15 @@ LATE_TICKET = os.environ.get("LINGC_KDA_GLUON_LATE_TICKET", "0") == "1"
 # the step's output from the decayed state before its update, o = S'^T q + (k.q) err, so S'.k and S'.q reduce together
 # (two shuffle trees interleaved) instead of S'.k, the update, then S.q one after the other; a numerics change (other
 # fp32 rounding of o; the state's bits are unchanged). LINGC_KDA_GLUON_PARALLEL_O=0: o = S^T q after the update
-PARALLEL_O = os.environ.get("LINGC_KDA_GLUON_PARALLEL_O", "1") == "1"
+PARALLEL_O = os.environ.get("LINGC_KDA_GLUON_PARALLEL_O", "0") == "1"
 # verify's staged state through shared memory and one TMA store a position ([D, BLOCK_V] box: whole 64 B row segments)
 # instead of 4 plain 16 B stores a thread at a 512 B stride (ncu: the loop's back edge waited on their registers, and
 # the kernel's L2 traffic was ~half its peak with DRAM at 2%); one CTA barrier a position. Same bits.
 # LINGC_KDA_GLUON_TMA_STAGE=0: the plain stores
 TMA_STAGE = os.environ.get("LINGC_KDA_GLUON_TMA_STAGE", "1") == "1"
+# decode's state write-back to the pool the same way (one TMA store of the [D, BV] slice). LINGC_KDA_GLUON_TMA_POOL=0: the
+# plain stores
+TMA_POOL = os.environ.get("LINGC_KDA_GLUON_TMA_POOL", "1") == "1"
 L2NORM_EPS = gl.constexpr(1e-6) if HAVE_GLUON else 1e-6   # kernels/kda.py L2NORM_EPS
 
 
@@ -170,7 +173,7 @@ if HAVE_GLUON:
                           T: gl.constexpr, TP: gl.constexpr, D: gl.constexpr, BV: gl.constexpr,
                           STAGED: gl.constexpr, PDL: gl.constexpr, EARLY_TRIGGER: gl.constexpr, NW: gl.constexpr,
                           FAST: gl.constexpr, LATE_TICKET: gl.constexpr, PARALLEL_O: gl.constexpr,
-                          TMA_STAGE: gl.constexpr):
+                          TMA_STATE: gl.constexpr):
         """Program (b*H + h, V tile): kernels/kda.py `_kda_fused_kernel` (STAGED: verify, else decode) with the
         module docstring's layouts."""
         W: gl.constexpr = 4
@@ -287,11 +290,11 @@ if HAVE_GLUON:
         kn_s = gl.allocate_shared_memory(gl.float32, [TP, D], rows2, KN)._reinterpret(gl.float32, [TP, D], rows1)
         g_s = gl.allocate_shared_memory(gl.float32, [TP, D], rows2, G)._reinterpret(gl.float32, [TP, D], rows1)
         v_s = gl.allocate_shared_memory(gl.float32, [TP, BV], rows2, V)._reinterpret(gl.float32, [TP, BV], rows1)
-        if STAGED and TMA_STAGE:   # a [D, BV] buffer a position, each stored by one TMA (module docstring)
+        if STAGED and TMA_STATE:   # a [D, BV] buffer a position, each stored by one TMA (module docstring)
             st_smem = gl.allocate_shared_memory(gl.float32, [T, D, BV], st_desc.layout)
             st_row = ((b * s_stb) // D + h * D).to(gl.int32)
         gl.thread_barrier()
-        # the chain: S and the step's K reductions stay inside each warp, no barrier (but TMA_STAGE's, one a position)
+        # the chain: S and the step's K reductions stay inside each warp, no barrier (but TMA_STATE's, one a position)
         for t in range(T):
             _no_unroll()
             kn = kn_s.index(t).load(LK)
@@ -312,42 +315,51 @@ if HAVE_GLUON:
                 o = gl.sum(S * qn[:, None], axis=0)
             gl.store(o_ptr + ((b * T + t) * H + h) * D + rvS, o.to(o_ptr.dtype.element_ty))
             if STAGED:
-                if TMA_STAGE:
+                if TMA_STATE:
                     st_smem.index(t).store(S)
                     fence_async_shared()
                     gl.thread_barrier()     # every warp's columns are in the buffer before the one thread's TMA
                     tma.async_copy_shared_to_global(st_desc, [st_row + t * (s_stt // D), vt * BV], st_smem.index(t))
                 else:
                     gl.store(staging_ptr + b * s_stb + t * s_stt + tile, S)
-        if STAGED and TMA_STAGE:
+        if STAGED and TMA_STATE:
             tma.store_wait(0)               # the buffers outlive the stores that read them
         if not STAGED:
-            gl.store(pool_ptr + slot * H * D * D + tile, S)
+            if TMA_STATE:   # decode: st_desc is the pool's ([slots*H*D, D] rows)
+                pool_smem = gl.allocate_shared_memory(gl.float32, [D, BV], st_desc.layout)
+                pool_smem.store(S)
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(st_desc, [((slot * H + h) * D).to(gl.int32), vt * BV], pool_smem)
+                tma.store_wait(0)
+            else:
+                gl.store(pool_ptr + slot * H * D * D + tile, S)
             if LATE_TICKET:
                 if gl.max(gl.where(lane == 0, tk, -1), axis=0) == gl.num_programs(1) - 1:
                     _fence_acq_rel()            # the acquire half of the ticket, before the window stores
                     _store_qk_windows(cq_row, ck_row, win_q, win_k, count_ptr + pid, T, W)
 
 
-STAGING_STATE_ARG = 18     # the state staging's place among `launch`'s args (kernels/kda.py `_fused`)
+STATE_POOL_ARG, STAGING_STATE_ARG = 13, 18   # their places among `launch`'s args (kernels/kda.py `_fused`)
 
 
-def _staging_descriptor(staging: torch.Tensor):
-    """The state staging [B, T, H, D, D] fp32 as [B*T*H*D, D] rows, [D, BLOCK_V] boxes (a program's slice of one
-    position); None where TMA_STAGE is off or the staging is not one contiguous block (the kernel then stores it
-    with plain stores)."""
-    if not TMA_STAGE or not staging.is_contiguous() or staging.dtype != torch.float32 or staging.data_ptr() % 16:
+def _state_descriptor(state: torch.Tensor, on: bool):
+    """The state staging [B, T, H, D, D] (verify) or the state pool [slots, H, D, D] (decode), fp32, as rows of D,
+    [D, BLOCK_V] boxes (a program's slice of one state); None where `on` (TMA_STAGE / TMA_POOL) is off or the tensor
+    is not one contiguous block (the kernel then stores the state with plain stores)."""
+    if not on or not state.is_contiguous() or state.dtype != torch.float32 or state.data_ptr() % 16:
         return None
     layout = gl.NVMMASharedLayout.get_default_for([D, BLOCK_V], gl.float32)
-    return TensorDescriptor.from_tensor(staging.view(-1, D), [D, BLOCK_V], layout)
+    return TensorDescriptor.from_tensor(state.view(-1, D), [D, BLOCK_V], layout)
 
 
 def launch(args: tuple, B: int, H: int, T: int, staged: bool, pdl: bool) -> bool:
     """Run the kernel on kernels/kda.py `_kda_fused_kernel`'s positional arguments (the caller checked `eligible`).
     False, with one warning, where it does not compile: the caller then runs the Triton kernel."""
-    desc = _staging_descriptor(args[STAGING_STATE_ARG]) if staged else None
+    desc = _state_descriptor(args[STAGING_STATE_ARG], TMA_STAGE) if staged else \
+        _state_descriptor(args[STATE_POOL_ARG], TMA_POOL)
     return guarded(lambda: _kda_gluon_kernel[(B * H, D // BLOCK_V)](
-        *args, desc, T=T, TMA_STAGE=desc is not None, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
+        *args, desc, T=T, TMA_STATE=desc is not None, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
         EARLY_TRIGGER=TRIGGER == "early", NW=WARPS, FAST=FAST_MATH, LATE_TICKET=LATE_TICKET,
         PARALLEL_O=PARALLEL_O,
         num_warps=WARPS, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {})),

@@ -76,11 +76,11 @@ T, staged = int(sys.argv[1]), sys.argv[2] == "1"
 fn = G._kda_gluon_kernel
 const = dict(T=T, TP=triton.next_power_of_2(T), D=G.D, BV=G.BLOCK_V, STAGED=staged, PDL=True, EARLY_TRIGGER=True,
              NW=G.WARPS, FAST=G.FAST_MATH, LATE_TICKET=G.LATE_TICKET, PARALLEL_O=G.PARALLEL_O,
-             TMA_STAGE=staged and G.TMA_STAGE)
+             TMA_STATE=G.TMA_STAGE if staged else G.TMA_POOL)
 fp32 = ("wq_ptr", "wk_ptr", "wv_ptr", "a_log_ptr", "dt_bias_ptr", "pool_ptr", "staging_ptr")
 sig = {}
 lay = G.gl.NVMMASharedLayout.get_default_for([G.D, G.BLOCK_V], G.gl.float32)
-if not const["TMA_STAGE"]:
+if not const["TMA_STATE"]:
     const["st_desc"] = None
 for n in fn.arg_names:
     if n in const: sig[n] = "constexpr"
