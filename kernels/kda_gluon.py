@@ -15,7 +15,17 @@ Here the layouts are chosen (WARPS = 4, D = 128, BLOCK_V = 16):
 
 then every position's qn, kn, decay and v go to shared memory once (one barrier), and the chain is a runtime loop
 (`.pragma "nounroll"`: unrolled, the straight-line code stalls on instruction fetch) that reads position t's rows
-in LS's slice layouts and has no barrier.
+in LS's slice layouts and has no barrier of its own.
+
+The state leaves by TMA (TMA_STAGE for verify's per-position staging, TMA_POOL for decode's write-back): in LS a
+thread's 4 x 4 slice is 4 rows of 16 B at a 512 B stride, so plain stores cost a warp 128 partial-sector writes a
+position (ncu, 2026-12-04: L2 at ~half its peak with DRAM at 2%, and the loop's back edge waiting on the stores'
+registers). Instead each position's [D, BV] slice goes to its own shared-memory buffer, a fence and a CTA barrier
+(plus the one the compiler adds before the buffer's write: it cannot tell the runtime-indexed buffers apart), and
+one thread's TMA store writes it as 128 whole 64 B row segments; the stores drain asynchronously and the kernel waits
+for them once before it exits. Same bits (the same fp32 values land in the same places); verify T = 6 alone 9.4 ->
+7.0 us, decode 3.9 -> 3.8 (bench/results/kernels-kda-tma-h200-20261204.json); in the step greedy verify 2.217 ->
+2.154 ms (step-ab-h200-20261204-c.json) and greedy decode 1.137 -> 1.132 (-d.json).
 
 The Triton kernel's math: fp32 inside, no fp contraction (the launch's enable_fp_fusion=False), the taps summed
 j = 0..W-1, the conv outputs rounded to the activation dtype, the l2 norm as x * rsqrt(sum x^2 + eps) (* scale), the
