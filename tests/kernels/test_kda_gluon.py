@@ -1,7 +1,8 @@
 """kernels/kda_gluon.py without a GPU: where the Gluon KDA kernel runs, the fallback when it does not compile, and its
-sm_90 code compiled offline (a fresh process without TRITON_INTERPRET): the chain loop has no CTA barrier, the state
-slice is loaded before the PDL wait, decode takes the head's ticket after it and verify takes none. Its values are
-checked on the H200 (bench/kernel_kda.py --gluon: close to the Triton kernel and the reference, row invariant)."""
+sm_90 code compiled offline (a fresh process without TRITON_INTERPRET): the chain loop has no CTA barrier but the TMA
+state stores' (one bulk tensor store a position, no plain 16 B state stores), the state slice is loaded before the PDL
+wait, decode takes the head's ticket after it, writes its state back by one TMA store and waits for it, and verify
+takes no ticket. Its values are checked on the H200 (bench/kernel_kda.py --gluon: close to the Triton kernel and the reference, row invariant)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,22 @@ def test_sm90_chain_has_no_barrier_and_pdl_order(T: int, staged: bool) -> None:
         else:
             assert not barriers
         assert [line for line in body if line.startswith("shfl.sync")]
+    tma_stores = _find(lines, "cp.async.bulk.tensor")
+    if not staged and G.TMA_POOL:       # decode: the state back to the pool by one TMA store, waited for before exit
+        assert len(tma_stores) == 1 and tma_stores[0] > waits[0]
+        assert _find(lines, "cp.async.bulk.wait_group.read") > tma_stores
+        assert not _find(lines, "st.global.v4")
+
+
+@pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_state_descriptor_boxes_a_programs_slice_or_declines(monkeypatch) -> None:
+    """The TMA state stores' descriptor: rows of D, a [D, BLOCK_V] box (one program's slice of one state); None, so
+    the kernel keeps its plain stores, for a strided state, another dtype, or the knob off."""
+    H, D = 2, G.D
+    staging = torch.zeros(1, 6, H, D, D)
+    desc = G._state_descriptor(staging, True)
+    assert list(desc.shape) == [6 * H * D, D] and list(desc.block_shape) == [D, G.BLOCK_V]
+    assert G._state_descriptor(staging, False) is None
+    assert G._state_descriptor(torch.zeros(1, 6, H, D, 2 * D)[..., :D], True) is None      # not one block
+    assert G._state_descriptor(staging.to(torch.bfloat16), True) is None
+
