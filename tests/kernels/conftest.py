@@ -126,3 +126,22 @@ def _patch_lang_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch)
     monkeypatch.setattr(interpreter, "_patch_lang", patch_lang)
+
+
+@pytest.fixture
+def few_linear_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's cost is per program: the table's 4-feature `fma` tiles for test-tiny's small weights make
+    a NEXTN step take ~100 s. One 64 x 128 `dot` config for every shape (still independent of M, so still row
+    invariant) makes it ~9 s; the table's configs themselves are tested in test_linear.py. For whole-program
+    tests (test_lowering*.py: `pytestmark = pytest.mark.usefixtures("few_linear_programs")`)."""
+    import lingc.kernels.linear as linear
+    config = linear.LinearConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=1)
+    monkeypatch.setattr(linear, "pick_config", lambda n, k, dtype: config)
+
+
+@pytest.fixture(scope="module")
+def tiny_partitioned_bf16(tiny_program_bf16):
+    """The bf16 test-tiny program after every pass in `all` (a module's own copy)."""
+    from lingc.passes.manager import PassManager
+    return PassManager(["all"]).run(tiny_program_bf16).program
+
