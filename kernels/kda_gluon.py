@@ -92,15 +92,16 @@ FAST_MATH = os.environ.get("LINGC_KDA_GLUON_FAST", "1") == "1"
 LATE_TICKET = os.environ.get("LINGC_KDA_GLUON_LATE_TICKET", "0") == "1"
 # the step's output from the decayed state before its update, o = S'^T q + (k.q) err, so S'.k and S'.q reduce together
 # (two shuffle trees interleaved) instead of S'.k, the update, then S.q one after the other; a numerics change (other
-# fp32 rounding of o; the state's bits are unchanged). LINGC_KDA_GLUON_PARALLEL_O=0: o = S^T q after the update
+# fp32 rounding of o; the state's bits are unchanged). Off: 7.0 -> 6.65 us alone at T = 6 but level in the H200 step
+# (greedy verify 2.154 / 2.156 ms with it, 2.145 without; step-ab-h200-20261204-c.json). LINGC_KDA_GLUON_PARALLEL_O=1
 PARALLEL_O = os.environ.get("LINGC_KDA_GLUON_PARALLEL_O", "0") == "1"
 # verify's staged state through shared memory and one TMA store a position ([D, BLOCK_V] box: whole 64 B row segments)
 # instead of 4 plain 16 B stores a thread at a 512 B stride (ncu: the loop's back edge waited on their registers, and
 # the kernel's L2 traffic was ~half its peak with DRAM at 2%); one CTA barrier a position. Same bits.
 # LINGC_KDA_GLUON_TMA_STAGE=0: the plain stores
 TMA_STAGE = os.environ.get("LINGC_KDA_GLUON_TMA_STAGE", "1") == "1"
-# decode's state write-back to the pool the same way (one TMA store of the [D, BV] slice). LINGC_KDA_GLUON_TMA_POOL=0: the
-# plain stores
+# decode's state write-back to the pool the same way (one TMA store of the [D, BV] slice); greedy decode 1.137 -> 1.132
+# ms (step-ab-h200-20261204-d.json). LINGC_KDA_GLUON_TMA_POOL=0: the plain stores
 TMA_POOL = os.environ.get("LINGC_KDA_GLUON_TMA_POOL", "1") == "1"
 L2NORM_EPS = gl.constexpr(1e-6) if HAVE_GLUON else 1e-6   # kernels/kda.py L2NORM_EPS
 
@@ -369,8 +370,8 @@ def launch(args: tuple, B: int, H: int, T: int, staged: bool, pdl: bool) -> bool
     desc = _state_descriptor(args[STAGING_STATE_ARG], TMA_STAGE) if staged else \
         _state_descriptor(args[STATE_POOL_ARG], TMA_POOL)
     return guarded(lambda: _kda_gluon_kernel[(B * H, D // BLOCK_V)](
-        *args, desc, T=T, TMA_STATE=desc is not None, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
+        *args, desc, T=T, TP=triton.next_power_of_2(T), D=D, BV=BLOCK_V, STAGED=staged, PDL=pdl,
         EARLY_TRIGGER=TRIGGER == "early", NW=WARPS, FAST=FAST_MATH, LATE_TICKET=LATE_TICKET,
-        PARALLEL_O=PARALLEL_O,
+        PARALLEL_O=PARALLEL_O, TMA_STATE=desc is not None,
         num_warps=WARPS, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {})),
         FAILED, "the Gluon KDA kernel (kernels/kda_gluon.py)", "the Triton kernel", "LINGC_KDA_GLUON")

@@ -2,7 +2,8 @@
 sm_90 code compiled offline (a fresh process without TRITON_INTERPRET): the chain loop has no CTA barrier but the TMA
 state stores' (one bulk tensor store a position, no plain 16 B state stores), the state slice is loaded before the PDL
 wait, decode takes the head's ticket after it, writes its state back by one TMA store and waits for it, and verify
-takes no ticket. Its values are checked on the H200 (bench/kernel_kda.py --gluon: close to the Triton kernel and the reference, row invariant)."""
+takes no ticket. Its values are checked on the H200 (bench/kernel_kda.py --gluon: close to the Triton kernel and the
+reference, row invariant)."""
 
 from __future__ import annotations
 
