@@ -382,8 +382,7 @@ def main() -> None:
             with open(path) as f:
                 peer.update(json.load(f))
         summarize(result)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        _save(result, args.json)
         return
     import lingc  # noqa: F401
     import lingc.passes.pdl
@@ -455,8 +454,7 @@ def main() -> None:
         ms = {key: row.get(key, {}).get("ms") for key in STEP_KEYS if key in row or key in ("step", "nextn")}
         print(json.dumps({"name": name, "ms": ms, "error": row.get("error"),
                           "compile_capture_s": row.get("compile_capture_s")}, default=str)[:600], flush=True)
-        with open(args.json, "w") as f:     # after every row: a call that runs out of time keeps what it measured
-            json.dump(result, f, indent=1, default=str)
+        _save(result, args.json)            # after every row: a call that runs out of time keeps what it measured
 
     from lingc.passes.manager import PassManager
     t0 = time.perf_counter()
@@ -469,8 +467,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         result["greedy_parity"] = {"error": f"{type(e).__name__}: {e}"}
     print("greedy parity", result["greedy_parity"], flush=True)
-    with open(args.json, "w") as f:         # a call that runs out of time in the end-to-end run keeps the parity
-        json.dump(result, f, indent=1, default=str)
+    _save(result, args.json)                # a call that runs out of time in the end-to-end run keeps the parity
     if args.e2e:
         try:
             program = PassManager(["all"]).run(full).program
@@ -506,7 +503,12 @@ def main() -> None:
         from peers import run_peers
         result["peers"] = run_peers(model, options, CONTEXT)
     summarize(result)
-    with open(args.json, "w") as f:
+    _save(result, args.json)
+
+
+def _save(result: dict, path: str) -> None:
+    """The run's JSON so far (rewritten whole each time)."""
+    with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
 
 

@@ -130,6 +130,16 @@ if HAVE_GLUON:
         gl.store(count_ptr, 0)
 
     @gluon.jit
+    def _tma_store_state(smem, desc, row, col, S):
+        """S ([D, BV] slice, the state's layout) -> its shared-memory buffer -> one thread's TMA store at (row, col) of
+        desc (module docstring); the caller waits for the store (tma.store_wait) before the buffer is reused or the
+        kernel exits."""
+        smem.store(S)
+        fence_async_shared()
+        gl.thread_barrier()                 # every warp's columns are in the buffer before the one thread's TMA
+        tma.async_copy_shared_to_global(desc, [row, col], smem)
+
+    @gluon.jit
     def _no_unroll():
         """`.pragma "nounroll"` in the enclosing loop's (single-block) body, which is its header: ptxas would unroll a
         short constant-trip loop."""
@@ -327,10 +337,7 @@ if HAVE_GLUON:
             gl.store(o_ptr + ((b * T + t) * H + h) * D + rvS, o.to(o_ptr.dtype.element_ty))
             if STAGED:
                 if TMA_STATE:
-                    st_smem.index(t).store(S)
-                    fence_async_shared()
-                    gl.thread_barrier()     # every warp's columns are in the buffer before the one thread's TMA
-                    tma.async_copy_shared_to_global(st_desc, [st_row + t * (s_stt // D), vt * BV], st_smem.index(t))
+                    _tma_store_state(st_smem.index(t), st_desc, st_row + t * (s_stt // D), vt * BV, S)
                 else:
                     gl.store(staging_ptr + b * s_stb + t * s_stt + tile, S)
         if STAGED and TMA_STATE:
@@ -338,10 +345,7 @@ if HAVE_GLUON:
         if not STAGED:
             if TMA_STATE:   # decode: st_desc is the pool's ([slots*H*D, D] rows)
                 pool_smem = gl.allocate_shared_memory(gl.float32, [D, BV], st_desc.layout)
-                pool_smem.store(S)
-                fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(st_desc, [((slot * H + h) * D).to(gl.int32), vt * BV], pool_smem)
+                _tma_store_state(pool_smem, st_desc, ((slot * H + h) * D).to(gl.int32), vt * BV, S)
                 tma.store_wait(0)
             else:
                 gl.store(pool_ptr + slot * H * D * D + tile, S)

@@ -293,6 +293,7 @@ def launch(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, pa
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, qk_scale,
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
         page_rows.stride(0), positions.stride(0), positions.stride(1),
-        UNIT=UNIT, PS=kv_pages.shape[1], H=H, R=R, RR=q_rope.shape[3], SPLIT_N=SPLIT, CW=CHUNK, QPP=qpp, PDL=pdl, NW=WARPS,
+        UNIT=UNIT, PS=kv_pages.shape[1], H=H, R=R, RR=q_rope.shape[3], SPLIT_N=SPLIT, CW=CHUNK, QPP=qpp, PDL=pdl,
+        NW=WARPS,
         num_warps=WARPS, **({"launch_pdl": True} if pdl else {})),
         FAILED, "the Gluon MLA split (kernels/mla_gluon.py)", "the Triton split", "LINGC_MLA_GLUON")
