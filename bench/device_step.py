@@ -22,6 +22,14 @@ joined by ";", each `module.ATTR[i][j]...=VALUE` or `module.Class.ATTR=VALUE` (a
 literal (ast.literal_eval, never eval); a dict literal replaces fields of a dataclass / NamedTuple value. Only
 tunables read at launch or compile time take effect (not default arguments bound at import). "NAME:" alone is a
 baseline row.
+
+`--budget-s S` (the table call, bench/device_step_1gpu.sh): the rows the table and the parity need ("none",
+"partition", "all" and the variants) run first, then the parity and the end-to-end run, then the other ablation rows
+while a row still fits in S seconds from the start (each row's cost guessed as the dearest row so far); a row left
+out is listed in `skipped_rows` with the reason, and the JSON keeps the ablation's order. On a cold machine every
+row compiles its kernels afresh (20-50 s a row), which ran a 450 s call out of time during the end-to-end run
+(2026-12-04). The two A/B rows after "all" ("all:pdl-chains", "all+fuse_moe") run only with `--ab-rows` or when
+`--only` names them.
 """
 
 from __future__ import annotations
@@ -59,8 +67,11 @@ STEP_KEYS = ("step", "nextn", "step" + GREEDY_SUFFIX, "nextn" + GREEDY_SUFFIX, "
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
             "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_combine_norm",
             "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe")
-# "all" adds fuse_index_chains; then two A/B rows: "all:pdl-chains" (the pdl pass annotating its chains only, as
-# before 2026-11-30's second session) and "all+fuse_moe" (the opt-in pass)
+# "all" adds fuse_index_chains; then two A/B rows (with --ab-rows): "all:pdl-chains" (the pdl pass annotating its
+# chains only, as before 2026-11-30's second session) and "all+fuse_moe" (the opt-in pass)
+AB_ROWS = ("all:pdl-chains", "all+fuse_moe")
+# what the table and the summary need: run first under --budget-s, before the parity and the end-to-end run
+ESSENTIAL_ROWS = ("none", "partition", "all")
 
 
 def _sync() -> None:
@@ -367,9 +378,15 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="also run a row 'all+draft_vocab' (the opt-in pass) with a synthetic map of N evenly spaced "
                     "token ids (random weights: the map's choice moves no time; acceptance is not measured)")
+    ap.add_argument("--budget-s", type=float, default=0.0, metavar="S",
+                    help="the table call's time budget: the rows the table needs, the parity and --e2e first, then "
+                    "the other ablation rows while one still fits in S seconds from the start (module docstring)")
+    ap.add_argument("--ab-rows", action="store_true",
+                    help=f"also run the A/B rows after 'all' ({', '.join(AB_ROWS)})")
     ap.add_argument("--merge-peers", nargs="*", default=None, metavar="NAME=FILE",
                     help="no GPU work: add peer results (bench/peers.py JSON) to the --json file and re-summarize")
     args = ap.parse_args()
+    started = time.perf_counter()
     if args.merge_peers is not None:
         with open(args.json) as f:
             result = json.load(f)
@@ -395,7 +412,7 @@ def main() -> None:
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "python": platform.python_version(), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
                     "command": " ".join(sys.argv), "context": CONTEXT, "draft_tokens": DRAFT_TOKENS,
-                    "pdl_scope": args.pdl_scope}
+                    "pdl_scope": args.pdl_scope} | ({"budget_s": args.budget_s} if args.budget_s else {})
     over = {"num_nextn_predict_layers": 1} | ({"num_hidden_layers": args.layers} if args.layers else {})
     config = preset("ling-3.0-tiny", **over)
     t0 = time.perf_counter()
@@ -410,21 +427,13 @@ def main() -> None:
     traced = trace(model, ["step", "nextn"], options)
     result["trace_s"] = time.perf_counter() - t0
 
-    sets = [("none", [])]
-    acc = ["partition"]
-    sets.append(("partition", list(acc)))
-    for p in ABLATION:
-        acc.append(p)
-        sets.append(("+" + p, list(acc)))
-    sets.append(("all", ["all"]))
-    sets += [("all:pdl-chains", ["all"]), ("all+fuse_moe", ["all", "fuse_moe"])]
-    if args.draft_vocab:
-        sets.append(("all+draft_vocab", ["all", "draft_vocab"]))
-    only = set(filter(None, args.only.split(",")))
-    sets = [(name, passes, []) for name, passes in sets if not only or name in only]
-    sets += [(f"all@{vname}", ["all"], assignments) for vname, assignments in variants]
+    sets = ablation_sets(args, variants)
+    first, later = split_by_budget(sets) if args.budget_s else (sets, [])
     result["ablation"] = rows = []                 # written out after every row
-    for name, passes, assignments in sets:
+    order = {name: i for i, (name, _, _) in enumerate(sets)}
+
+    def run_row(name: str, passes: list[str], assignments: list) -> float:
+        t_row = time.perf_counter()
         lingc.passes.pdl.SOLO = args.pdl_scope == "all" and name != "all:pdl-chains"
         saved = [(module, attr, getattr(module, attr)) for module, attr, _ in assignments]
         try:
@@ -450,11 +459,18 @@ def main() -> None:
             row["variant"] = {f"{getattr(m, '__module__', '')}.{m.__name__}.{a}".lstrip("."): repr(v)
                               for m, a, v in assignments}
         row["name"] = name
+        row["row_s"] = time.perf_counter() - t_row
         rows.append(row)
+        rows.sort(key=lambda r: order[r["name"]])      # the ablation's order whatever ran first
         ms = {key: row.get(key, {}).get("ms") for key in STEP_KEYS if key in row or key in ("step", "nextn")}
         print(json.dumps({"name": name, "ms": ms, "error": row.get("error"),
-                          "compile_capture_s": row.get("compile_capture_s")}, default=str)[:600], flush=True)
+                          "compile_capture_s": row.get("compile_capture_s"), "row_s": row["row_s"]},
+                         default=str)[:600], flush=True)
         _save(result, args.json)            # after every row: a call that runs out of time keeps what it measured
+        return row["row_s"]
+
+    for item in first:
+        run_row(*item)
 
     from lingc.passes.manager import PassManager
     t0 = time.perf_counter()
@@ -497,13 +513,59 @@ def main() -> None:
             result["end_to_end"] = {"error": f"{type(e).__name__}: {e}"}
         print("end to end", result["end_to_end"], "\ngeneral graphs", result.get("end_to_end_general_graphs"),
               flush=True)
+        _save(result, args.json)
     del full
+
+    costs: list[float] = []
+    for name, passes, assignments in later:    # only under --budget-s: the rest of the ablation while it fits
+        elapsed = time.perf_counter() - started
+        guess = row_cost_guess(costs)
+        if elapsed + guess > args.budget_s:
+            result.setdefault("skipped_rows", {})[name] = (
+                f"time budget: {elapsed:.0f} s spent, a row guessed at {guess:.0f} s, budget {args.budget_s:.0f} s")
+            print("skipped", name, result["skipped_rows"][name], flush=True)
+            continue
+        costs.append(run_row(name, passes, assignments))
+    _save(result, args.json)
 
     if args.peers:
         from peers import run_peers
         result["peers"] = run_peers(model, options, CONTEXT)
     summarize(result)
     _save(result, args.json)
+
+
+def ablation_sets(args, variants: list) -> list[tuple[str, list[str], list]]:
+    """(name, passes, assignments) of every row the arguments ask for, in the ablation's order: no passes,
+    partition, each pass added in turn, all, the A/B rows (--ab-rows), all+draft_vocab (--draft-vocab), then the
+    variants. --only keeps the rows it names (the A/B rows among them, without --ab-rows)."""
+    sets = [("none", [])]
+    acc = ["partition"]
+    sets.append(("partition", list(acc)))
+    for p in ABLATION:
+        acc.append(p)
+        sets.append(("+" + p, list(acc)))
+    sets.append(("all", ["all"]))
+    sets += [("all:pdl-chains", ["all"]), ("all+fuse_moe", ["all", "fuse_moe"])]
+    if args.draft_vocab:
+        sets.append(("all+draft_vocab", ["all", "draft_vocab"]))
+    only = set(filter(None, args.only.split(",")))
+    sets = [(name, passes, []) for name, passes in sets
+            if name in only or (not only and (args.ab_rows or name not in AB_ROWS))]
+    return sets + [(f"all@{vname}", ["all"], assignments) for vname, assignments in variants]
+
+
+def split_by_budget(sets: list) -> tuple[list, list]:
+    """(first, later) under --budget-s: the rows the table and the summary need and the variants (the A/Bs a call
+    was made for) first, in order; the other rows after the parity and the end-to-end run."""
+    first = [s for s in sets if s[0] in ESSENTIAL_ROWS or s[0].startswith("all@")]
+    return first, [s for s in sets if s not in first]
+
+
+def row_cost_guess(costs: list[float], default: float = 15.0) -> float:
+    """A later row's guessed wall time: the dearest of the later rows so far (their kernels are mostly compiled
+    by then; +pdl's PDL variants are the exception), or `default` before any ran."""
+    return max(costs, default=default)
 
 
 def _save(result: dict, path: str) -> None:

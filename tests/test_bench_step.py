@@ -1,6 +1,7 @@
 """bench/device_step.py's launches_pdl: the step benchmark launches with PDL exactly when the pdl pass runs, also
 when it comes in through `all` (the bug it replaced tested `"pdl" in passes`, so every `all` row ran without PDL);
-and its `--variant` parser: the values it builds, and bad specs refused before any GPU work."""
+its `--variant` parser: the values it builds, and bad specs refused before any GPU work; and the table call's row
+plan under `--budget-s`: the rows the table needs first, the ablation's order kept, the A/B rows only on request."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import pytest  # noqa: E402
 
-from device_step import launches_pdl, parse_variant  # noqa: E402
+from device_step import (AB_ROWS, ESSENTIAL_ROWS, ablation_sets, launches_pdl, parse_variant,  # noqa: E402
+                         row_cost_guess, split_by_budget)
 
 
 def test_pdl_through_all_and_by_name():
@@ -41,3 +43,23 @@ def test_variant_values():
 def test_variant_refuses_bad_specs(spec):
     with pytest.raises((SystemExit, ValueError)):
         parse_variant(spec)
+
+
+def _args(**kw):
+    import argparse
+    return argparse.Namespace(**({"only": "", "ab_rows": False, "draft_vocab": 0} | kw))
+
+
+def test_ablation_rows_and_the_budgeted_order():
+    names = [n for n, _, _ in ablation_sets(_args(), [])]
+    assert names[:2] == ["none", "partition"] and names[-1] == "all" and not set(AB_ROWS) & set(names)
+    assert [n for n, _, _ in ablation_sets(_args(ab_rows=True), [])][-2:] == list(AB_ROWS)
+    assert [n for n, _, _ in ablation_sets(_args(only="all,all+fuse_moe"), [])] == ["all", "all+fuse_moe"]
+    variant = parse_variant("base2:")
+    sets = ablation_sets(_args(draft_vocab=8), [variant])
+    assert [n for n, _, _ in sets][-2:] == ["all+draft_vocab", "all@base2"]
+    first, later = split_by_budget(sets)
+    assert [n for n, _, _ in first] == [*ESSENTIAL_ROWS, "all@base2"]
+    assert first + later != sets and sorted(first + later, key=sets.index) == sets   # a partition of the rows
+    assert [n for n, _, _ in later][0] == "+fuse_projections" and "all+draft_vocab" in [n for n, _, _ in later]
+    assert row_cost_guess([]) == 15.0 and row_cost_guess([3.0, 48.0, 9.0]) == 48.0
