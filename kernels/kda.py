@@ -18,11 +18,12 @@ launch bound), each bit-identical to the launches it replaces:
     kda_conv_qkv(xq, xk, xv [B,T,P], wq, wk, wv, pool_q, pool_k, pool_v, slots) -> (q, k, v)     (pools updated)
         == three kda_conv; grid (B, cdiv(P, CONV_BLOCK_P), 3), axis 2 picks the conv and its program runs
         kda_conv's program body (`_conv_rows`) on that conv's pointers. Decode's convs in one launch.
-    kda_commit_multi(slots, accept_len, pools [1..8], stagings [1..8]) -> None
+    kda_commit_multi(slots, accept_len, pools [1..80], stagings [1..80]) -> None
         == kda_commit(pool_i, slots, staging_i, accept_len) per pair, any trailing shapes and dtypes; grid
         (B, sum_i cdiv(N_i, COMMIT_BLOCK)), a program finds its pair from the cumulative block counts (host
-        shapes) and copies one block as kda_commit's program does (`_commit_rows`). A layer's 4 commits in one
-        (two layers' 8 with FuseKda.commit_pairs = 8).
+        shapes) and copies one block as kda_commit's program does (`_commit_rows`). The pairs come as tuple
+        arguments (COMMIT_MULTI_MAX says why 80). FuseKda.commit_pairs says how many go in one launch: 8 (two
+        layers) by default; 72 puts all of Ling-3.0-tiny's 18 layers in one.
     kda_fused_verify(q_raw, k_raw, v_raw [B,T,P], f [B,T,H,D], b [B,T,H], conv_q_w, conv_k_w, conv_v_w [P,1,W] fp32,
                      conv_q_pool, conv_k_pool, conv_v_pool [S,P,W-1], A_log [H], dt_bias [P],
                      state_pool [S,H,D,D] fp32, slots [B], staging_q, staging_k, staging_v [B,TS,P,W-1],
@@ -141,7 +142,11 @@ MAX_CONV_WIDTH = 4      # the conv taps are spelled out (w0..w3); Ling uses W = 
 CONV_WARPS = 4
 COMMIT_BLOCK = 2048     # elements per commit program (1 MiB recurrent state -> 128 programs)
 COMMIT_WARPS = 4
-COMMIT_MULTI_MAX = 8    # (pool, staging) pairs of one kda_commit_multi launch: two KDA layers (4 pools each)
+# (pool, staging) pairs of one kda_commit_multi launch, passed as tuples: 40 bytes of kernel parameters a pair (two
+# pointers, six int32), so 80 pairs (20 KDA layers: Ling-3.0-tiny's 18 in one launch) stay inside the 4 KB that
+# every CUDA version allows a launch's parameters. Until 2026-12-05 the kernel had 8 explicit argument sets (two
+# layers) and the verify step 9 commit launches; how many go in one launch is fuse_kda's FuseKda.commit_pairs
+COMMIT_MULTI_MAX = 80
 NORM_ROWS = 4           # gated RMSNorm rows per program (sets the layout: constant, never a function of T)
 NORM_WARPS = 4
 L2NORM_EPS = tl.constexpr(1e-6)  # fla's l2norm: eps inside the root (lingc.ops.norm.l2norm)
@@ -554,39 +559,22 @@ def _commit_pair(p_ptr, st_ptr, slot, accept, b, blk, lo, hi, N, TS, s_p, s_stb,
 
 
 @triton.jit
-def _kda_commit_multi_kernel(slots_ptr, accept_ptr,
-                             p0_ptr, st0_ptr, N0, TS0, s_p0, s_stb0, s_stt0, E0,
-                             p1_ptr, st1_ptr, N1, TS1, s_p1, s_stb1, s_stt1, E1,
-                             p2_ptr, st2_ptr, N2, TS2, s_p2, s_stb2, s_stt2, E2,
-                             p3_ptr, st3_ptr, N3, TS3, s_p3, s_stb3, s_stt3, E3,
-                             p4_ptr, st4_ptr, N4, TS4, s_p4, s_stb4, s_stt4, E4,
-                             p5_ptr, st5_ptr, N5, TS5, s_p5, s_stb5, s_stt5, E5,
-                             p6_ptr, st6_ptr, N6, TS6, s_p6, s_stb6, s_stt6, E6,
-                             p7_ptr, st7_ptr, N7, TS7, s_p7, s_stb7, s_stt7, E7,
+def _kda_commit_multi_kernel(slots_ptr, accept_ptr, pools, stagings, Ns, TSs, s_ps, s_stbs, s_stts, ends,
                              PAIRS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Grid axis 1 runs over the pairs' blocks back to back: pair i owns [E_{i-1}, E_i) (E_{-1} = 0). PAIRS drops
-    the code of the argument sets past it (placeholders no program reaches)."""
+    """Grid axis 1 runs over the pairs' blocks back to back: pair i owns [ends[i-1], ends[i]) (ends[-1] = 0). The
+    pairs come as tuples (pools[i], stagings[i], their sizes and strides), one unrolled copy of the test a pair;
+    a program copies the block of the one pair it falls in."""
     b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     if PDL:
         pdl_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     accept = tl.load(accept_ptr + b).to(tl.int64)
-    _commit_pair(p0_ptr, st0_ptr, slot, accept, b, blk, 0, E0, N0, TS0, s_p0, s_stb0, s_stt0, BLOCK, PDL)
-    if PAIRS > 1:
-        _commit_pair(p1_ptr, st1_ptr, slot, accept, b, blk, E0, E1, N1, TS1, s_p1, s_stb1, s_stt1, BLOCK, PDL)
-    if PAIRS > 2:
-        _commit_pair(p2_ptr, st2_ptr, slot, accept, b, blk, E1, E2, N2, TS2, s_p2, s_stb2, s_stt2, BLOCK, PDL)
-    if PAIRS > 3:
-        _commit_pair(p3_ptr, st3_ptr, slot, accept, b, blk, E2, E3, N3, TS3, s_p3, s_stb3, s_stt3, BLOCK, PDL)
-    if PAIRS > 4:
-        _commit_pair(p4_ptr, st4_ptr, slot, accept, b, blk, E3, E4, N4, TS4, s_p4, s_stb4, s_stt4, BLOCK, PDL)
-    if PAIRS > 5:
-        _commit_pair(p5_ptr, st5_ptr, slot, accept, b, blk, E4, E5, N5, TS5, s_p5, s_stb5, s_stt5, BLOCK, PDL)
-    if PAIRS > 6:
-        _commit_pair(p6_ptr, st6_ptr, slot, accept, b, blk, E5, E6, N6, TS6, s_p6, s_stb6, s_stt6, BLOCK, PDL)
-    if PAIRS > 7:
-        _commit_pair(p7_ptr, st7_ptr, slot, accept, b, blk, E6, E7, N7, TS7, s_p7, s_stb7, s_stt7, BLOCK, PDL)
+    lo = 0
+    for i in tl.static_range(PAIRS):
+        _commit_pair(pools[i], stagings[i], slot, accept, b, blk, lo, ends[i], Ns[i], TSs[i], s_ps[i], s_stbs[i],
+                     s_stts[i], BLOCK, PDL)
+        lo = ends[i]
 
 
 @triton.jit
@@ -832,11 +820,9 @@ def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pools: list[
     if B == 0 or total == 0:
         return None
     pdl = pdl and pdl_supported(pairs[0][0].device)
-    n = len(pairs)
-    first = pairs[0]
-    sets += [(first[0], first[1], 0, 1, 0, 0, 0, total)] * (COMMIT_MULTI_MAX - n)   # placeholders: never reached
-    _kda_commit_multi_kernel[(B, total)](slots, accept_len, *(a for s in sets for a in s),
-                                         PAIRS=n, BLOCK=blk, PDL=pdl, **_launch_opts(pdl, num_warps or COMMIT_WARPS))
+    _kda_commit_multi_kernel[(B, total)](slots, accept_len, *(tuple(column) for column in zip(*sets)),
+                                         PAIRS=len(pairs), BLOCK=blk, PDL=pdl,
+                                         **_launch_opts(pdl, num_warps or COMMIT_WARPS))
     return None
 
 

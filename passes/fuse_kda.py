@@ -38,7 +38,8 @@ After:
 
 3. verify (after acceptance): a run of consecutive kda_commit of one layer with the same slots and accept_len
 (at most 4: conv_q, conv_k, conv_v, recurrent) -> kda_commit_multi, where the last of them was (with
-FuseKda.commit_pairs = 8, the default, two layers' runs -> one kda_commit_multi of 8 pairs; 4 keeps one layer).
+FuseKda.commit_pairs = 8, the default, two layers' runs -> one kda_commit_multi of 8 pairs; 4 keeps one layer; up to
+80, COMMIT_MULTI_PAIRS, puts more layers in one launch).
 Before:
     verify_kda_commit = lingc.kda_commit(state_layers_0_conv_q, slots, staging_layers_0_conv_q, accept_len)
     ...                                                                      # conv_k, conv_v, recurrent
@@ -288,8 +289,10 @@ class FuseKda(Pass):
     # (pool, staging) pairs per kda_commit_multi: 8 puts two layers' commits in one launch (9 launches at the end of a
     # Ling-3.0-tiny verify instead of 18 at 1.9 us each exposed); LAYER_COMMITS (4) keeps one layer per launch. Same
     # bits either way. H200, one process, baselines first and last (bench/results/step-ab-h200-20261201-o.json):
-    # verify 2.459 / 2.462 ms at 4 against 2.443 / 2.445 at 8
-    commit_pairs = COMMIT_MULTI_PAIRS
+    # verify 2.459 / 2.462 ms at 4 against 2.443 / 2.445 at 8. Since 2026-12-05 one launch takes up to
+    # COMMIT_MULTI_PAIRS (80): 72 puts Ling-3.0-tiny's 18 layers in one, same bits, not yet timed on the GPU (A/B:
+    # bench/device_step.py --variant 'c72:lingc.passes.fuse_kda.FuseKda.commit_pairs=72'), so 8 stays the default
+    commit_pairs = 8
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused: dict[str, list[str]] = {"kda_conv_qkv": [], "kda_fused_decode": [], "kda_fused_verify": [],

@@ -121,7 +121,7 @@ def _(pool, slots, staging, accept_len):
 register("kda_commit")
 
 
-COMMIT_MULTI_PAIRS = 8    # most (pool, staging) pairs of one kda_commit_multi (its Triton kernel's argument sets)
+COMMIT_MULTI_PAIRS = 80   # most (pool, staging) pairs of one kda_commit_multi (kernels/kda.py COMMIT_MULTI_MAX: its launch parameters)
 
 
 # pools / stagings are lists, not optional pool0..pool7 arguments: torch 2.11's custom-op wrapper drops trailing
@@ -129,8 +129,8 @@ COMMIT_MULTI_PAIRS = 8    # most (pool, staging) pairs of one kda_commit_multi (
 @torch.library.custom_op("lingc::kda_commit_multi", mutates_args=("pools",))
 def kda_commit_multi(slots: torch.Tensor, accept_len: torch.Tensor, pools: list[torch.Tensor],
                      stagings: list[torch.Tensor]) -> None:
-    """kda_commit(pools[i], slots, stagings[i], accept_len) for 1 to 8 (pool, staging) pairs of any trailing shapes
-    and dtypes (one or two layers' conv windows and recurrent states) that share slots and accept_len."""
+    """kda_commit(pools[i], slots, stagings[i], accept_len) for 1 to COMMIT_MULTI_PAIRS (pool, staging) pairs of any
+    trailing shapes and dtypes (one or more layers' conv windows and recurrent states) sharing slots and accept_len."""
     if not 1 <= len(pools) <= COMMIT_MULTI_PAIRS or len(stagings) != len(pools):
         raise ValueError(f"lingc.kda_commit_multi: want 1 to {COMMIT_MULTI_PAIRS} pools and as many stagings, got "
                          f"{len(pools)} pools and {len(stagings)} stagings")

@@ -386,15 +386,15 @@ def test_conv_qkv_equals_three_convs(B, T, P, W, dtype, nan_empty) -> None:
 
 
 @dtypes
-@pytest.mark.parametrize("pairs", [4, 2, 8, 7])
+@pytest.mark.parametrize("pairs", [4, 2, 8, 7, 21])
 def test_commit_multi_equals_separate_commits(dtype, pairs) -> None:
-    """One launch for one or two layers' commits (conv windows in the activation dtype [S, P, W-1], the fp32
-    recurrent state [S, H, D, D]) == one kda_commit per pair, bit for bit; small blocks so each pair spans several
-    programs."""
+    """One launch for one layer's commits or several layers' (conv windows in the activation dtype [S, P, W-1], the
+    fp32 recurrent state [S, H, D, D]; 21 pairs: five layers and a conv window) == one kda_commit per pair, bit for
+    bit; small blocks so each pair spans several programs."""
     g = _gen(71 + pairs)
     B, TS, P, W, H, D = 2, 4, 40, 4, 2, 12
     layer = [((P, W - 1), dtype)] * 3 + [((H, D, D), torch.float32)]
-    shapes = layer[:pairs - 1] + layer[-1:] if pairs <= 4 else (layer * 2)[:pairs - 1] + layer[-1:]
+    shapes = layer[:pairs - 1] + layer[-1:] if pairs <= 4 else (layer * 6)[:pairs - 1] + layer[-1:]
     pools = [torch.randn(S_SLOTS, *shape, generator=g).to(dt) for shape, dt in shapes]
     stagings = [torch.randn(B, TS, *shape, generator=g).to(dt) for shape, dt in shapes]
     slots = torch.tensor([3, 0], dtype=torch.int32)
@@ -485,13 +485,13 @@ def test_bad_shapes_raise() -> None:
     with pytest.raises(ValueError, match=r"kda_conv_qkv: the three convs have \[B, T, P, W\]"):
         K.kda_conv_qkv(x, x, x[:, :1], weight, weight, weight, conv_pool, conv_pool, conv_pool, cslots)
     accept = torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="kda_commit_multi: want 1 to 8"):
-        K.kda_commit_multi(cslots, accept, [conv_pool] * 9, [torch.zeros(1, 2, 20, 3)] * 9)
-    with pytest.raises(ValueError, match="kda_commit_multi: want 1 to 8"):
+    with pytest.raises(ValueError, match="kda_commit_multi: want 1 to 80"):
+        K.kda_commit_multi(cslots, accept, [conv_pool] * 81, [torch.zeros(1, 2, 20, 3)] * 81)
+    with pytest.raises(ValueError, match="kda_commit_multi: want 1 to 80"):
         K.kda_commit_multi(cslots, accept, [], [])
     with pytest.raises(ValueError, match="kda_commit_multi: every pool needs its staging"):
         K.kda_commit_multi(cslots, accept, [conv_pool, conv_pool], [torch.zeros(1, 2, 20, 3)])
     with pytest.raises(ValueError, match=r"kda_commit_multi: pair 1: staging is \[1, 2, 20, 2\]"):
         K.kda_commit_multi(cslots, accept, [conv_pool, conv_pool], [torch.zeros(1, 2, 20, 3), torch.zeros(1, 2, 20, 2)])
-    with pytest.raises(ValueError, match="lingc.kda_commit_multi: want 1 to 8 pools and as many stagings"):
+    with pytest.raises(ValueError, match="lingc.kda_commit_multi: want 1 to 80 pools and as many stagings"):
         torch.ops.lingc.kda_commit_multi(cslots, accept, [conv_pool], [])

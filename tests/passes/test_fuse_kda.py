@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lingc.ir.text import program_text
+from lingc.ops.kda import COMMIT_MULTI_PAIRS
 from lingc.ops import OPS
 from lingc.passes import PASSES
 from lingc.passes.base import PassRecord, op_counts
@@ -344,4 +345,20 @@ def test_two_layers_of_commits_per_launch(tiny_partitioned):
     assert [n.name for n in multi] == ["verify_L0_kda_commit_multi", "verify_L2_kda_commit_multi"]
     assert len([n for n in one.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]) == 3
     report = compare_stages(one, two, exact=True, tolerance=None)
+    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items() if r["problems"]}
+
+
+class AllCommits(FuseKda):
+    """fuse_kda with every layer's commits in one kda_commit_multi (the widest launch the kernel takes)."""
+    commit_pairs = COMMIT_MULTI_PAIRS
+
+
+def test_every_layers_commits_in_one_launch(tiny_partitioned):
+    """commit_pairs up to COMMIT_MULTI_PAIRS (the kernel's pairs are tuple arguments): test-tiny's 3 KDA layers'
+    12 commits in one kda_commit_multi, bit for bit against one layer a launch."""
+    one, _ = OneLayerCommits().run(tiny_partitioned)
+    every, _ = AllCommits().run(tiny_partitioned)
+    multi = [n for n in every.graphs["verify"].nodes if n.target is OPS.kda_commit_multi]
+    assert [(len(n.args[2]), len(n.args[3])) for n in multi] == [(12, 12)]
+    report = compare_stages(one, every, exact=True, tolerance=None)
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items() if r["problems"]}
