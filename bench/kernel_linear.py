@@ -27,7 +27,9 @@ PDL on == off, row invariance, y vs the unfused kernels (max_abs_err, bit_exact)
 
 Gated rows (--gated): gated_rmsnorm_linear (KDA's o_norm built block by block inside the o_proj GEMV, H = 16 heads
 of D = 128, N = 1536) vs the gated_rmsnorm kernel then the linear kernel, at M = 1 and M = 6, timed the same way;
-checks: y vs the reference op and vs the unfused kernels (max_abs_err), PDL on == off, row invariance.
+checks: y vs the reference op and vs the unfused kernels (max_abs_err), row invariance and repeat bits, each with PDL
+off and on, and PDL on == off unless the PDL launch takes the Gluon TMA kernel (`pdl_path_tma`: kernels/linear_tma.py
+GATED, its own bits).
 
     python3 bench/kernel_linear.py --gated --json $OUT/linear-gated.json
 """
@@ -361,22 +363,33 @@ def run_gated(log=lambda row: None) -> list[dict]:
     def unfused(x, gate, nw, w, pdl=False):
         return linear(gated_rmsnorm(x, nw, gate, NORM_EPS, pdl=pdl).flatten(-2), w, pdl=pdl)
 
+    from lingc.kernels import linear_tma
+    from lingc.kernels.linear import GatedNorm
+
     rows = []
     wbytes = GATED_N * GATED_HEADS * GATED_D * 2
     for m in ROWS:
         x, gate, nw, (w,) = _gated_inputs(m, 1, seed=m)
-        y = fused(x, gate, nw, w)
+        cfg = pick_config(GATED_N, GATED_HEADS * GATED_D, BF16)
+        # under PDL on sm_90 the Gluon TMA kernel builds the norm (kernels/linear_tma.py GATED): other bits than the
+        # Triton GATED kernel that runs without PDL, so each path is checked on its own
+        tma = linear_tma.eligible(x.flatten(-2), w, cfg, True, False,
+                                  gated=GatedNorm(nw, NORM_EPS, gate.flatten(-2), GATED_D))
         ref = gated_rmsnorm_linear_ref(x, nw, gate, NORM_EPS, w)
-        alone = torch.cat([fused(x[i:i + 1], gate[i:i + 1], nw, w) for i in range(m)])
         row = {"kernel": "gated_rmsnorm_linear", "name": "o_norm+o_proj", "m": m,
-               "shape": f"M{m} H{GATED_HEADS} D{GATED_D} N{GATED_N}",
-               "config": _cfg_str(pick_config(GATED_N, GATED_HEADS * GATED_D, BF16)),
-               "max_abs_err": (y.double() - ref.double()).abs().max().item(),
-               "max_abs_err_vs_unfused": (y.double() - unfused(x, gate, nw, w).double()).abs().max().item(),
-               "max_abs_ref": ref.double().abs().max().item(),
-               "pdl_equal": bool(torch.equal(y, fused(x, gate, nw, w, pdl=True))),
-               "row_invariant": bool(torch.equal(y, alone))}
-        row["ok"] = row["pdl_equal"] and row["row_invariant"] and row["max_abs_err"] <= 0.02 * row["max_abs_ref"]
+               "shape": f"M{m} H{GATED_HEADS} D{GATED_D} N{GATED_N}", "config": _cfg_str(cfg), "pdl_path_tma": tma,
+               "max_abs_ref": ref.double().abs().max().item()}
+        for tag, pdl in (("", False), ("pdl_", True)):
+            y = fused(x, gate, nw, w, pdl)
+            alone = torch.cat([fused(x[i:i + 1], gate[i:i + 1], nw, w, pdl) for i in range(m)])
+            row[f"{tag}max_abs_err"] = (y.double() - ref.double()).abs().max().item()
+            row[f"{tag}max_abs_err_vs_unfused"] = (y.double() - unfused(x, gate, nw, w, pdl).double()).abs().max().item()
+            row[f"{tag}row_invariant"] = bool(torch.equal(y, alone))
+            row[f"{tag}repeat_equal"] = bool(torch.equal(y, fused(x, gate, nw, w, pdl)))
+        row["pdl_equal"] = bool(torch.equal(fused(x, gate, nw, w), fused(x, gate, nw, w, True)))
+        row["ok"] = all(row[f"{t}row_invariant"] and row[f"{t}repeat_equal"]
+                        and row[f"{t}max_abs_err"] <= 0.02 * row["max_abs_ref"] for t in ("", "pdl_")) \
+            and (row["pdl_equal"] or tma)
         x, gate, nw, ws_ = _gated_inputs(m, cold_copies(wbytes, maximum=8192), seed=1)
         for tag, pdl in (("", False), ("pdl_", True)):
             row[f"{tag}time_us"] = graph_time_us([lambda w=w: fused(x, gate, nw, w, pdl) for w in ws_], warmup=1)

@@ -560,9 +560,9 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, workspace
     cfg = _fit_split(config, k) if config is not None else pick_config(n, k, weight.dtype)
     ws = _workspace(workspace, cfg, m, n, rows.device) if cfg.split_k > 1 else None
     pdl = pdl and pdl_supported(rows.device)
-    if linear_tma.eligible(rows, w, cfg, pdl, norm is not None or gated is not None, launched_early) \
+    if linear_tma.eligible(rows, w, cfg, pdl, norm is not None, launched_early, gated=gated) \
             and linear_tma.launch(
-            rows, w, y, ws.partials if ws else None, ws.counters if ws else None, cfg.split_k):
+            rows, w, y, ws.partials if ws else None, ws.counters if ws else None, cfg.split_k, gated=gated):
         return                              # the Hopper path: the weight slice lands before the PDL wait
     launch = {"launch_pdl": True} if pdl else {}
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k

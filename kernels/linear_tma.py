@@ -18,8 +18,9 @@ same 8 wgmma a block), so the same bits; on the H200 every probe shape matched b
 (bench/results/gluon-linear-probe-h200-20261203.json).
 
 Where it runs (`eligible`): CUDA on sm_90 (its wgmma is Hopper's), a PDL launch (the gain is the pre-wait read;
-without PDL the Triton kernel runs), Gluon importable, a 2-byte weight, the "dot" config at BN 64 / BK 128, no NORM /
-GATED prologue, K a multiple of S * BK, the whole slice fitting the ring (at most MAX_BLOCKS blocks and, with the x
+without PDL the Triton kernel runs), Gluon importable, a 2-byte weight, the "dot" config at BN 64 / BK 128, no NORM
+prologue (a GATED one, gated_rmsnorm_linear's, with heads of BK: each x block is one head, its norm built after the
+wait; GATED_MAX_ROWS below), K a multiple of S * BK, the whole slice fitting the ring (at most MAX_BLOCKS blocks and, with the x
 slice, 2 CTAs an SM's shared memory), and at most MAX_ROWS rows (1: decode and the draft), or EARLY_MAX_ROWS (16)
 where the pdl pass launches it early (`launched_early`: the norm or MLA attention before it triggers at entry, so
 the ring fills while the kernel before that runs: verify's o_proj and MLA dense). Choosing by rows keeps row
@@ -60,6 +61,7 @@ from lingc.kernels.workspace import indexed
 try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the Triton kernel runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.extra import libdevice
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from lingc.kernels.pdl import gluon_gdc_launch_dependents, gluon_gdc_wait
@@ -85,6 +87,14 @@ MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of
 EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers at entry (linear's launched_early):
                          # its weight read then overlaps the kernel before that one (verify's o_proj: kda's 11 us);
                          # H200 greedy verify 2.309 / 2.308 vs 2.327 / 2.325 ms (step-ab-h200-20261203-i.json)
+# gated_rmsnorm_linear (KDA's o_norm + o_proj, the opt-in LINGC_NORM_LINEAR_GATED=1 of passes/fuse_norm_linear.py):
+# the norm built per x block (GATED, heads of BLOCK_K) after the wait, the weight ring filled before it, so the
+# gated_rmsnorm launch goes without moving o_proj's weight read after the wait as the Triton GATED GEMV did (10.5 vs
+# 6.8 us for the pair). Up to GATED_MAX_ROWS rows (decode, verify and the draft alike: row invariance). Written
+# 2026-12-05 without a GPU: compiled for sm_90 offline, not yet run or timed on one (bench/kernel_linear.py --gated
+# checks it against the pair and times it). LINGC_LINEAR_TMA_GATED=0 leaves gated launches on the Triton kernels
+GATED_TMA = os.environ.get("LINGC_LINEAR_TMA_GATED", "1") == "1"
+GATED_MAX_ROWS = 16
 
 
 def smem_bytes(k_per_split: int, elem: int = 2, ring: int | None = None) -> int:
@@ -129,12 +139,20 @@ def _one_wave(device: torch.device) -> int:
 
 
 def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool,
-             launched_early: bool = False) -> bool:
+             launched_early: bool = False, gated=None) -> bool:
     """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring). `pdl`: the
     launch is PDL-launched, already checked against the device (linear.py's launcher: pdl_supported). The row count
     may decide (MAX_ROWS, or EARLY_MAX_ROWS where the launch before triggers at its entry): both paths give the same
-    bits, so a row's result does not depend on it."""
-    limit = max(MAX_ROWS, EARLY_MAX_ROWS) if launched_early else MAX_ROWS
+    bits, so a row's result does not depend on it. `prologue`: a norm prologue (never here); `gated` (a GatedNorm):
+    gated_rmsnorm_linear's, here (GATED) where its heads are BLOCK_K wide, at up to GATED_MAX_ROWS rows whatever
+    launched_early says: its bits are not the Triton GATED kernel's, so decode's and verify's rows must both run
+    here."""
+    if gated is not None:
+        if not (GATED_TMA and gated.head_dim == BLOCK_K):
+            return False
+        limit = GATED_MAX_ROWS
+    else:
+        limit = max(MAX_ROWS, EARLY_MAX_ROWS) if launched_early else MAX_ROWS
     if not (ENABLED and HAVE_GLUON and not FAILED and pdl and not prologue and cfg.kind == "dot"
             and rows.shape[0] <= limit and weight.dtype in (torch.bfloat16, torch.float16)):
         return False
@@ -148,12 +166,17 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _linear_tma_kernel(w_desc, x_ptr, y_ptr, part_ptr, count_ptr, M, N, stride_xm, stride_ym,
+    def _linear_tma_kernel(w_desc, x_ptr, y_ptr, part_ptr, count_ptr, g_ptr, nw_ptr, M, N, stride_xm, stride_ym,
+                           stride_gm, eps, inv_d,
                            K_PER_SPLIT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
-                           SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr, RING: gl.constexpr):
+                           SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr, RING: gl.constexpr,
+                           GATED: gl.constexpr = False):
         """Program (n, s): y[:, n-tile] (S = 1) or its slice-s partial (module docstring). Launched with PDL only.
         RING < KB (the partial ring): blocks 0..RING-1 land before the wait, block b + RING refills block b's slot
-        once its wgmma has completed (same blocks, same order, same instruction: the same bits)."""
+        once its wgmma has completed (same blocks, same order, same instruction: the same bits).
+        GATED (gated_rmsnorm_linear, heads of BK): each x block is one head, built as gated_rmsnorm does it,
+        x * rstd * nw * sigmoid(g) in fp32 with rstd = rsqrt(sum(x^2) * (1/BK) + eps), rounded to x's dtype; the
+        norm weight (a weight) is read before the wait, x and the gate after it."""
         KB: gl.constexpr = K_PER_SPLIT // BK
         pid_n = gl.program_id(0)
         pid_s = gl.program_id(1)
@@ -166,17 +189,28 @@ if HAVE_GLUON:
         for b in gl.static_range(RING):     # weights: written by no kernel, so before the wait
             mbarrier.expect(bars.index(b), w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [n0, k0 + b * BK], bars.index(b), w_smem.index(b))
-        gluon_gdc_wait()
-        if EARLY_TRIGGER:
-            gluon_gdc_launch_dependents()
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, xl))
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))
+        if GATED:                           # the norm weight (one head's BK values, every block's): a weight
+            nw = gl.load(nw_ptr + offs_k).to(gl.float32)
+        gluon_gdc_wait()
+        if EARLY_TRIGGER:
+            gluon_gdc_launch_dependents()
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], w_desc.dtype)
         x_smem = gl.allocate_shared_memory(w_desc.dtype, [KB, BM, BK], x_layout)
         for b in gl.static_range(KB):       # x [rows, slice], K-major: the wgmma B operand, permuted
-            xv = gl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + b * BK + offs_k)[None, :],
-                         mask=(offs_m < M)[:, None], other=0.0)
+            row_ok = (offs_m < M)[:, None]
+            xv = gl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + b * BK + offs_k)[None, :], mask=row_ok,
+                         other=0.0)
+            if GATED:                       # one head: a row's sum is its 16 lanes' (shuffles, no barrier)
+                gv = gl.load(g_ptr + offs_m[:, None] * stride_gm + (k0 + b * BK + offs_k)[None, :], mask=row_ok,
+                             other=0.0).to(gl.float32)
+                xf = xv.to(gl.float32)
+                rstd = gl.rsqrt(gl.sum(xf * xf, axis=1) * inv_d + eps)
+                one = gl.full([BM, BK], 1.0, gl.float32, xl)
+                gate = gl.div_rn(one, 1.0 + libdevice.exp(-gv))     # kernels/kda.py _sigmoid, PRECISE
+                xv = (xf * rstd[:, None] * nw[None, :] * gate).to(x_ptr.dtype.element_ty)
             x_smem.index(b).store(xv.to(w_desc.dtype))
         fence_async_shared()
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -225,16 +259,20 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if HAVE_GL
 
 
 def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: torch.Tensor | None,
-           counters: torch.Tensor | None, split_k: int) -> bool:
-    """y [M, N] = rows [M, K] @ weight.T on this path (the caller checked `eligible`), PDL-launched. False, with
-    one warning, where the kernel does not compile (a Triton whose Gluon API differs from 3.6's): compilation comes
-    before any GPU work, so the caller runs the Triton kernel instead, and later launches do not try again."""
+           counters: torch.Tensor | None, split_k: int, gated=None) -> bool:
+    """y [M, N] = rows [M, K] @ weight.T on this path (the caller checked `eligible`), PDL-launched; with `gated`
+    (kernels/linear.py GatedNorm, heads of BLOCK_K) y = gated_rmsnorm(rows) @ weight.T. False, with one warning,
+    where the kernel does not compile (a Triton whose Gluon API differs from 3.6's): compilation comes before any GPU
+    work, so the caller runs the Triton kernel instead, and later launches do not try again."""
     m, k = rows.shape
     n = weight.shape[0]
     grid = (-(-n // BLOCK_N), split_k)
     ring = ring_blocks(n, k, split_k, BLOCK_N, BLOCK_K, weight.element_size())
+    g, nw = (gated.gate, gated.norm_weight) if gated is not None else (rows, rows)   # rows: never-read stand-ins
+    extra = {"GATED": True, "enable_fp_fusion": False} if gated is not None else {}  # the norm's mul + add apart
     return guarded(lambda: _linear_tma_kernel[grid](
         _descriptor(weight), rows, y, partials if partials is not None else y, counters if counters is not None else y,
-        m, n, rows.stride(0), y.stride(0), K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M,
-        SPLIT_K=split_k, EARLY_TRIGGER=TRIGGER == "early", RING=ring, num_warps=WARPS, launch_pdl=True),
+        g, nw, m, n, rows.stride(0), y.stride(0), g.stride(0), gated.eps if gated is not None else 0.0, 1.0 / BLOCK_K,
+        K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
+        EARLY_TRIGGER=TRIGGER == "early", RING=ring, num_warps=WARPS, launch_pdl=True, **extra),
         FAILED, "the TMA linear (kernels/linear_tma.py)", "the Triton kernel", "LINGC_LINEAR_TMA")

@@ -89,25 +89,30 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import lingc.kernels.linear_tma as T
-split, kps, early = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-ring = int(sys.argv[4]) if len(sys.argv) > 4 else kps // T.BLOCK_K
+split, kps, early, gated = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+ring = int(sys.argv[5]) if len(sys.argv) > 5 else kps // T.BLOCK_K
 lay = T.gl.NVMMASharedLayout.get_default_for([T.BLOCK_N, T.BLOCK_K], T.gl.bfloat16)
 sig = {"w_desc": f"tensordesc<bf16[{T.BLOCK_N}, {T.BLOCK_K}],{lay!r}>", "x_ptr": "*bf16", "y_ptr": "*bf16",
-       "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-const = dict(K_PER_SPLIT=kps, BN=T.BLOCK_N, BK=T.BLOCK_K, BM=T.BLOCK_M, SPLIT_K=split, EARLY_TRIGGER=early, RING=ring)
+       "part_ptr": "*fp32", "count_ptr": "*i32", "g_ptr": "*bf16", "nw_ptr": "*bf16", "M": "i32", "N": "i32",
+       "stride_xm": "i32", "stride_ym": "i32", "stride_gm": "i32", "eps": "fp32", "inv_d": "fp32"}
+const = dict(K_PER_SPLIT=kps, BN=T.BLOCK_N, BK=T.BLOCK_K, BM=T.BLOCK_M, SPLIT_K=split, EARLY_TRIGGER=early, RING=ring,
+             GATED=gated)
 sig.update({k: "constexpr" for k in const})
-src = GluonASTSource(T._linear_tma_kernel, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4)})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": T.WARPS})
+src = GluonASTSource(T._linear_tma_kernel, sig, const,
+                     attrs={(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 5, 6)})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": T.WARPS, "enable_fp_fusion": not gated})   # as `launch` compiles it
 lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in k.asm["ptx"].splitlines()]
 find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
 print(find("griddepcontrol.wait"), find("cp.async.bulk.tensor"), find("st.global"), find("wgmma.mma_async"),
-      find("griddepcontrol.launch_dependents"), k.metadata.shared, sep="|")
+      find("griddepcontrol.launch_dependents"), k.metadata.shared, find("ld.global"), find("bar.sync"),
+      find("rsqrt.approx"), find("shfl.sync"), sep="|")
 """
 
 
-def _compile(split: int, kps: int, early: bool, ring: int | None = None) -> tuple:
+def _compile(split: int, kps: int, early: bool, ring: int | None = None, gated: bool = False) -> tuple:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(split), str(kps), "1" if early else "0"] + ([str(ring)] if ring is not None else [])
+    args = [str(split), str(kps), "1" if early else "0", "1" if gated else "0"] + ([str(ring)] if ring is not None else [])
     proc = subprocess.run([sys.executable, "-c", _PROBE, *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,7 +123,7 @@ def _compile(split: int, kps: int, early: bool, ring: int | None = None) -> tupl
 @pytest.mark.parametrize("split,kps,early", [(4, 512, True), (4, 384, False), (1, 512, True)],
                          ids=["o_proj-early", "q_a-late", "unsplit"])
 def test_weight_blocks_are_issued_before_the_wait(split: int, kps: int, early: bool) -> None:
-    waits, tma, stores, wgmma, triggers, shared = _compile(split, kps, early)
+    waits, tma, stores, wgmma, triggers, shared, *_ = _compile(split, kps, early)
     blocks = kps // T.BLOCK_K
     assert len(waits) == 1 and len(tma) == blocks, (waits, tma)
     assert max(tma) < waits[0], "every weight block is requested before the PDL wait"
@@ -148,9 +153,36 @@ def test_partial_ring_rule(monkeypatch):
 def test_partial_ring_refills_after_the_wait() -> None:
     """The KDA projection's slice (12 blocks) on a 3-block ring: 3 TMA loads before the PDL wait, the other 9 after
     it, one per consumed block, and the same 96 wgmma in K order as the whole-slice kernel."""
-    waits, tma, stores, wgmma, triggers, shared = _compile(1, 1536, True, ring=3)
+    waits, tma, stores, wgmma, triggers, shared, *_ = _compile(1, 1536, True, ring=3)
     assert len(waits) == 1 and len(tma) == 12, (waits, tma)
     assert len([i for i in tma if i < waits[0]]) == 3
     assert len(wgmma) == 12 * T.BLOCK_K // 16
     assert stores and min(stores) > waits[0]
     assert shared <= T.SMEM_2_CTAS
+
+
+@pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_gated_norm_is_built_after_the_wait_from_a_norm_weight_read_before_it() -> None:
+    """GATED (gated_rmsnorm_linear, o_proj's split-4 shape): the weight ring and the norm weight (its only load of
+    another kind) are requested before the PDL wait, x and the gate after it; each of the 4 heads' row sums is a
+    lane reduction (shuffles, rsqrt), with no CTA barrier more than the plain kernel has, and the same wgmma."""
+    plain = _compile(4, 512, True)
+    waits, tma, stores, wgmma, triggers, shared, loads, bars, rsqrt, shfl = _compile(4, 512, True, gated=True)
+    assert len(waits) == 1 and len(tma) == 4 and max(tma) < waits[0]
+    early_loads = [i for i in loads if i < waits[0]]
+    assert len(early_loads) == 1, early_loads                           # the norm weight (a v4 load)
+    assert len(loads) - 1 > len(plain[6])                               # x as before, then the gate
+    assert len(bars) == len(plain[7]) and len(wgmma) == len(plain[3])
+    assert len(rsqrt) >= 4 and len(shfl) > len(plain[9])
+    assert stores and min(stores) > waits[0] and shared <= T.SMEM_2_CTAS
+
+
+def test_gated_launches_take_the_path_only_with_heads_of_a_block():
+    """The rule for gated_rmsnorm_linear's launches: heads of BLOCK_K (KDA's 128) and the knob; never on CPU."""
+    w = torch.zeros(2048, 2048, dtype=torch.bfloat16)
+    cfg = L.pick_config(2048, 2048, torch.bfloat16)
+    x = torch.zeros(6, 2048, dtype=torch.bfloat16)
+    for d in (T.BLOCK_K, 64):
+        gated = L.GatedNorm(torch.ones(d), 1e-6, x, d)
+        assert not T.eligible(x, w, cfg, pdl=True, prologue=False, gated=gated)     # CPU tensors
+    assert T.GATED_TMA == (os.environ.get("LINGC_LINEAR_TMA_GATED", "1") == "1") and T.GATED_MAX_ROWS == 16
