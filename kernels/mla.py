@@ -146,6 +146,12 @@ CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 1
 # 2.199 against 2.210 / 2.213 ms and greedy NEXTN 3.132 against 3.146 / 3.147, decode level (1.148 against 1.149 /
 # 1.150; bench/results/step-ab-h200-20261204-a.json, where CB_BLOCK_S = 64, another reduction shape, was slower)
 CB_BLOCK_R = 64
+# the combine reads a query's partials in one round trip where all S splits fit one CB_BLOCK_S step (capacity up to
+# 16384 rows): the maximum from the step's own loads instead of a load of the maxima first. Same bits (the combine's
+# test compares both paths); written 2026-12-05 without a GPU, not yet timed (A/B:
+# bench/device_step.py --variant 'one:lingc.kernels.mla.COMBINE_ONE_STEP=True'), so off by default;
+# LINGC_MLA_COMBINE_ONE_STEP=1 turns it on
+COMBINE_ONE_STEP = os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "0") == "1"
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
@@ -354,7 +360,7 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
 def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos_b, stride_pos_t,
                     H: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, S_POW2: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PDL: tl.constexpr, EARLY_POS: tl.constexpr = False):
+                    PDL: tl.constexpr, EARLY_POS: tl.constexpr = False, ONE_STEP: tl.constexpr = False):
     """o_lat[m, h, rblock] from the query's visible splits 0 .. pos // SPLIT (in that order, fixed blocks)."""
     mh = tl.program_id(0)
     m, h = mh // H, mh % H
@@ -369,22 +375,38 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
         pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
     n_splits = tl.minimum(pos // SPLIT + 1, S)
     rows = (m * S).to(tl.int64) * H + h                      # partial row of split 0; split s adds s * H
-    all_s = tl.arange(0, S_POW2)
-    m_all = tl.load(part_ml_ptr + (rows + all_s * H) * 2, mask=all_s < n_splits, other=float("-inf"))
-    m_max = tl.max(m_all, axis=0)                            # exact: max does not depend on the order
     l_sum = tl.zeros([BLOCK_S], tl.float32)
     o_sum = tl.zeros([BLOCK_R], tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
+    if ONE_STEP and S_POW2 <= BLOCK_S:
+        # every split fits one step: the maximum comes from the step's own loads, so the partials are read in one
+        # round trip instead of two (the maxima, then the step). The same values in the same ops as the loop's one
+        # iteration below (the maximum is exact over the same splits), so the same bits at any capacity
+        offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < n_splits
         prow = rows + offs_s * H                                                       # [BLOCK_S]
         m_s = tl.load(part_ml_ptr + prow * 2, mask=mask_s, other=float("-inf"))
         l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=mask_s, other=0.0)
         o_s = tl.load(part_o_ptr + prow[:, None] * R + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
                       other=0.0).to(tl.float32)                                        # [BLOCK_S, BLOCK_R]
+        m_max = tl.max(m_s, axis=0)
         w = tl.exp2(m_s - m_max)                                                       # 0 on masked splits
         l_sum += w * l_s
         o_sum += tl.sum(w[:, None] * o_s, axis=0)
+    else:
+        all_s = tl.arange(0, S_POW2)
+        m_all = tl.load(part_ml_ptr + (rows + all_s * H) * 2, mask=all_s < n_splits, other=float("-inf"))
+        m_max = tl.max(m_all, axis=0)                        # exact: max does not depend on the order
+        for s0 in range(0, n_splits, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            mask_s = offs_s < n_splits
+            prow = rows + offs_s * H                                                   # [BLOCK_S]
+            m_s = tl.load(part_ml_ptr + prow * 2, mask=mask_s, other=float("-inf"))
+            l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=mask_s, other=0.0)
+            o_s = tl.load(part_o_ptr + prow[:, None] * R + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
+                          other=0.0).to(tl.float32)                                    # [BLOCK_S, BLOCK_R]
+            w = tl.exp2(m_s - m_max)                                                   # 0 on masked splits
+            l_sum += w * l_s
+            o_sum += tl.sum(w[:, None] * o_s, axis=0)
     if PDL:
         pdl_trigger()
     out = o_sum / tl.sum(l_sum, axis=0)
@@ -738,7 +760,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
-        EARLY_POS=EARLY_POS, num_warps=GEMV_WARPS, **launch)
+        EARLY_POS=EARLY_POS, ONE_STEP=COMBINE_ONE_STEP, num_warps=GEMV_WARPS, **launch)
     g, g_strides = (gate, gate.stride()) if gate is not None else (out, (0, 0, 0))   # out: a never-read stand-in
     _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
         o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,

@@ -133,6 +133,24 @@ def test_attention_row_invariance(split: dict, dtype: torch.dtype, tile: int, mo
     assert torch.equal(_attend(bigger, **split), chain), "the cache capacity changed a query's bits"
 
 
+@pytest.mark.parametrize("split", [SPLITS["split16"], SPLITS["default"]], ids=["split16", "default"])
+@dtypes
+def test_combine_in_one_step_has_the_loops_bits(split: dict, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """COMBINE_ONE_STEP (every split in one CB_BLOCK_S step, the maximum from the step's own loads) gives the loop's
+    bits, for a chain and its single queries, at two capacities; and a capacity past one step (CB_BLOCK_S = 4
+    splits) still runs the loop."""
+    c = _case(2, 6, dtype, seed=43)
+    c["positions"][0] = torch.arange(13, 19)
+    bigger = dict(c, page_rows=torch.cat([c["page_rows"], c["page_rows"].flip(1)], dim=1))
+    loop = [_attend(x, **split) for x in (c, bigger, _rows(c, slice(0, 1), slice(2, 3)))]
+    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", True)
+    for x, want in zip((c, bigger, _rows(c, slice(0, 1), slice(2, 3))), loop):
+        assert torch.equal(_attend(x, **split), want)
+    small = _attend(c, split_rows=16, block_n=16, combine_block_s=4)        # S_POW2 > 4: the loop, as before
+    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", False)
+    assert torch.equal(small, _attend(c, split_rows=16, block_n=16, combine_block_s=4))
+
+
 def test_attention_pdl_on_cpu_falls_back() -> None:
     c = _case(1, 2, torch.float32, seed=3)
     assert torch.equal(mla_attention(*_args(c), pdl=True), mla_attention(*_args(c)))
