@@ -26,7 +26,7 @@ so they are stream-ordered as before. SOLO = False restores chain-only annotatio
 Entry triggers (`mark_entry_triggers`, after the rest): a norm or MLA attention whose next launch is a linear that
 reads only weights before its wait gets the launch hint entry_trigger (it triggers at its entry, so the linear's
 weight read overlaps the kernel before the norm) and the linear launched_early (kernels/linear_tma.py); row limits
-from the H200 A/Bs (ENTRY_TRIGGER_MAX_ROWS, ENTRY_TRIGGER_ROWS).
+from the H200 A/Bs (ENTRY_TRIGGER_MAX_ROWS, ENTRY_TRIGGER_ROWS; ENTRY_TRIGGER_SMALL_ROWS for small weights, off).
 Scheduling only: numerics unchanged.
 
 Before:  L1_attention_q_conv1d_kda_conv, L1_attention_k_proj_linear, L1_attention_k_conv1d_kda_conv, ...
@@ -36,6 +36,7 @@ After:   L1_attention_k_proj_linear, ..., L1_attention_q_conv1d_kda_conv  # pdl=
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from typing import Any
@@ -169,6 +170,15 @@ ENTRY_TRIGGER_MAX_ROWS = 1
 # greedy verify 2.309 / 2.308 ms against 2.327 / 2.325 with one-row marks only, and 2.327 with these marks but the
 # Triton linear (step-ab-h200-20261203-i.json); decode unchanged.
 ENTRY_TRIGGER_ROWS: dict[str, int] = {"gated_rmsnorm": 16, "mla_attention": 16}
+# A plain linear whose weight is at most ENTRY_TRIGGER_SMALL_WEIGHT_BYTES gets the row limit ENTRY_TRIGGER_SMALL_ROWS
+# whatever op comes before it: its slice fits the Gluon TMA ring, which it then holds at verify's rows too (at
+# Ling-3.0-tiny's size the MLA q_a / kv_a / gate projection after the combine: 6 layers of verify on the Triton dot,
+# 3.65 us a launch against 2.62 for the one-row TMA launch in decode; launches-kda-tma-h200-20261204.json), while the
+# 31.5 MB KDA projection, the loss measured above, stays past it. A shape rule in bytes, so the pass needs no device
+# facts. 0 (off): written 2026-12-05 without a GPU, not yet timed (A/B: bench/device_step.py
+# --variant 'small:lingc.passes.pdl.ENTRY_TRIGGER_SMALL_ROWS=16')
+ENTRY_TRIGGER_SMALL_ROWS = 0
+ENTRY_TRIGGER_SMALL_WEIGHT_BYTES = 8 << 20
 
 
 def _rows(node: fx.Node) -> int | None:
@@ -180,6 +190,14 @@ def _rows(node: fx.Node) -> int | None:
     for d in meta.shape[:-1]:
         rows *= int(d)
     return rows
+
+
+def _weight_bytes(linear: fx.Node) -> float:
+    """Bytes of a linear's weight (its second argument) from its shape meta; infinite without one."""
+    meta = getattr(linear.args[1], "meta", {}).get("lingc.tensor") if len(linear.args) > 1 else None
+    if meta is None or not getattr(meta, "shape", None):
+        return float("inf")
+    return math.prod(int(d) for d in meta.shape) * meta.dtype.itemsize
 
 
 def _next_launch(node: fx.Node) -> fx.Node | None:
@@ -203,7 +221,11 @@ def mark_entry_triggers(graph: fx.Graph) -> list[str]:
                     or "lingc.pdl" not in nxt.meta:
                 continue
             rows = _rows(nxt)
-            if rows is not None and 1 <= rows <= ENTRY_TRIGGER_ROWS.get(short, ENTRY_TRIGGER_MAX_ROWS):
+            limit = ENTRY_TRIGGER_ROWS.get(short, ENTRY_TRIGGER_MAX_ROWS)
+            if ENTRY_TRIGGER_SMALL_ROWS and nxt.target is OPS.linear \
+                    and _weight_bytes(nxt) <= ENTRY_TRIGGER_SMALL_WEIGHT_BYTES:
+                limit = max(limit, ENTRY_TRIGGER_SMALL_ROWS)
+            if rows is not None and 1 <= rows <= limit:
                 node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
                 if nxt.target is OPS.linear:     # its launcher may then take the Gluon path at more rows
                     nxt.meta["lingc.launch"] = {**nxt.meta.get("lingc.launch", {}), "launched_early": True}

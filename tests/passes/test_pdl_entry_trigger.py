@@ -17,11 +17,14 @@ from lingc.program import Program
 from lingc.runtime.executor import launch_hints
 
 
-def _graph(after: str, rows: int = 1, norm_op: str = "gated_rmsnorm") -> tuple[fx.Graph, fx.Node]:
+def _graph(after: str, rows: int = 1, norm_op: str = "gated_rmsnorm",
+           weight: tuple[int, int] | None = None) -> tuple[fx.Graph, fx.Node]:
     """kda output -> gated_rmsnorm (or rmsnorm) -> (a view) -> `after` (linear over `rows` rows, or router_align),
-    every call PDL-annotated."""
+    every call PDL-annotated; `weight`: the linear weight's shape meta (bf16)."""
     g = fx.Graph()
     x, w, gate, wo, bias = (g.placeholder(n) for n in ("x", "w", "gate", "wo", "bias"))
+    if weight is not None:
+        wo.meta["lingc.tensor"] = TensorMeta(weight, torch.bfloat16)
     if norm_op == "gated_rmsnorm":
         norm = g.call_function(OPS.gated_rmsnorm, (x, w, gate, 1e-6))
     else:
@@ -64,6 +67,24 @@ def test_row_limits(monkeypatch):
     g, norm = _graph("linear")
     next(n for n in g.nodes if n.target is OPS.linear).meta.pop("lingc.tensor")
     assert mark_entry_triggers(g) == []                        # no shape meta: not marked
+
+
+def test_small_weights_take_the_higher_row_limit(monkeypatch):
+    """ENTRY_TRIGGER_SMALL_ROWS (off by default): a plain linear of at most ENTRY_TRIGGER_SMALL_WEIGHT_BYTES after any
+    entry op is marked up to that row limit (the MLA q_a / kv_a / gate projection after the combine at verify's six
+    rows); a larger weight (the 31.5 MB KDA projection) or one without shape meta keeps the op's own limit."""
+    small, large = (848, 1536), (10256, 1536)
+    g, norm = _graph("linear", rows=6, norm_op="rmsnorm", weight=small)
+    assert mark_entry_triggers(g) == []                                       # off by default
+    monkeypatch.setattr(pdl_pass, "ENTRY_TRIGGER_SMALL_ROWS", 16)
+    g, norm = _graph("linear", rows=6, norm_op="rmsnorm", weight=small)
+    assert mark_entry_triggers(g) == [norm.name]
+    assert launch_hints(next(n for n in g.nodes if n.target is OPS.linear)) == {"launched_early": True}
+    for weight in (large, None):
+        g, norm = _graph("linear", rows=6, norm_op="rmsnorm", weight=weight)
+        assert mark_entry_triggers(g) == [], weight
+    g, norm = _graph("linear", rows=17, norm_op="rmsnorm", weight=small)
+    assert mark_entry_triggers(g) == []
 
 
 def test_no_hint_before_a_kernel_that_reads_activations_early():
