@@ -95,6 +95,7 @@ EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers 
 # checks it against the pair and times it). LINGC_LINEAR_TMA_GATED=0 leaves gated launches on the Triton kernels
 GATED_TMA = os.environ.get("LINGC_LINEAR_TMA_GATED", "1") == "1"
 GATED_MAX_ROWS = 16
+GATED_FAILED: list[str] = []   # a GATED compile failure turns off the GATED launches only, not the plain ones
 
 
 def smem_bytes(k_per_split: int, elem: int = 2, ring: int | None = None) -> int:
@@ -148,7 +149,7 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
     launched_early says: its bits are not the Triton GATED kernel's, so decode's and verify's rows must both run
     here."""
     if gated is not None:
-        if not (GATED_TMA and gated.head_dim == BLOCK_K):
+        if not (GATED_TMA and not GATED_FAILED and gated.head_dim == BLOCK_K):
             return False
         limit = GATED_MAX_ROWS
     else:
@@ -268,11 +269,16 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: 
     n = weight.shape[0]
     grid = (-(-n // BLOCK_N), split_k)
     ring = ring_blocks(n, k, split_k, BLOCK_N, BLOCK_K, weight.element_size())
-    g, nw = (gated.gate, gated.norm_weight) if gated is not None else (rows, rows)   # rows: never-read stand-ins
-    extra = {"GATED": True, "enable_fp_fusion": False} if gated is not None else {}  # the norm's mul + add apart
+    if gated is None:
+        g, nw, eps, extra = rows, rows, 0.0, {}                  # rows: never-read stand-ins
+        failed, what, knob = FAILED, "the TMA linear (kernels/linear_tma.py)", "LINGC_LINEAR_TMA"
+    else:                                                        # the norm's mul + add apart, as gated_rmsnorm's
+        g, nw, eps, extra = gated.gate, gated.norm_weight, gated.eps, {"GATED": True, "enable_fp_fusion": False}
+        failed, knob = GATED_FAILED, "LINGC_LINEAR_TMA_GATED"
+        what = "the TMA linear's GATED path (kernels/linear_tma.py)"
     return guarded(lambda: _linear_tma_kernel[grid](
         _descriptor(weight), rows, y, partials if partials is not None else y, counters if counters is not None else y,
-        g, nw, m, n, rows.stride(0), y.stride(0), g.stride(0), gated.eps if gated is not None else 0.0, 1.0 / BLOCK_K,
+        g, nw, m, n, rows.stride(0), y.stride(0), g.stride(0), eps, 1.0 / BLOCK_K,
         K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
         EARLY_TRIGGER=TRIGGER == "early", RING=ring, num_warps=WARPS, launch_pdl=True, **extra),
-        FAILED, "the TMA linear (kernels/linear_tma.py)", "the Triton kernel", "LINGC_LINEAR_TMA")
+        failed, what, "the Triton kernel", knob)

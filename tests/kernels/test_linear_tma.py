@@ -83,6 +83,22 @@ def test_a_kernel_that_does_not_compile_falls_back_once(monkeypatch):
     assert T.FAILED and not T.eligible(x, w, L.pick_config(1536, 2048, torch.bfloat16), pdl=True, prologue=False)
 
 
+@pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_a_gated_launch_that_does_not_compile_turns_off_only_the_gated_path(monkeypatch):
+    """A GATED compile failure warns naming LINGC_LINEAR_TMA_GATED and lands in GATED_FAILED: later gated launches
+    skip the path, plain ones still take it (FAILED stays empty)."""
+    monkeypatch.setattr(T, "FAILED", [])
+    monkeypatch.setattr(T, "GATED_FAILED", [])
+    monkeypatch.setattr(T, "_linear_tma_kernel", BrokenGluonKernel("gl.rsqrt"))
+    monkeypatch.setattr(T, "_descriptor", lambda w: None)
+    w = torch.zeros(1536, 2048, dtype=torch.bfloat16)
+    x, y = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.zeros(1, 1536, dtype=torch.bfloat16)
+    gated = L.GatedNorm(torch.ones(T.BLOCK_K), 1e-6, x, T.BLOCK_K)
+    with pytest.warns(RuntimeWarning, match=r"GATED path.*LINGC_LINEAR_TMA_GATED=0"):
+        assert T.launch(x, w, y, None, None, 4, gated=gated) is False
+    assert T.GATED_FAILED and not T.FAILED
+
+
 _PROBE = """
 import sys
 import triton
@@ -112,7 +128,8 @@ print(find("griddepcontrol.wait"), find("cp.async.bulk.tensor"), find("st.global
 
 def _compile(split: int, kps: int, early: bool, ring: int | None = None, gated: bool = False) -> tuple:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(split), str(kps), "1" if early else "0", "1" if gated else "0"] + ([str(ring)] if ring is not None else [])
+    args = [str(split), str(kps), "1" if early else "0", "1" if gated else "0"]
+    args += [str(ring)] if ring is not None else []
     proc = subprocess.run([sys.executable, "-c", _PROBE, *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-3000:]

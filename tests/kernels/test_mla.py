@@ -135,7 +135,8 @@ def test_attention_row_invariance(split: dict, dtype: torch.dtype, tile: int, mo
 
 @pytest.mark.parametrize("split", [SPLITS["split16"], SPLITS["default"]], ids=["split16", "default"])
 @dtypes
-def test_combine_in_one_step_has_the_loops_bits(split: dict, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_combine_in_one_step_has_the_loops_bits(split: dict, dtype: torch.dtype,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """COMBINE_ONE_STEP (every split in one CB_BLOCK_S step, the maximum from the step's own loads) gives the loop's
     bits, for a chain and its single queries, at two capacities; and a capacity past one step (CB_BLOCK_S = 4
     splits) still runs the loop."""
