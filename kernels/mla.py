@@ -357,6 +357,21 @@ def _split_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, p
 
 
 @triton.jit
+def _combine_loads(part_o_ptr, part_ml_ptr, rows, s0, n_splits, offs_r, mask_r, H: tl.constexpr, R: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    """One combine step's partials, splits s0 .. s0 + BLOCK_S - 1 of a (query, head) whose split 0 is partial row
+    `rows`: the maxima [BLOCK_S] (-inf past n_splits), the sums [BLOCK_S] (0 there) and O [BLOCK_S, BLOCK_R] in fp32."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n_splits
+    prow = rows + offs_s * H                                                           # [BLOCK_S]
+    m_s = tl.load(part_ml_ptr + prow * 2, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=mask_s, other=0.0)
+    o_s = tl.load(part_o_ptr + prow[:, None] * R + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
+                  other=0.0).to(tl.float32)
+    return m_s, l_s, o_s
+
+
+@triton.jit
 def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos_b, stride_pos_t,
                     H: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, S_POW2: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -381,13 +396,7 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
         # every split fits one step: the maximum comes from the step's own loads, so the partials are read in one
         # round trip instead of two (the maxima, then the step). The same values in the same ops as the loop's one
         # iteration below (the maximum is exact over the same splits), so the same bits at any capacity
-        offs_s = tl.arange(0, BLOCK_S)
-        mask_s = offs_s < n_splits
-        prow = rows + offs_s * H                                                       # [BLOCK_S]
-        m_s = tl.load(part_ml_ptr + prow * 2, mask=mask_s, other=float("-inf"))
-        l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=mask_s, other=0.0)
-        o_s = tl.load(part_o_ptr + prow[:, None] * R + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
-                      other=0.0).to(tl.float32)                                        # [BLOCK_S, BLOCK_R]
+        m_s, l_s, o_s = _combine_loads(part_o_ptr, part_ml_ptr, rows, 0, n_splits, offs_r, mask_r, H, R, BLOCK_S)
         m_max = tl.max(m_s, axis=0)
         w = tl.exp2(m_s - m_max)                                                       # 0 on masked splits
         l_sum += w * l_s
@@ -397,13 +406,8 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
         m_all = tl.load(part_ml_ptr + (rows + all_s * H) * 2, mask=all_s < n_splits, other=float("-inf"))
         m_max = tl.max(m_all, axis=0)                        # exact: max does not depend on the order
         for s0 in range(0, n_splits, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            mask_s = offs_s < n_splits
-            prow = rows + offs_s * H                                                   # [BLOCK_S]
-            m_s = tl.load(part_ml_ptr + prow * 2, mask=mask_s, other=float("-inf"))
-            l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=mask_s, other=0.0)
-            o_s = tl.load(part_o_ptr + prow[:, None] * R + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
-                          other=0.0).to(tl.float32)                                    # [BLOCK_S, BLOCK_R]
+            m_s, l_s, o_s = _combine_loads(part_o_ptr, part_ml_ptr, rows, s0, n_splits, offs_r, mask_r, H, R,
+                                           BLOCK_S)
             w = tl.exp2(m_s - m_max)                                                   # 0 on masked splits
             l_sum += w * l_s
             o_sum += tl.sum(w[:, None] * o_s, axis=0)
