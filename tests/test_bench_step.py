@@ -63,3 +63,57 @@ def test_ablation_rows_and_the_budgeted_order():
     assert first + later != sets and sorted(first + later, key=sets.index) == sets   # a partition of the rows
     assert [n for n, _, _ in later][0] == "+fuse_projections" and "all+draft_vocab" in [n for n, _, _ in later]
     assert row_cost_guess([]) == 15.0 and row_cost_guess([3.0, 48.0, 9.0]) == 48.0
+
+
+def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(monkeypatch, tmp_path):
+    """device_step.main under --budget-s with the GPU work faked: the table's rows, then parity and the end-to-end
+    run, then the ablation's other rows while a row fits (each fake row costs 30 s of a fake clock); the JSON keeps
+    the ablation's order, names the skipped rows and the budget, and has no A/B row."""
+    import json
+    import types
+
+    import device_step as ds
+    import lingc.init
+    import lingc.passes.manager
+    import lingc.trace  # noqa: F401  (the module: lingc.trace the attribute is its function)
+
+    clock = {"t": 0.0}
+    calls = []
+    monkeypatch.setattr(ds, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    monkeypatch.setattr(ds.torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(ds, "_sync", lambda: None)
+    monkeypatch.setattr(ds, "hbm_bandwidth_gbps", lambda: 4000.0)
+    monkeypatch.setattr(lingc.init, "random_model", lambda config, **kw: types.SimpleNamespace(config=config))
+    monkeypatch.setattr(sys.modules["lingc.trace"], "trace", lambda model, programs, options: object())
+
+    def measure(model, traced, passes, bandwidth, with_floor, floor_first=False):
+        calls.append(("row", tuple(passes)))
+        clock["t"] += 30.0
+        return {"passes": passes, "step": {"ms": {"total": 1.0}}}
+
+    monkeypatch.setattr(ds, "measure_config", measure)
+    monkeypatch.setattr(ds, "greedy_parity", lambda *a, **k: calls.append(("parity",)) or {"nextn_equals_plain": True})
+    monkeypatch.setattr(ds, "end_to_end", lambda *a, **k: calls.append(("e2e",)) or {"tpot_ms": 1.0})
+
+    class Manager:
+        def __init__(self, passes):
+            pass
+
+        def run(self, program):
+            return types.SimpleNamespace(program=program)
+
+    monkeypatch.setattr(lingc.passes.manager, "PassManager", Manager)
+    out = tmp_path / "step.json"
+    monkeypatch.setattr(sys, "argv", ["device_step.py", "--e2e", "--budget-s", "200", "--json", str(out)])
+    ds.main()
+    result = json.loads(out.read_text())
+    names = [r["name"] for r in result["ablation"]]
+    order = [n for n, _, _ in ablation_sets(_args(), [])]
+    assert names == [n for n in order if n in names]                        # the ablation's order
+    assert names[:2] == ["none", "partition"] and "all" in names and not set(AB_ROWS) & set(names)
+    assert [c[0] for c in calls[:5]] == ["row", "row", "row", "parity", "e2e"]
+    assert calls[2] == ("row", ("all",))
+    ran_later = len(names) - 3
+    assert ran_later == 3, names                         # 90 s spent, 30 s a row, 200 s budget: 3 more rows
+    assert set(result["skipped_rows"]) == set(order) - set(names) and result["budget_s"] == 200.0
+    assert result["end_to_end"] == {"tpot_ms": 1.0} and result["greedy_parity"] == {"nextn_equals_plain": True}
