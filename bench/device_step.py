@@ -23,10 +23,10 @@ literal (ast.literal_eval, never eval); a dict literal replaces fields of a data
 tunables read at launch or compile time take effect (not default arguments bound at import). "NAME:" alone is a
 baseline row.
 
-`--budget-s S` (the table call, bench/device_step_1gpu.sh): the rows the table and the parity need ("none",
-"partition", "all" and the variants) run first, then the parity and the end-to-end run, then the other ablation rows
-while a row still fits in S seconds from the start (each row's cost guessed as the dearest row so far); a row left
-out is listed in `skipped_rows` with the reason, and the JSON keeps the ablation's order. On a cold machine every
+`--budget-s S` (the table call, bench/device_step_1gpu.sh): every row but the cumulative "+pass" ones ("none",
+"partition", "all", the variants and any A/B row asked for) runs first, then the parity and the end-to-end run, then
+the "+pass" rows while one still fits in S seconds from the start (`row_cost_guess`); a row left out is listed in
+`skipped_rows` with the reason, and the JSON keeps the ablation's order. On a cold machine every
 row compiles its kernels afresh (20-50 s a row), which ran a 450 s call out of time during the end-to-end run
 (2026-12-04). The two A/B rows after "all" ("all:pdl-chains", "all+fuse_moe") run only with `--ab-rows` or when
 `--only` names them.
@@ -428,7 +428,7 @@ def main() -> None:
     result["trace_s"] = time.perf_counter() - t0
 
     sets = ablation_sets(args, variants)
-    first, later = split_by_budget(sets) if args.budget_s else (sets, [])
+    first, later = split_by_budget(sets, args.only) if args.budget_s else (sets, [])
     result["ablation"] = rows = []                 # written out after every row
     order = {name: i for i, (name, _, _) in enumerate(sets)}
 
@@ -551,20 +551,22 @@ def ablation_sets(args, variants: list) -> list[tuple[str, list[str], list]]:
         sets.append(("all+draft_vocab", ["all", "draft_vocab"]))
     only = set(filter(None, args.only.split(",")))
     sets = [(name, passes, []) for name, passes in sets
-            if name in only or (not only and (args.ab_rows or name not in AB_ROWS))]
+            if name in only or (args.ab_rows and name in AB_ROWS) or (not only and name not in AB_ROWS)]
     return sets + [(f"all@{vname}", ["all"], assignments) for vname, assignments in variants]
 
 
-def split_by_budget(sets: list) -> tuple[list, list]:
-    """(first, later) under --budget-s: the rows the table and the summary need and the variants (the A/Bs a call
-    was made for) first, in order; the other rows after the parity and the end-to-end run."""
-    first = [s for s in sets if s[0] in ESSENTIAL_ROWS or s[0].startswith("all@")]
-    return first, [s for s in sets if s not in first]
+def split_by_budget(sets: list, only: str = "") -> tuple[list, list]:
+    """(first, later) under --budget-s: every row but the cumulative "+pass" ones (the rows the table and the
+    summary need, the variants, A/B and draft_vocab rows: what a call was made for), and the "+pass" rows --only
+    names, first, in order; the other "+pass" rows after the parity and the end-to-end run."""
+    named = set(filter(None, only.split(",")))
+    later = [s for s in sets if s[0].startswith("+") and s[0] not in named]
+    return [s for s in sets if s not in later], later
 
 
-def row_cost_guess(costs: list[float], default: float = 15.0) -> float:
-    """A later row's guessed wall time: the dearest of the later rows so far (their kernels are mostly compiled
-    by then; +pdl's PDL variants are the exception), or `default` before any ran."""
+def row_cost_guess(costs: list[float], default: float = 45.0) -> float:
+    """A later row's guessed wall time: the dearest of the later rows so far, or `default` before any ran (a row
+    that compiles its kernels cold takes 20-50 s: 2026-12-04's +pdl row took 48)."""
     return max(costs, default=default)
 
 

@@ -7,8 +7,8 @@
 #
 #   bash bench/device_step_1gpu.sh OUT_DIR [path/to/transformers-5.23.0-py3-none-any.whl]
 #
-# At most ~10 minutes (the device call's limit): the step part is budgeted at STEP_BUDGET_S (400 s) and killed at
-# 470 s, the peers at 110 s. Under the budget device_step.py runs the rows the table needs ("none", "partition",
+# At most ~10 minutes (the device call's limit): the step part is budgeted at STEP_BUDGET_S (380 s) and killed at
+# 450 s, the peers at 110 s. Under the budget device_step.py runs the rows the table needs ("none", "partition",
 # "all"), the parity and the end-to-end run first, then the rest of the ablation while a row still fits; a cold
 # machine compiles every row's kernels afresh (the 2026-12-04 table call spent 264 s on compiles and lost its
 # end-to-end run to the old 450 s limit), so a row that does not fit is listed in step.json's skipped_rows.
@@ -16,13 +16,13 @@
 set -u
 OUT=${1:?usage: bash bench/device_step_1gpu.sh OUT_DIR [transformers wheel]}
 WHEEL=${2:-}
-STEP_BUDGET_S=${STEP_BUDGET_S:-400}
+STEP_BUDGET_S=${STEP_BUDGET_S:-380}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 rm -rf /tmp/lingc-site /tmp/lingc-tf
 pip install -q --no-deps --no-build-isolation --target /tmp/lingc-site . || exit 1
 export PYTHONPATH=/tmp/lingc-site
-timeout 470 python3 bench/device_step.py --e2e --budget-s "$STEP_BUDGET_S" --json "$OUT/step.json" 2>&1 \
+timeout 450 python3 bench/device_step.py --e2e --budget-s "$STEP_BUDGET_S" --json "$OUT/step.json" 2>&1 \
   | grep -v Warning
 merge=(torch_compile="$OUT/torch_compile_decode.json" torch_compile="$OUT/torch_compile_nextn.json")
 for p in torch_compile_decode torch_compile_nextn; do

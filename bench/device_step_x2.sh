@@ -7,8 +7,8 @@
 #
 #   bash bench/device_step_x2.sh OUT_DIR [path/to/transformers-5.23.0-py3-none-any.whl]
 #
-# At most ~10 minutes: the step part is budgeted at STEP_BUDGET_S (500 s; device_step_1gpu.sh says why) and killed
-# at 560 s; the peers compile in 20-35 s each since peers.py short-circuits torch 2.11 inductor's log formatting.
+# At most ~10 minutes: the step part is budgeted at STEP_BUDGET_S (480 s; device_step_1gpu.sh says why) and killed
+# at 540 s; the peers compile in 20-35 s each since peers.py short-circuits torch 2.11 inductor's log formatting.
 # Run from the repository root; the device image has torch, triton, typer, rich, safetensors and networkx.
 set -u
 OUT=${1:?usage: bash bench/device_step_x2.sh OUT_DIR [transformers wheel]}
@@ -31,7 +31,7 @@ if [ -n "$WHEEL" ]; then
   merge+=(transformers="$OUT/transformers.json")
 fi
 
-CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/device_step.py --e2e --budget-s "${STEP_BUDGET_S:-500}" \
+CUDA_VISIBLE_DEVICES=0 timeout 540 python3 bench/device_step.py --e2e --budget-s "${STEP_BUDGET_S:-480}" \
   --json "$OUT/step.json" 2>&1 | grep -v Warning
 wait
 for log in /tmp/lingc-*.log; do echo "== $log"; tail -3 "$log"; done

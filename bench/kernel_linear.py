@@ -387,6 +387,7 @@ def run_gated(log=lambda row: None) -> list[dict]:
             row[f"{tag}row_invariant"] = bool(torch.equal(y, alone))
             row[f"{tag}repeat_equal"] = bool(torch.equal(y, fused(x, gate, nw, w, pdl)))
         row["pdl_equal"] = bool(torch.equal(fused(x, gate, nw, w), fused(x, gate, nw, w, True)))
+        row["pdl_path_tma"] = tma = tma and not linear_tma.GATED_FAILED     # a failed compile ran the Triton kernel
         row["ok"] = all(row[f"{t}row_invariant"] and row[f"{t}repeat_equal"]
                         and row[f"{t}max_abs_err"] <= 0.02 * row["max_abs_ref"] for t in ("", "pdl_")) \
             and (row["pdl_equal"] or tma)

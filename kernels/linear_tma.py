@@ -139,6 +139,12 @@ def _one_wave(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def gated_fits(gated) -> bool:
+    """The GATED rule of `eligible` (no device facts): the knob, no GATED compile failure, heads of BLOCK_K (each x
+    block one head) and a gate whose rows are unit-stride (the kernel reads them so)."""
+    return GATED_TMA and not GATED_FAILED and gated.head_dim == BLOCK_K and gated.gate.stride(-1) == 1
+
+
 def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue: bool,
              launched_early: bool = False, gated=None) -> bool:
     """Whether this launch runs here rather than on kernels/linear.py's Triton kernels (module docstring). `pdl`: the
@@ -149,7 +155,7 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
     launched_early says: its bits are not the Triton GATED kernel's, so decode's and verify's rows must both run
     here."""
     if gated is not None:
-        if not (GATED_TMA and not GATED_FAILED and gated.head_dim == BLOCK_K):
+        if not gated_fits(gated):
             return False
         limit = GATED_MAX_ROWS
     else:

@@ -55,14 +55,17 @@ def test_ablation_rows_and_the_budgeted_order():
     assert names[:2] == ["none", "partition"] and names[-1] == "all" and not set(AB_ROWS) & set(names)
     assert [n for n, _, _ in ablation_sets(_args(ab_rows=True), [])][-2:] == list(AB_ROWS)
     assert [n for n, _, _ in ablation_sets(_args(only="all,all+fuse_moe"), [])] == ["all", "all+fuse_moe"]
+    assert [n for n, _, _ in ablation_sets(_args(only="all", ab_rows=True), [])] == ["all", *AB_ROWS]
     variant = parse_variant("base2:")
     sets = ablation_sets(_args(draft_vocab=8), [variant])
     assert [n for n, _, _ in sets][-2:] == ["all+draft_vocab", "all@base2"]
     first, later = split_by_budget(sets)
-    assert [n for n, _, _ in first] == [*ESSENTIAL_ROWS, "all@base2"]
+    assert [n for n, _, _ in first] == [*ESSENTIAL_ROWS, "all+draft_vocab", "all@base2"]   # what the call asked for
     assert first + later != sets and sorted(first + later, key=sets.index) == sets   # a partition of the rows
-    assert [n for n, _, _ in later][0] == "+fuse_projections" and "all+draft_vocab" in [n for n, _, _ in later]
-    assert row_cost_guess([]) == 15.0 and row_cost_guess([3.0, 48.0, 9.0]) == 48.0
+    assert [n for n, _, _ in later][0] == "+fuse_projections" and all(n.startswith("+") for n, _, _ in later)
+    first, later = split_by_budget(sets, "none,+pdl")                              # a "+pass" row --only names
+    assert "+pdl" in [n for n, _, _ in first] and "+pdl" not in [n for n, _, _ in later]
+    assert row_cost_guess([]) == 45.0 and row_cost_guess([3.0, 48.0, 9.0]) == 48.0
 
 
 def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(monkeypatch, tmp_path):
@@ -114,6 +117,7 @@ def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(mon
     assert [c[0] for c in calls[:5]] == ["row", "row", "row", "parity", "e2e"]
     assert calls[2] == ("row", ("all",))
     ran_later = len(names) - 3
-    assert ran_later == 3, names                         # 90 s spent, 30 s a row, 200 s budget: 3 more rows
+    # 90 s spent; the first later row guessed at 45 s (90 + 45 <= 200), the next at 30: rows end at 120, 150, 180
+    assert ran_later == 3, names
     assert set(result["skipped_rows"]) == set(order) - set(names) and result["budget_s"] == 200.0
     assert result["end_to_end"] == {"tpot_ms": 1.0} and result["greedy_parity"] == {"nextn_equals_plain": True}

@@ -194,12 +194,23 @@ def test_gated_norm_is_built_after_the_wait_from_a_norm_weight_read_before_it() 
     assert stores and min(stores) > waits[0] and shared <= T.SMEM_2_CTAS
 
 
-def test_gated_launches_take_the_path_only_with_heads_of_a_block():
-    """The rule for gated_rmsnorm_linear's launches: heads of BLOCK_K (KDA's 128) and the knob; never on CPU."""
+def test_gated_launches_take_the_path_only_with_heads_of_a_block(monkeypatch):
+    """The rule for gated_rmsnorm_linear's launches (`gated_fits`): heads of BLOCK_K (KDA's 128), a unit-stride gate
+    row, the knob, no GATED compile failure; and never on CPU."""
     w = torch.zeros(2048, 2048, dtype=torch.bfloat16)
     cfg = L.pick_config(2048, 2048, torch.bfloat16)
     x = torch.zeros(6, 2048, dtype=torch.bfloat16)
-    for d in (T.BLOCK_K, 64):
-        gated = L.GatedNorm(torch.ones(d), 1e-6, x, d)
-        assert not T.eligible(x, w, cfg, pdl=True, prologue=False, gated=gated)     # CPU tensors
-    assert T.GATED_TMA == (os.environ.get("LINGC_LINEAR_TMA_GATED", "1") == "1") and T.GATED_MAX_ROWS == 16
+    wide = torch.zeros(6, 2 * 2048, dtype=torch.bfloat16)
+    monkeypatch.setattr(T, "GATED_TMA", True)
+    monkeypatch.setattr(T, "GATED_FAILED", [])
+    assert T.gated_fits(L.GatedNorm(torch.ones(T.BLOCK_K), 1e-6, wide[:, 2048:], T.BLOCK_K))    # a column slice
+    assert not T.gated_fits(L.GatedNorm(torch.ones(64), 1e-6, x, 64))
+    assert not T.gated_fits(L.GatedNorm(torch.ones(T.BLOCK_K), 1e-6, wide[:, ::2], T.BLOCK_K))  # strided rows
+    gated = L.GatedNorm(torch.ones(T.BLOCK_K), 1e-6, x, T.BLOCK_K)
+    assert not T.eligible(x, w, cfg, pdl=True, prologue=False, gated=gated)                  # CPU tensors
+    monkeypatch.setattr(T, "GATED_FAILED", ["CompilationError"])
+    assert not T.gated_fits(gated)
+    monkeypatch.setattr(T, "GATED_FAILED", [])
+    monkeypatch.setattr(T, "GATED_TMA", False)
+    assert not T.gated_fits(gated)
+    assert T.GATED_MAX_ROWS == 16
