@@ -170,9 +170,10 @@ def launches_pdl(passes: list[str]) -> bool:
 
 
 def measure_config(model, traced, passes: list[str], bandwidth: float, with_floor: bool,
-                   floor_first: bool = False) -> dict:
+                   floor_first: bool = False, warm_only: bool = False) -> dict:
     """One ablation row. The floor bytes are counted after timing on a fresh executor, or (floor_first, the order
-    before 2026-11-30's second session) on the timed executor before capture."""
+    before 2026-11-30's second session) on the timed executor before capture. warm_only: compile and capture (every
+    kernel the row launches lands in Triton's on-disk cache), then stop."""
     from lingc.passes.manager import PassManager
     from lingc.runtime.executor import Executor
     from lingc.runtime.graphs import CudaGraphs
@@ -199,6 +200,11 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     graphs = CudaGraphs(exe)
     graphs.capture(list(dict.fromkeys(g for names in step_names.values() for g in names)))
     row["compile_capture_s"] = time.perf_counter() - t0
+    if warm_only:
+        del graphs, exe, program
+        gc.collect()
+        torch.cuda.empty_cache()
+        return row
     fill_context(exe, model.config)
     row["launches"] = {g: len(exe.lowered[g].launches) for names in step_names.values() for g in names}
     row["triton_launches"] = {g: sum(1 for x in exe.lowered[g].launches if x.label.startswith("triton:"))
@@ -381,6 +387,13 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0.0, metavar="S",
                     help="the table call's time budget: the rows the table needs, the parity and --e2e first, then "
                     "the other ablation rows while one still fits in S seconds from the start (module docstring)")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="compile and capture the rows (and, with --e2e, the parity's and end-to-end run's engines on "
+                    "short requests) without timing anything: fills Triton's on-disk cache for a later run (module "
+                    "docstring); use with --layers 4 and --shard")
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="--warm-only: the rows I, I+N, I+2N, ... of the plan; the last shard also warms the parity's "
+                    "engines and, with --e2e, shard N-2 (or the only one) the end-to-end run's")
     ap.add_argument("--ab-rows", action="store_true",
                     help=f"also run the A/B rows after 'all' ({', '.join(AB_ROWS)})")
     ap.add_argument("--merge-peers", nargs="*", default=None, metavar="NAME=FILE",
@@ -419,7 +432,8 @@ def main() -> None:
     model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
     _sync()
     result["random_weights_s"] = time.perf_counter() - t0
-    result["hbm_bandwidth_gbps"] = bandwidth = hbm_bandwidth_gbps()
+    bandwidth = 0.0 if args.warm_only else hbm_bandwidth_gbps()       # a warm-up times nothing
+    result["hbm_bandwidth_gbps"] = bandwidth
     print(f"weights {result['random_weights_s']:.1f} s, HBM {bandwidth:.0f} GB/s", flush=True)
     options = TraceOptions(batch=1, prefill_tokens=64, max_len=CONTEXT + 1024 + 128, page_size=16, request_slots=1,
                            draft_tokens=DRAFT_TOKENS)
@@ -429,6 +443,9 @@ def main() -> None:
 
     sets = ablation_sets(args, variants)
     first, later = split_by_budget(sets, args.only) if args.budget_s else (sets, [])
+    if args.warm_only:
+        shard, shards = parse_shard(args.shard)
+        first, later = sets[shard::shards], []
     result["ablation"] = rows = []                 # written out after every row
     order = {name: i for i, (name, _, _) in enumerate(sets)}
 
@@ -446,7 +463,7 @@ def main() -> None:
                 source = traced.copy()
                 source.options[OPTION] = list(range(0, V, V // args.draft_vocab))[:args.draft_vocab]
             row = measure_config(model, source, passes, bandwidth, with_floor=name in ("none", "partition", "all"),
-                                 floor_first=args.floor_first)
+                                 floor_first=args.floor_first, warm_only=args.warm_only)
         except Exception as e:  # noqa: BLE001  (one failing config must not lose the others)
             import traceback
             row = {"passes": passes, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
@@ -471,6 +488,10 @@ def main() -> None:
 
     for item in first:
         run_row(*item)
+    if args.warm_only:
+        warm_engines(model, options, result, args, shard, shards)
+        _save(result, args.json)
+        return
 
     from lingc.passes.manager import PassManager
     t0 = time.perf_counter()
@@ -533,6 +554,46 @@ def main() -> None:
         result["peers"] = run_peers(model, options, CONTEXT)
     summarize(result)
     _save(result, args.json)
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """--shard "I/N" -> (I, N), 0 <= I < N; ValueError naming the flag otherwise."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {spec!r}: want I/N, e.g. 0/4") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {spec!r}: want 0 <= I < N")
+    return i, n
+
+
+def warm_engines(model, options, result: dict, args, shard: int, shards: int) -> None:
+    """--warm-only's engines: the last shard runs the greedy parity on a 4-token request (every engine it builds,
+    the no-pdl program's among them), and with --e2e shard N-2 (or the only one) the end-to-end run's engines on a
+    64-token prompt and 8 new tokens (greedy copies and general graphs): their prefill and MTP programs compile
+    what the step rows do not. Errors are recorded, not raised: a warm-up only saves the real run time."""
+    from lingc.passes.manager import PassManager
+    from lingc.trace import trace
+    jobs = []
+    if shard == shards - 1:
+        jobs.append(("parity", lambda full: greedy_parity(model, full, ["all"], tokens=4)))
+    if args.e2e and shard == max(shards - 2, 0):
+        def e2e(full):
+            program = PassManager(["all"]).run(full).program
+            end_to_end(program, 64, new_tokens=8)
+            end_to_end(program, 64, new_tokens=8, greedy_graphs=False)
+        jobs.append(("end_to_end", e2e))
+    if not jobs:
+        return
+    full = trace(model, ["prefill", "decode", "mtp_prefill", "mtp_decode", "step", "nextn"], options)
+    for name, job in jobs:
+        t0 = time.perf_counter()
+        try:
+            job(full)
+            result.setdefault("warm", {})[name] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001
+            result.setdefault("warm", {})[name] = f"error: {type(e).__name__}: {e}"
+        print("warm", name, result["warm"][name], flush=True)
 
 
 def ablation_sets(args, variants: list) -> list[tuple[str, list[str], list]]:

@@ -68,11 +68,9 @@ def test_ablation_rows_and_the_budgeted_order():
     assert row_cost_guess([]) == 45.0 and row_cost_guess([3.0, 48.0, 9.0]) == 48.0
 
 
-def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(monkeypatch, tmp_path):
-    """device_step.main under --budget-s with the GPU work faked: the table's rows, then parity and the end-to-end
-    run, then the ablation's other rows while a row fits (each fake row costs 30 s of a fake clock); the JSON keeps
-    the ablation's order, names the skipped rows and the budget, and has no A/B row."""
-    import json
+def _fake_gpu_work(monkeypatch):
+    """device_step's GPU work replaced: a fake clock (30 s a row), fake rows, parity, end to end and pass manager;
+    returns (the module, the clock, the calls made)."""
     import types
 
     import device_step as ds
@@ -89,10 +87,10 @@ def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(mon
     monkeypatch.setattr(lingc.init, "random_model", lambda config, **kw: types.SimpleNamespace(config=config))
     monkeypatch.setattr(sys.modules["lingc.trace"], "trace", lambda model, programs, options: object())
 
-    def measure(model, traced, passes, bandwidth, with_floor, floor_first=False):
-        calls.append(("row", tuple(passes)))
+    def measure(model, traced, passes, bandwidth, with_floor, floor_first=False, warm_only=False):
+        calls.append(("warm" if warm_only else "row", tuple(passes)))
         clock["t"] += 30.0
-        return {"passes": passes, "step": {"ms": {"total": 1.0}}}
+        return {"passes": passes} | ({} if warm_only else {"step": {"ms": {"total": 1.0}}})
 
     monkeypatch.setattr(ds, "measure_config", measure)
     monkeypatch.setattr(ds, "greedy_parity", lambda *a, **k: calls.append(("parity",)) or {"nextn_equals_plain": True})
@@ -106,6 +104,16 @@ def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(mon
             return types.SimpleNamespace(program=program)
 
     monkeypatch.setattr(lingc.passes.manager, "PassManager", Manager)
+    return ds, clock, calls
+
+
+def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(monkeypatch, tmp_path):
+    """device_step.main under --budget-s with the GPU work faked: the table's rows, then parity and the end-to-end
+    run, then the ablation's other rows while a row fits (each fake row costs 30 s of a fake clock); the JSON keeps
+    the ablation's order, names the skipped rows and the budget, and has no A/B row."""
+    import json
+
+    ds, clock, calls = _fake_gpu_work(monkeypatch)
     out = tmp_path / "step.json"
     monkeypatch.setattr(sys, "argv", ["device_step.py", "--e2e", "--budget-s", "200", "--json", str(out)])
     ds.main()
@@ -121,3 +129,26 @@ def test_budgeted_main_runs_the_table_rows_first_and_skips_what_does_not_fit(mon
     assert ran_later == 3, names
     assert set(result["skipped_rows"]) == set(order) - set(names) and result["budget_s"] == 200.0
     assert result["end_to_end"] == {"tpot_ms": 1.0} and result["greedy_parity"] == {"nextn_equals_plain": True}
+
+
+def test_warm_up_shards_compile_their_rows_and_the_engines_without_timing(monkeypatch, tmp_path):
+    """--warm-only --shard I/N: shard I compiles rows I, I+N, ... (warm_only, no timing, no bandwidth copy); the last
+    shard warms the parity's engines, shard N-2 (with --e2e) the end-to-end run's; bad --shard specs are refused."""
+    import json
+
+    ds, clock, calls = _fake_gpu_work(monkeypatch)
+    monkeypatch.setattr(ds, "hbm_bandwidth_gbps", lambda: pytest.fail("a warm-up measured the bandwidth"))
+    plan = [p for _, p, _ in ablation_sets(_args(), [])]
+    for shard, want in ((0, []), (1, ["e2e", "e2e"]), (2, ["parity"])):
+        calls.clear()
+        out = tmp_path / f"warm{shard}.json"
+        monkeypatch.setattr(sys, "argv", ["device_step.py", "--warm-only", "--e2e", "--layers", "4", "--shard",
+                                          f"{shard}/3", "--json", str(out)])
+        ds.main()
+        assert [c[1] for c in calls if c[0] == "warm"] == [tuple(p) for p in plan[shard::3]]
+        assert [c[0] for c in calls if c[0] != "warm"] == want and "row" not in [c[0] for c in calls]
+        result = json.loads(out.read_text())
+        assert len(result["ablation"]) == len(plan[shard::3]) and "end_to_end" not in result
+    for bad in ("3/3", "x", "1"):
+        with pytest.raises(ValueError, match="--shard"):
+            ds.parse_shard(bad)
