@@ -33,6 +33,7 @@ for ((i = 0; i < WARM_SHARDS; i++)); do
 done
 wait
 for ((i = 0; i < WARM_SHARDS; i++)); do echo "== warm-up $i: $(tail -1 /tmp/lingc-warm$i.log)"; done
+mkdir -p "$OUT/warm-up" && cp /tmp/lingc-warm*.json "$OUT/warm-up/" 2>/dev/null   # each row's cold compile + capture
 timeout 340 python3 bench/device_step.py --e2e --budget-s "$STEP_BUDGET_S" --json "$OUT/step.json" 2>&1 \
   | grep -v Warning
 merge=(torch_compile="$OUT/torch_compile_decode.json" torch_compile="$OUT/torch_compile_nextn.json")

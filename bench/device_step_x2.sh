@@ -41,6 +41,7 @@ for ((i = 0; i < WARM_SHARDS; i++)); do
 done
 wait "${warm[@]}"
 for ((i = 0; i < WARM_SHARDS; i++)); do echo "== warm-up $i: $(tail -1 /tmp/lingc-warm$i.log)"; done
+mkdir -p "$OUT/warm-up" && cp /tmp/lingc-warm*.json "$OUT/warm-up/" 2>/dev/null   # each row's cold compile + capture
 CUDA_VISIBLE_DEVICES=0 timeout 420 python3 bench/device_step.py --e2e --budget-s "${STEP_BUDGET_S:-370}" \
   --json "$OUT/step.json" 2>&1 | grep -v Warning
 wait
