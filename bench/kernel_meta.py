@@ -11,6 +11,7 @@ context: max_len 9344 in pages of 16, MP = 584 page-table entries, K + 1 = 6 ver
     uniform        seed / counter int64 [1], n in {1, 6}
     kda_conv_qkv   q/k/v bf16 [1, 1, P] (column views of one fused projection), P = 16 heads x 128, W = 4
     kda_commit_multi  3 conv windows bf16 [S, P, 3] + the fp32 state [S, 16, 128, 128] from staging [1, 6, ...]
+    kda_commit_multi[72]  the same for all 18 KDA layers in one launch, against launches of 8 pairs (ref_time_us)
 Checks per row: the kernel against its torch reference op bit for bit (`bit_exact`; kda_conv_qkv: against three
 kda_conv launches bit for bit, `kernels_equal`, and the reference op within bf16 rounding), PDL on == off bit for
 bit (`pdl_equal`), and CUDA-graph replay medians of the kernel (PDL off and on) and of the reference op over
@@ -52,11 +53,13 @@ class Shapes:
     kda_heads: int      # H
     kda_dim: int        # D (P = H * D)
     conv_width: int     # W
+    kda_layers: int     # KDA layers: kda_commit_multi[layers] commits all their pairs
 
 
 TINY_STEP = Shapes(slots=2, vocab=157184, hidden=1536, pages=584, page_size=16, chain=6, kda_heads=16, kda_dim=128,
-                   conv_width=4)
-CPU_SMOKE = Shapes(slots=3, vocab=50, hidden=24, pages=7, page_size=4, chain=6, kda_heads=2, kda_dim=8, conv_width=4)
+                   conv_width=4, kda_layers=18)
+CPU_SMOKE = Shapes(slots=3, vocab=50, hidden=24, pages=7, page_size=4, chain=6, kda_heads=2, kda_dim=8, conv_width=4,
+                   kda_layers=5)
 
 
 def _equal(a, b) -> bool:
@@ -194,6 +197,33 @@ def _kda_rows(sh: Shapes, dev: torch.device, g: torch.Generator, timed: bool) ->
     rows.append(_row("kda_commit_multi", f"B=1 TS={TS} 3 x bf16 [{S}, {P}, {W - 1}] + fp32 [{S}, {H}, {D}, {D}]",
                      kda.kda_commit_multi, kda.kda_commit_multi_ref, commit_inputs, timed,
                      2 * (3 * P * (W - 1) * 2 + H * D * D * 4), out=lambda a, _: a[2],
+                     kernels_equal=_equal(a1[2], a2[2])))
+    rows[-1]["ok"] = bool(rows[-1]["ok"] and rows[-1]["kernels_equal"])
+
+    # every KDA layer's commits in one launch (FuseKda.commit_pairs = 4 x layers) against launches of 8 pairs (the
+    # default, two layers a launch): `time_us` is the one launch, `ref_time_us` the 8-pair launches
+    from lingc.ops.kda import COMMIT_MULTI_PAIRS
+    layer_shapes = shapes * sh.kda_layers
+    assert len(layer_shapes) <= COMMIT_MULTI_PAIRS
+
+    def layers_inputs() -> tuple:
+        accept = torch.randint(1, TS + 1, (1,), device=dev, generator=g)
+        pools = [torch.randn(S, *shape, device=dev, generator=g).to(dt) for shape, dt in layer_shapes]
+        stagings = [torch.randn(1, TS, *shape, device=dev, generator=g).to(dt) for shape, dt in layer_shapes]
+        return (slots, accept, pools, stagings)
+
+    def by_eight(slots_, accept_, pools, stagings, pdl=False):
+        for i in range(0, len(pools), 8):
+            kda.kda_commit_multi(slots_, accept_, pools[i:i + 8], stagings[i:i + 8], pdl=pdl)
+
+    args = layers_inputs()
+    a1, a2 = _clone(args), _clone(args)
+    kda.kda_commit_multi(*a1)
+    by_eight(*a2)
+    rows.append(_row(f"kda_commit_multi[{len(layer_shapes)}]",
+                     f"B=1 TS={TS} {sh.kda_layers} layers x (3 x bf16 [{S}, {P}, {W - 1}] + fp32 [{S}, {H}, {D}, {D}])",
+                     kda.kda_commit_multi, by_eight, layers_inputs, timed,
+                     2 * sh.kda_layers * (3 * P * (W - 1) * 2 + H * D * D * 4), out=lambda a, _: a[2],
                      kernels_equal=_equal(a1[2], a2[2])))
     rows[-1]["ok"] = bool(rows[-1]["ok"] and rows[-1]["kernels_equal"])
     return rows
