@@ -3,17 +3,26 @@
 The refill (positions from seq_len, page rows and cache rows from the page table, state slots) is
 device work derived from relay buffers (techniques.md section 3). This pass
   1. merges identical refill ops (same op, same inputs, no write to those inputs in between), e.g. the
-     page rows the draft graph recomputed for every MTP call;
+     page rows the draft graph recomputed for every MTP call, and the paged_refills of column slices of one
+     positions tensor into one paged_refill of the whole tensor (the draft's one per MTP call: the same page-table
+     row each time, one cache row per position), whose cache rows the old readers take as column slices;
   2. moves every refill op to the head of its graph, in order, when nothing before it writes what it reads;
   3. tags them node.meta['lingc.capture'] = 'metadata', so the runtime captures them as their own group
      (replayed with, or beside, the graph; the GPU issue does the capture).
 Before (draft):  ... L6 attention ..., paged_refill_1, ..., paged_refill_2, ...
 After:           paged_refill (capture=metadata), step_positions (capture=metadata), ... L6 attention ...
-Only order and sharing change: numerics unchanged.
+Sliced refills (draft, K MTP calls):
+Before:  draft_slice = aten.slice(draft_step_positions, 1, 0, 1); draft_paged_refill = lingc.paged_refill(page_table,
+         slots, draft_slice, 16); ... draft_slice_2 = aten.slice(draft_step_positions, 1, 1, 2); draft_paged_refill_1 ...
+After:   draft_paged_refill = lingc.paged_refill(page_table, slots, draft_step_positions, 16)
+         draft_paged_refill_locs = aten.slice(getitem(draft_paged_refill, 1), 1, 0, 1), ..._1 (1, 2), ...
+K - 1 launches fewer a draft step (4 in Ling-3.0-tiny's: each the 584-entry page-table row again).
+Only order and sharing change: numerics unchanged (the same integers).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -49,11 +58,13 @@ class CaptureMetadata(Pass):
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
-        merged, groups = 0, {}
+        merged, sliced, groups = 0, [], {}
         for gname, graph in program.graphs.items():
             merged += _merge_duplicates(graph)
+            sliced += [f"{gname}:{name}" for name in _merge_sliced_refills(graph)]
             groups[gname] = _hoist(graph)
-        return {"matches": sum(len(v) for v in groups.values()), "merged": merged, "groups": groups}
+        return {"matches": sum(len(v) for v in groups.values()), "merged": merged, "merged_slices": sliced,
+                "groups": groups}
 
 
 def _merge_duplicates(graph: fx.Graph) -> int:
@@ -74,6 +85,72 @@ def _merge_duplicates(graph: fx.Graph) -> int:
         else:
             seen[key] = node
     return merged
+
+
+def _column_slice(node: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """(base, start, end) where node is aten.slice(base, 1, start, end) of a 2-D base with step 1 and bounds inside
+    it; else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
+        return None
+    base, dim, start, end, step = (list(node.args) + [None] * 5)[:5]
+    shape = getattr(base.meta.get("lingc.tensor"), "shape", None) if isinstance(base, fx.Node) else None
+    if shape is None or len(shape) != 2 or dim not in (1, -1) or step not in (None, 1):
+        return None
+    if not isinstance(start, int) or not isinstance(end, int) or not 0 <= start < end <= shape[1]:
+        return None
+    return base, start, end
+
+
+def _merge_sliced_refills(graph: fx.Graph) -> list[str]:
+    """Runs of paged_refill(page_table, slots, positions[:, a:b], PS) over column slices of one positions tensor
+    (nothing in between writing their inputs) -> the first of them over the whole tensor; readers of the others'
+    page rows read its rows (the same page-table row), readers of each one's cache rows a column slice [a, b) of its
+    cache rows. Returns the names of the refills that now cover a run."""
+    groups: dict[tuple, list[tuple[fx.Node, int, int]]] = {}
+    closed: list[list[tuple[fx.Node, int, int]]] = []
+    for node in graph.nodes:
+        for w in _mutated_inputs_of(node):
+            for key in [k for k in groups if w in k[:3]]:
+                closed.append(groups.pop(key))         # a write to page_table, slots or positions ends a run
+        if node.op != "call_function" or node.target is not OPS.paged_refill or node.kwargs or len(node.args) != 4:
+            continue
+        page_table, slots, positions, page_size = node.args
+        sliced = _column_slice(positions) if isinstance(positions, fx.Node) else None
+        if sliced is None or any(u.target is not operator.getitem for u in node.users):
+            continue
+        base, start, end = sliced
+        groups.setdefault((page_table, slots, base, page_size), []).append((node, start, end))
+    names = []
+    for run in closed + list(groups.values()):
+        if len(run) < 2:
+            continue
+        first = run[0][0]
+        page_table, slots, positions, page_size = first.args
+        first.args = (page_table, slots, _column_slice(positions)[0], page_size)     # now over every position
+        items = {u.args[1]: u for u in first.users}
+        with graph.inserting_after(first):
+            rows = items[0] if 0 in items else graph.call_function(operator.getitem, (first, 0))
+        with graph.inserting_after(rows):
+            locs = items[1] if 1 in items else graph.call_function(operator.getitem, (first, 1))
+        meta = {k: first.meta[k] for k in ("lingc.scope", "lingc.stage") if k in first.meta}
+        for n in (rows, locs):
+            n.meta = {**meta, **n.meta}
+        parts: set[fx.Node] = set()          # the slices of locs: readers of locs that stay
+        for refill, start, end in reversed(run):          # the first last: its old readers read locs directly
+            with graph.inserting_after(locs):
+                part = graph.call_function(torch.ops.aten.slice.Tensor, (locs, 1, start, end))
+            part.meta = dict(meta)
+            part._rename(f"{refill.name}_locs")
+            parts.add(part)
+            if refill is first:
+                locs.replace_all_uses_with(part, delete_user_cb=lambda user: user not in parts)
+            else:
+                for item in list(refill.users):
+                    item.replace_all_uses_with(rows if item.args[1] == 0 else part)
+                    graph.erase_node(item)
+                graph.erase_node(refill)
+        names.append(first.name)
+    return names
 
 
 def _hoist(graph: fx.Graph) -> list[str]:
