@@ -7,6 +7,7 @@ context: max_len 9344 in pages of 16, MP = 584 page-table entries, K + 1 = 6 ver
                    (mtp_hidden), int32 [S, MP] (a page-table row)
     scatter_rows   relay writes: int64 [S] <- int64 [1], fp32 [S, V] <- [1, V], bf16 [S, h] <- [1, h]
     step_positions seq_len int64 [1], T in {1, 6};  paged_refill page_table [S, MP], positions [1, T], T in {1, 6}
+    step_refill    the two at once (seq_len, page table), against step_positions + paged_refill (ref_time_us)
     pick_position  tokens int64 [1, 6], logits fp32 [1, 6, V], mtp hidden bf16 [1, 6, h]; index = accept_len - 1
     uniform        seed / counter int64 [1], n in {1, 6}
     kda_conv_qkv   q/k/v bf16 [1, 1, P] (column views of one fused projection), P = 16 heads x 128, W = 4
@@ -135,6 +136,15 @@ def _meta_rows(sh: Shapes, dev: torch.device, g: torch.Generator, timed: bool) -
                          lambda pt, sl, pos, pdl=False: meta.paged_refill(pt, sl, pos, sh.page_size, pdl=pdl),
                          lambda pt, sl, pos: ops.paged_refill(pt, sl, pos, sh.page_size), refill, timed,
                          2 * MP * 4 + 16 * t + 4))
+        def step() -> tuple:                                # seq_len, a page table, the slots
+            return torch.randint(0, 8192, (1,), device=dev, generator=g), rand((S, MP), torch.int32), slots
+
+        def separate(s_, pt, sl, pdl=False):               # what step_refill replaces: its two launches
+            pos = meta.step_positions(s_, t, pdl=pdl)
+            return (pos, *meta.paged_refill(pt, sl, pos, sh.page_size, pdl=pdl))
+        rows.append(_row("step_refill", f"page_table [{S}, {MP}] T={t} PS={sh.page_size}",
+                         lambda s_, pt, sl, pdl=False: meta.step_refill(s_, t, pt, sl, sh.page_size, pdl=pdl),
+                         separate, step, timed, 2 * MP * 4 + 24 * t + 12))
     index = lambda: torch.randint(0, T, (1,), device=dev, generator=g)  # noqa: E731
     for label, shape, dtype in (("tokens", (1, T), torch.int64), ("logits", (1, T, V), torch.float32),
                                 ("mtp_hidden", (1, T, h), torch.bfloat16)):

@@ -10,6 +10,7 @@ spent ~130 us in them (bench/device_profile.py). Each launcher here is one progr
     paged_refill(page_table [S, MP], slots [B], positions [B, T], PS)
                                                          -> (page_table[slots] [B, MP],
                                                              page_rows[b, min(pos // PS, MP - 1)] * PS + pos % PS)
+    step_refill(seq_lens [B], T, page_table, slots, PS)  -> (step_positions, *paged_refill of them)   (capture_metadata)
     pick_position(x [B, T, ...], index [B], offset)      -> x[b, index[b] + offset]    [B, 1, ...]
     embedding(ids [B, T], table [V, h])                  -> table[ids]                 [B, T, h]
     emit_tokens(out_tokens [S, W], out_len [S], slots, tokens [B, n], count [B]?)
@@ -90,8 +91,11 @@ def _step_positions_kernel(seq_ptr, out_ptr, T, BLOCK_T: tl.constexpr, PDL: tl.c
 
 
 @triton.jit
-def _paged_refill_kernel(pt_ptr, slots_ptr, pos_ptr, rows_ptr, locs_ptr, MP, T, s_pt, s_pos_b, s_pos_t, PS,
-                         BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+def _paged_refill_kernel(pt_ptr, slots_ptr, pos_ptr, rows_ptr, locs_ptr, pos_out_ptr, MP, T, s_pt, s_pos_b, s_pos_t,
+                         PS, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
+                         FROM_SEQ: tl.constexpr = False):
+    """FROM_SEQ (step_refill): pos_ptr is seq_lens [B]; the positions seq_lens[b] + t are computed (as
+    _step_positions_kernel does) and stored to pos_out at rows of T (s_pos_b is then unused)."""
     b = tl.program_id(0).to(tl.int64)
     if PDL:
         pdl_wait()
@@ -99,7 +103,11 @@ def _paged_refill_kernel(pt_ptr, slots_ptr, pos_ptr, rows_ptr, locs_ptr, MP, T, 
     row = pt_ptr + slot * s_pt
     t = tl.arange(0, BLOCK_T)
     tmask = t < T
-    pos = tl.load(pos_ptr + b * s_pos_b + t * s_pos_t, mask=tmask, other=0).to(tl.int64)
+    if FROM_SEQ:
+        pos = tl.load(pos_ptr + b).to(tl.int64) + t
+        tl.store(pos_out_ptr + b * T + t, pos, mask=tmask)
+    else:
+        pos = tl.load(pos_ptr + b * s_pos_b + t * s_pos_t, mask=tmask, other=0).to(tl.int64)
     page = tl.load(row + tl.minimum(pos // PS, MP - 1), mask=tmask, other=0).to(tl.int64)
     tl.store(locs_ptr + b * T + t, page * PS + pos % PS, mask=tmask)
     for start in range(0, MP, BLOCK):
@@ -282,11 +290,30 @@ def paged_refill(page_table: torch.Tensor, slots: torch.Tensor, positions: torch
     if B == 0:
         return rows, locs
     pdl, opts = _opts(pdl, page_table.device)
-    _paged_refill_kernel[(B,)](page_table, slots, positions, rows, locs, MP, T, page_table.stride(0),
+    _paged_refill_kernel[(B,)](page_table, slots, positions, rows, locs, locs, MP, T, page_table.stride(0),
                                positions.stride(0), positions.stride(1), page_size,
                                BLOCK=min(BLOCK, triton.next_power_of_2(max(MP, 1))),
                                BLOCK_T=triton.next_power_of_2(max(T, 1)), PDL=pdl, **opts)
     return rows, locs
+
+
+def step_refill(seq_lens: torch.Tensor, tokens: int, page_table: torch.Tensor, slots: torch.Tensor, page_size: int,
+                *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(step_positions(seq_lens, tokens), *paged_refill(page_table, slots, those positions, page_size))
+    (lingc.step_refill): one launch, _paged_refill_kernel computing the positions itself (FROM_SEQ)."""
+    B, MP = slots.shape[0], page_table.shape[1]
+    if page_table.dim() != 2 or page_table.stride(1) != 1 or seq_lens.dim() != 1 or seq_lens.shape[0] != B:
+        return torch.ops.lingc.step_refill(seq_lens, tokens, page_table, slots, page_size)
+    positions = torch.empty((B, tokens), dtype=torch.int64, device=page_table.device)
+    rows = torch.empty((B, MP), dtype=page_table.dtype, device=page_table.device)
+    locs = torch.empty((B, tokens), dtype=torch.int64, device=page_table.device)
+    if B == 0 or tokens == 0:
+        return positions, *paged_refill(page_table, slots, positions, page_size, pdl=pdl)
+    pdl, opts = _opts(pdl, page_table.device)
+    _paged_refill_kernel[(B,)](page_table, slots, seq_lens, rows, locs, positions, MP, tokens, page_table.stride(0),
+                               0, 0, page_size, BLOCK=min(BLOCK, triton.next_power_of_2(max(MP, 1))),
+                               BLOCK_T=triton.next_power_of_2(tokens), PDL=pdl, FROM_SEQ=True, **opts)
+    return positions, rows, locs
 
 
 def pick_position(x: torch.Tensor, index: torch.Tensor, offset: int = 0, *, pdl: bool = False) -> torch.Tensor:
@@ -448,6 +475,7 @@ LOWERINGS: dict[str, Callable] = {
     "scatter_rows": scatter_rows,
     "step_positions": step_positions,
     "paged_refill": paged_refill,
+    "step_refill": step_refill,
     "pick_position": pick_position,
     "gather_rows_multi": gather_rows_multi,
     "scatter_rows_multi": scatter_rows_multi,

@@ -17,6 +17,12 @@ Before:  draft_slice = aten.slice(draft_step_positions, 1, 0, 1); draft_paged_re
 After:   draft_paged_refill = lingc.paged_refill(page_table, slots, draft_step_positions, 16)
          draft_paged_refill_locs = aten.slice(getitem(draft_paged_refill, 1), 1, 0, 1), ..._1 (1, 2), ...
 K - 1 launches fewer a draft step (4 in Ling-3.0-tiny's: each the 584-entry page-table row again).
+Then a paged_refill of step_positions' output (the step's, verify's and the draft's) becomes one step_refill, which
+computes the positions in the same launch (one launch fewer a graph):
+Before:  step_positions = lingc.step_positions(gather_rows, 1); model_paged_refill = lingc.paged_refill(page_table,
+         slots, step_positions, 16)
+After:   step_refill = lingc.step_refill(gather_rows, 1, page_table, slots, 16); step_positions = getitem(step_refill, 0)
+         (the old nodes stay under their names as the step_refill's getitems)
 Only order and sharing change: numerics unchanged (the same integers).
 """
 
@@ -33,7 +39,7 @@ from lingc.program import Program
 from lingc.passes.base import Pass
 from lingc.passes.matchers import is_free, written_inputs
 
-REFILL_OPS = {OPS.gather_rows, OPS.step_positions, OPS.cache_locs, OPS.paged_refill}
+REFILL_OPS = {OPS.gather_rows, OPS.step_positions, OPS.cache_locs, OPS.paged_refill, OPS.step_refill}
 INDEX_MATH = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}     # positions + i, counter + k
 
 
@@ -58,13 +64,14 @@ class CaptureMetadata(Pass):
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
-        merged, sliced, groups = 0, [], {}
+        merged, sliced, with_positions, groups = 0, [], [], {}
         for gname, graph in program.graphs.items():
             merged += _merge_duplicates(graph)
             sliced += [f"{gname}:{name}" for name in _merge_sliced_refills(graph)]
+            with_positions += [f"{gname}:{name}" for name in _fuse_positions(graph)]
             groups[gname] = _hoist(graph)
         return {"matches": sum(len(v) for v in groups.values()), "merged": merged, "merged_slices": sliced,
-                "groups": groups}
+                "step_refill": with_positions, "groups": groups}
 
 
 def _merge_duplicates(graph: fx.Graph) -> int:
@@ -151,6 +158,39 @@ def _merge_sliced_refills(graph: fx.Graph) -> list[str]:
                 graph.erase_node(refill)
         names.append(first.name)
     return names
+
+
+def _fuse_positions(graph: fx.Graph) -> list[str]:
+    """paged_refill(page_table, slots, step_positions(seq_lens, T), PS) -> step_refill(seq_lens, T, page_table,
+    slots, PS) where the step_positions was: its positions replace step_positions' for every reader, its page and
+    cache rows the refill's. Only where the refill reads step_positions itself, page_table and slots are graph inputs
+    and nothing between the two writes them. Returns the step_refill nodes' names."""
+    fused = []
+    for refill in [n for n in graph.nodes if n.target is OPS.paged_refill and not n.kwargs and len(n.args) == 4]:
+        page_table, slots, positions, page_size = refill.args
+        if not (isinstance(positions, fx.Node) and positions.target is OPS.step_positions and not positions.kwargs
+                and len(positions.args) == 2 and all(u.target is operator.getitem for u in refill.users)
+                and all(isinstance(t, fx.Node) and t.op == "placeholder" for t in (page_table, slots))):
+            continue                                        # (placeholders: defined where the step_refill goes)
+        between, node = set(), positions.next
+        while node is not refill:
+            between |= _mutated_inputs_of(node)
+            node = node.next
+        if between & {page_table, slots}:
+            continue
+        seq_lens, tokens = positions.args
+        with graph.inserting_before(positions):
+            step = graph.call_function(OPS.step_refill, (seq_lens, tokens, page_table, slots, page_size))
+        step.meta = {k: positions.meta[k] for k in ("lingc.scope", "lingc.stage") if k in positions.meta}
+        name = positions.name
+        step._rename(name.replace("step_positions", "step_refill") if "step_positions" in name else f"{name}_refill")
+        positions.target, positions.args, positions.kwargs = operator.getitem, (step, 0), {}   # same node, same name
+        positions.meta.pop("lingc.capture", None)
+        for item in list(refill.users):                    # the refill's page and cache rows: outputs 1 and 2
+            item.args = (step, item.args[1] + 1)
+        graph.erase_node(refill)
+        fused.append(step.name)
+    return fused
 
 
 def _hoist(graph: fx.Graph) -> list[str]:

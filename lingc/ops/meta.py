@@ -133,6 +133,25 @@ def _(page_table, slots, positions, page_size):
 register("paged_refill")
 
 
+@torch.library.custom_op("lingc::step_refill", mutates_args=())
+def step_refill(seq_lens: torch.Tensor, tokens: int, page_table: torch.Tensor, slots: torch.Tensor,
+                page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """step_positions + paged_refill of those positions in one op (capture_metadata): the positions [B, T] int64,
+    the requests' page rows [B, MP] and the flat cache row of each position [B, T]."""
+    positions = step_positions(seq_lens, tokens)
+    return (positions, *paged_refill(page_table, slots, positions, page_size))
+
+
+@step_refill.register_fake
+def _(seq_lens, tokens, page_table, slots, page_size):
+    B = seq_lens.shape[0]
+    return (seq_lens.new_empty((B, tokens), dtype=torch.int64), page_table.new_empty((B, page_table.shape[1])),
+            seq_lens.new_empty((B, tokens), dtype=torch.int64))
+
+
+register("step_refill")
+
+
 # ---- fuse_relay: a graph's relay reads / writes by one slots tensor in one op each ------------------------
 
 # tables per gather_rows_multi / scatter_rows_multi launch: the Triton kernels take this many (pointer, row size,

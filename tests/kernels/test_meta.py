@@ -47,8 +47,8 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def test_every_meta_op_is_lowered() -> None:
     table = kernel_table()
-    for op in ("gather_rows", "scatter_rows", "step_positions", "paged_refill", "pick_position", "gather_rows_multi",
-               "scatter_rows_multi", "embedding", "emit_tokens"):
+    for op in ("gather_rows", "scatter_rows", "step_positions", "paged_refill", "step_refill", "pick_position",
+               "gather_rows_multi", "scatter_rows_multi", "embedding", "emit_tokens"):
         assert table[op] is getattr(meta, op)
 
 
@@ -150,6 +150,25 @@ def test_paged_refill(mp: int, page_size: int, tokens: int) -> None:
     want = torch.ops.lingc.paged_refill(page_table, slots, positions, page_size)
     for x, y in zip(got, want):
         _same(x, y)
+
+
+@pytest.mark.parametrize("mp,page_size,tokens", [(4, 16, 1), (584, 16, 6), (1500, 8, 4), (3, 4, 16)])
+def test_step_refill(mp: int, page_size: int, tokens: int) -> None:
+    """step_refill == step_positions then paged_refill of those positions (the op's reference), bit for bit, and
+    the kernels it replaces; PDL on == off (a CPU launch drops PDL)."""
+    g = torch.Generator().manual_seed(mp * 7 + tokens)
+    page_table = torch.randint(0, 10_000, (3, mp), generator=g, dtype=torch.int32)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    seq_lens = torch.tensor([mp * page_size - tokens // 2, 5], dtype=torch.int64)   # one run past the table
+    got = meta.step_refill(seq_lens, tokens, page_table, slots, page_size)
+    want = torch.ops.lingc.step_refill(seq_lens, tokens, page_table, slots, page_size)
+    positions = meta.step_positions(seq_lens, tokens)
+    separate = (positions, *meta.paged_refill(page_table, slots, positions, page_size))
+    for x, y, z, w in zip(got, want, separate, meta.step_refill(seq_lens, tokens, page_table, slots, page_size,
+                                                                pdl=True)):
+        _same(x, y)
+        _same(x, z)
+        _same(x, w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
