@@ -41,6 +41,9 @@ from lingc.passes.matchers import is_free, written_inputs
 
 REFILL_OPS = {OPS.gather_rows, OPS.step_positions, OPS.cache_locs, OPS.paged_refill, OPS.step_refill}
 INDEX_MATH = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}     # positions + i, counter + k
+# the sliced-refill merge and step_refill (2026-12-05, not yet timed on a GPU); False keeps the refills as they were,
+# for an A/B: bench/device_step.py --variant 'refills:lingc.passes.capture_metadata.MERGE_REFILLS=False'
+MERGE_REFILLS = True
 
 
 def _mutated_inputs_of(node: fx.Node) -> set[fx.Node]:
@@ -67,8 +70,9 @@ class CaptureMetadata(Pass):
         merged, sliced, with_positions, groups = 0, [], [], {}
         for gname, graph in program.graphs.items():
             merged += _merge_duplicates(graph)
-            sliced += [f"{gname}:{name}" for name in _merge_sliced_refills(graph)]
-            with_positions += [f"{gname}:{name}" for name in _fuse_positions(graph)]
+            if MERGE_REFILLS:
+                sliced += [f"{gname}:{name}" for name in _merge_sliced_refills(graph)]
+                with_positions += [f"{gname}:{name}" for name in _fuse_positions(graph)]
             groups[gname] = _hoist(graph)
         return {"matches": sum(len(v) for v in groups.values()), "merged": merged, "merged_slices": sliced,
                 "step_refill": with_positions, "groups": groups}

@@ -102,3 +102,14 @@ def test_a_page_table_write_between_keeps_them_apart():
 def test_second_run_finds_nothing(captured):
     again, record = CaptureMetadata().run(captured[0])
     assert record.details["merged_slices"] == record.details["step_refill"] == [] and record.details["merged"] == 0
+
+
+def test_merge_refills_off_keeps_them(indexed, monkeypatch):
+    """MERGE_REFILLS = False (the A/B knob): the draft keeps a paged_refill per MTP call and step_positions."""
+    import lingc.passes.capture_metadata as cm
+    monkeypatch.setattr(cm, "MERGE_REFILLS", False)
+    after, record = CaptureMetadata().run(indexed)
+    assert record.details["merged_slices"] == record.details["step_refill"] == []
+    for g in ("draft", "step", "verify"):
+        assert count(after, g, "paged_refill") == count(indexed, g, "paged_refill")
+        assert count(after, g, "step_refill") == 0
