@@ -26,10 +26,12 @@ baseline row.
 `--budget-s S` (the table call, bench/device_step_1gpu.sh): every row but the cumulative "+pass" ones ("none",
 "partition", "all", the variants and any A/B row asked for) runs first, then the parity and the end-to-end run, then
 the "+pass" rows while one still fits in S seconds from the start (`row_cost_guess`); a row left out is listed in
-`skipped_rows` with the reason, and the JSON keeps the ablation's order. On a cold machine every
-row compiles its kernels afresh (20-50 s a row), which ran a 450 s call out of time during the end-to-end run
-(2026-12-04). The two A/B rows after "all" ("all:pdl-chains", "all+fuse_moe") run only with `--ab-rows` or when
-`--only` names them.
+`skipped_rows` with the reason, and the JSON keeps the ablation's order. On a cold machine every row compiles its
+kernels afresh (20-50 s a row), which ran a 450 s call out of time during the end-to-end run (2026-12-04); so
+`--warm-only --shard I/N` (with `--layers 4`) compiles and captures the rows I, I+N, ... and, on some shards, the
+parity's and end-to-end run's engines, timing nothing, and the table call runs N of them in parallel first, so that
+its budgeted run finds Triton's on-disk cache warm. The two A/B rows after "all" ("all:pdl-chains", "all+fuse_moe")
+run only with `--ab-rows` or when `--only` names them.
 """
 
 from __future__ import annotations
