@@ -72,8 +72,6 @@ ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align"
 # "all" adds fuse_index_chains; then two A/B rows (with --ab-rows): "all:pdl-chains" (the pdl pass annotating its
 # chains only, as before 2026-11-30's second session) and "all+fuse_moe" (the opt-in pass)
 AB_ROWS = ("all:pdl-chains", "all+fuse_moe")
-# what the table and the summary need: run first under --budget-s, before the parity and the end-to-end run
-ESSENTIAL_ROWS = ("none", "partition", "all")
 
 
 def _sync() -> None:
@@ -444,10 +442,11 @@ def main() -> None:
     result["trace_s"] = time.perf_counter() - t0
 
     sets = ablation_sets(args, variants)
-    first, later = split_by_budget(sets, args.only) if args.budget_s else (sets, [])
     if args.warm_only:
         shard, shards = parse_shard(args.shard)
         first, later = sets[shard::shards], []
+    else:
+        first, later = split_by_budget(sets, args.only) if args.budget_s else (sets, [])
     result["ablation"] = rows = []                 # written out after every row
     order = {name: i for i, (name, _, _) in enumerate(sets)}
 

@@ -130,6 +130,7 @@ from triton.language.extra import libdevice
 from lingc.kernels import kda_gluon, workspace
 from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
+from lingc.ops.kda import COMMIT_MULTI_PAIRS
 
 # Tunables. Recurrence: V columns of S per program and its warps (the same for decode and verify: they set
 # the K-axis reduction layout, hence the bits). B*H*cdiv(D, BLOCK_V) programs: 128 at Ling-3.0-tiny B = 1.
@@ -145,8 +146,9 @@ COMMIT_WARPS = 4
 # (pool, staging) pairs of one kda_commit_multi launch, passed as tuples: 40 bytes of kernel parameters a pair (two
 # pointers, six int32), so 80 pairs (20 KDA layers: Ling-3.0-tiny's 18 in one launch) stay inside the 4 KB that
 # every CUDA version allows a launch's parameters. Until 2026-12-05 the kernel had 8 explicit argument sets (two
-# layers) and the verify step 9 commit launches; how many go in one launch is fuse_kda's FuseKda.commit_pairs
-COMMIT_MULTI_MAX = 80
+# layers) and the verify step 9 commit launches; how many go in one launch is fuse_kda's FuseKda.commit_pairs. The
+# op's own limit (lingc/ops/kda.py) is this number
+COMMIT_MULTI_MAX = COMMIT_MULTI_PAIRS
 NORM_ROWS = 4           # gated RMSNorm rows per program (sets the layout: constant, never a function of T)
 NORM_WARPS = 4
 L2NORM_EPS = tl.constexpr(1e-6)  # fla's l2norm: eps inside the root (lingc.ops.norm.l2norm)

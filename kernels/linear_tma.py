@@ -20,16 +20,16 @@ same 8 wgmma a block), so the same bits; on the H200 every probe shape matched b
 Where it runs (`eligible`): CUDA on sm_90 (its wgmma is Hopper's), a PDL launch (the gain is the pre-wait read;
 without PDL the Triton kernel runs), Gluon importable, a 2-byte weight, the "dot" config at BN 64 / BK 128, no NORM
 prologue (a GATED one, gated_rmsnorm_linear's, with heads of BK: each x block is one head, its norm built after the
-wait; GATED_MAX_ROWS below), K a multiple of S * BK, the whole slice fitting the ring (at most MAX_BLOCKS blocks and, with the x
-slice, 2 CTAs an SM's shared memory), and at most MAX_ROWS rows (1: decode and the draft), or EARLY_MAX_ROWS (16)
-where the pdl pass launches it early (`launched_early`: the norm or MLA attention before it triggers at entry, so
-the ring fills while the kernel before that runs: verify's o_proj and MLA dense). Choosing by rows keeps row
-invariance because the two paths give the same bits. In Ling-3.0-tiny: o_proj, the MLA dense and the MLA q_a / kv_a /
-gate projection (split 4, 3-4 blocks a slice); the 31.5 MB KDA projection and the lm_head (12 blocks a program) stay
-on the Triton kernel. With PARTIAL_RING (off) a one-wave grid with a longer slice runs here on a ring of its first
-blocks (the KDA projection: 3 of 12 before the wait, the rest refilled as the MMAs free slots); same bits, level in
-the step (2026-12-03). Where the kernel does not compile (another Triton's Gluon), `launch` warns once and the
-Triton kernel runs.
+wait; GATED_MAX_ROWS below), K a multiple of S * BK, the whole slice fitting the ring (at most MAX_BLOCKS blocks
+and, with the x slice, 2 CTAs an SM's shared memory), and at most MAX_ROWS rows (1: decode and the draft), or
+EARLY_MAX_ROWS (16) where the pdl pass launches it early (`launched_early`: the norm or MLA attention before it
+triggers at entry, so the ring fills while the kernel before that runs: verify's o_proj and MLA dense). Choosing by
+rows keeps row invariance because the two paths give the same bits. In Ling-3.0-tiny: o_proj, the MLA dense and the
+MLA q_a / kv_a / gate projection (split 4, 3-4 blocks a slice); the 31.5 MB KDA projection and the lm_head (12
+blocks a program) stay on the Triton kernel. With PARTIAL_RING (off) a one-wave grid with a longer slice runs here on
+a ring of its first blocks (the KDA projection: 3 of 12 before the wait, the rest refilled as the MMAs free slots);
+same bits, level in the step (2026-12-03). Where the kernel does not compile (another Triton's Gluon), `launch` warns
+once and the Triton kernel runs.
 
 Measured on the H200 (2026-12-03). Alone, behind a short PDL producer (bench/gluon_linear_probe.py): o_proj 4.34 ->
 4.01 us at 1 row and 4.34 -> 3.70 at 6, q_a/kv_a/g 3.45 -> 2.88 at 1. Per launch in the step (launches-tma-h200-

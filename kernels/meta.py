@@ -305,10 +305,10 @@ def step_refill(seq_lens: torch.Tensor, tokens: int, page_table: torch.Tensor, s
     if page_table.dim() != 2 or page_table.stride(1) != 1 or seq_lens.dim() != 1 or seq_lens.shape[0] != B:
         return torch.ops.lingc.step_refill(seq_lens, tokens, page_table, slots, page_size)
     positions = torch.empty((B, tokens), dtype=torch.int64, device=page_table.device)
-    rows = torch.empty((B, MP), dtype=page_table.dtype, device=page_table.device)
-    locs = torch.empty((B, tokens), dtype=torch.int64, device=page_table.device)
     if B == 0 or tokens == 0:
         return positions, *paged_refill(page_table, slots, positions, page_size, pdl=pdl)
+    rows = torch.empty((B, MP), dtype=page_table.dtype, device=page_table.device)
+    locs = torch.empty((B, tokens), dtype=torch.int64, device=page_table.device)
     pdl, opts = _opts(pdl, page_table.device)
     _paged_refill_kernel[(B,)](page_table, slots, seq_lens, rows, locs, positions, MP, tokens, page_table.stride(0),
                                0, 0, page_size, BLOCK=min(BLOCK, triton.next_power_of_2(max(MP, 1))),

@@ -12,17 +12,18 @@ device work derived from relay buffers (techniques.md section 3). This pass
 Before (draft):  ... L6 attention ..., paged_refill_1, ..., paged_refill_2, ...
 After:           paged_refill (capture=metadata), step_positions (capture=metadata), ... L6 attention ...
 Sliced refills (draft, K MTP calls):
-Before:  draft_slice = aten.slice(draft_step_positions, 1, 0, 1); draft_paged_refill = lingc.paged_refill(page_table,
-         slots, draft_slice, 16); ... draft_slice_2 = aten.slice(draft_step_positions, 1, 1, 2); draft_paged_refill_1 ...
+Before:  draft_slice = aten.slice(draft_step_positions, 1, 0, 1)
+         draft_paged_refill = lingc.paged_refill(page_table, slots, draft_slice, 16)
+         ... draft_slice_2 = aten.slice(draft_step_positions, 1, 1, 2); draft_paged_refill_1 ...
 After:   draft_paged_refill = lingc.paged_refill(page_table, slots, draft_step_positions, 16)
          draft_paged_refill_locs = aten.slice(getitem(draft_paged_refill, 1), 1, 0, 1), ..._1 (1, 2), ...
 K - 1 launches fewer a draft step (4 in Ling-3.0-tiny's: each the 584-entry page-table row again).
 Then a paged_refill of step_positions' output (the step's, verify's and the draft's) becomes one step_refill, which
 computes the positions in the same launch (one launch fewer a graph):
-Before:  step_positions = lingc.step_positions(gather_rows, 1); model_paged_refill = lingc.paged_refill(page_table,
-         slots, step_positions, 16)
-After:   step_refill = lingc.step_refill(gather_rows, 1, page_table, slots, 16); step_positions = getitem(step_refill, 0)
-         (the old nodes stay under their names as the step_refill's getitems)
+Before:  step_positions = lingc.step_positions(gather_rows, 1)
+         model_paged_refill = lingc.paged_refill(page_table, slots, step_positions, 16)
+After:   step_refill = lingc.step_refill(gather_rows, 1, page_table, slots, 16)
+         step_positions = getitem(step_refill, 0)     (the old nodes stay, under their names, as its getitems)
 Only order and sharing change: numerics unchanged (the same integers).
 """
 

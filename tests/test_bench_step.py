@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import pytest  # noqa: E402
 
-from device_step import (AB_ROWS, ESSENTIAL_ROWS, ablation_sets, launches_pdl, parse_variant,  # noqa: E402
+from device_step import (AB_ROWS, ablation_sets, launches_pdl, parse_variant,  # noqa: E402
                          row_cost_guess, split_by_budget)
 
 
@@ -60,7 +60,7 @@ def test_ablation_rows_and_the_budgeted_order():
     sets = ablation_sets(_args(draft_vocab=8), [variant])
     assert [n for n, _, _ in sets][-2:] == ["all+draft_vocab", "all@base2"]
     first, later = split_by_budget(sets)
-    assert [n for n, _, _ in first] == [*ESSENTIAL_ROWS, "all+draft_vocab", "all@base2"]   # what the call asked for
+    assert [n for n, _, _ in first] == ["none", "partition", "all", "all+draft_vocab", "all@base2"]   # the call's own
     assert first + later != sets and sorted(first + later, key=sets.index) == sets   # a partition of the rows
     assert [n for n, _, _ in later][0] == "+fuse_projections" and all(n.startswith("+") for n, _, _ in later)
     first, later = split_by_budget(sets, "none,+pdl")                              # a "+pass" row --only names

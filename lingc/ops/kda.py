@@ -121,7 +121,8 @@ def _(pool, slots, staging, accept_len):
 register("kda_commit")
 
 
-COMMIT_MULTI_PAIRS = 80   # most (pool, staging) pairs of one kda_commit_multi (kernels/kda.py COMMIT_MULTI_MAX: its launch parameters)
+# most (pool, staging) pairs of one kda_commit_multi; why 80: kernels/kda.py COMMIT_MULTI_MAX (its launch parameters)
+COMMIT_MULTI_PAIRS = 80
 
 
 # pools / stagings are lists, not optional pool0..pool7 arguments: torch 2.11's custom-op wrapper drops trailing
