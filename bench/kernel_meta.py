@@ -244,7 +244,7 @@ def run(device: torch.device) -> list[dict]:
     import lingc  # noqa: F401  (registers the reference ops)
     timed = device.type == "cuda"
     if timed:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     elif os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("kernel_meta on the CPU needs TRITON_INTERPRET=1 before the kernels are imported "
                            "(python3 bench/kernel_meta.py --device cpu sets it)")

@@ -101,12 +101,48 @@ if HAVE_GLUON:
         return gl.maximum(s1, s2), gl.maximum(i1, i2)
 
     @gluon.jit
-    def _router_gluon_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                             stride_row, scale, max_padded, n_blocks,
-                             E: gl.constexpr, GS: gl.constexpr, TOPK_GROUP: gl.constexpr, TOP_K: gl.constexpr,
-                             KR: gl.constexpr, SHARED: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
-                             ALIGN: gl.constexpr, PDL: gl.constexpr, EARLY_TRIGGER: gl.constexpr,
-                             NW: gl.constexpr):
+    def _load_bias(bias_ptr, E: gl.constexpr, GS: gl.constexpr, NW: gl.constexpr):
+        """The expert bias (a weight: before the PDL wait) in the two layouts `_route` takes: [G, GS] and [E]."""
+        G: gl.constexpr = E // GS
+        LG: gl.constexpr = gl.BlockedLayout([1, 1], [32 // GS, GS], [NW, 1], [1, 0])    # [G, GS], expert a thread
+        L2: gl.constexpr = gl.BlockedLayout([1, GS], [32, 1], [NW, 1], [1, 0])         # [E, GS]: a row a thread
+        g = gl.arange(0, G, layout=gl.SliceLayout(1, LG))
+        j = gl.arange(0, GS, layout=gl.SliceLayout(0, LG))
+        i2 = gl.arange(0, E, layout=gl.SliceLayout(1, L2))
+        return gl.load(bias_ptr + g[:, None] * GS + j[None, :]).to(gl.float32), gl.load(bias_ptr + i2).to(gl.float32)
+
+    @gluon.jit
+    def _load_logits(row_ptr, E: gl.constexpr, GS: gl.constexpr, NW: gl.constexpr, CACHE: gl.constexpr):
+        """One row of E logits in `_route`'s two layouts (CACHE ".cg": through L2, written by other CTAs)."""
+        G: gl.constexpr = E // GS
+        LG: gl.constexpr = gl.BlockedLayout([1, 1], [32 // GS, GS], [NW, 1], [1, 0])
+        L2: gl.constexpr = gl.BlockedLayout([1, GS], [32, 1], [NW, 1], [1, 0])
+        g = gl.arange(0, G, layout=gl.SliceLayout(1, LG))
+        j = gl.arange(0, GS, layout=gl.SliceLayout(0, LG))
+        i2 = gl.arange(0, E, layout=gl.SliceLayout(1, L2))
+        return (gl.load(row_ptr + g[:, None] * GS + j[None, :], cache_modifier=CACHE).to(gl.float32),
+                gl.load(row_ptr + i2, cache_modifier=CACHE).to(gl.float32))
+
+    @gluon.jit
+    def _fill_sentinels(sorted_ptr, block_expert_ptr, max_padded, n_blocks, W: gl.constexpr, BM: gl.constexpr,
+                        NW: gl.constexpr):
+        """router_align's sentinels: every cell but the W segment heads (NP = W in sorted_pairs, -1 in
+        block_expert); a warp stores 32 consecutive cells."""
+        LF: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        for start in range(0, max_padded, FILL * 32 * NW):
+            c = start + gl.arange(0, FILL * 32 * NW, layout=LF)
+            head = (c % BM == 0) & (c < W * BM)
+            gl.store(sorted_ptr + c, W + 0 * c, mask=(c < max_padded) & ~head)
+        for start in range(W, n_blocks, 32 * NW):
+            c = start + gl.arange(0, 32 * NW, layout=LF)
+            gl.store(block_expert_ptr + c, -1 + 0 * c, mask=c < n_blocks)
+
+    @gluon.jit
+    def _route(x_g, x_e, bias_g, bias_e, r, scale, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+               E: gl.constexpr, GS: gl.constexpr, TOPK_GROUP: gl.constexpr, TOP_K: gl.constexpr, KR: gl.constexpr,
+               SHARED: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr, ALIGN: gl.constexpr, NW: gl.constexpr):
+        """Steps 1-4 of the module docstring for row r, from its logits and the bias in `_load_bias`'s layouts.
+        With ALIGN the caller has stored (or ordered before this) the sentinels: `_fill_sentinels`."""
         G: gl.constexpr = E // GS
         W: gl.constexpr = TOP_K + SHARED
         LG: gl.constexpr = gl.BlockedLayout([1, 1], [32 // GS, GS], [NW, 1], [1, 0])    # [G, GS], expert a thread
@@ -115,33 +151,8 @@ if HAVE_GLUON:
         LEK: gl.constexpr = gl.BlockedLayout([1, KR], [32, 1], [NW, 1], [1, 0])        # [E, KR]: a row a thread
         LI: gl.constexpr = gl.SliceLayout(1, LEK)                                        # [E]: expert a thread
         RK: gl.constexpr = gl.SliceLayout(0, LEK)                                        # [KR] in every thread
-        r = gl.program_id(0)
-        row_ptr = logits_ptr + r.to(gl.int64) * stride_row
-        g = gl.arange(0, G, layout=gl.SliceLayout(1, LG))
-        j = gl.arange(0, GS, layout=gl.SliceLayout(0, LG))
-        eid = g[:, None] * GS + j[None, :]                                               # [G, GS]
         i = gl.arange(0, E, layout=LI)
         i2 = gl.convert_layout(i, gl.SliceLayout(1, L2), assert_trivial=True)
-        bias_g = gl.load(bias_ptr + eid).to(gl.float32)                                 # a weight: before the wait
-        bias_e = gl.load(bias_ptr + i2).to(gl.float32)
-        if PDL:
-            gluon_gdc_wait()
-            if EARLY_TRIGGER:
-                gluon_gdc_launch_dependents()
-        x_g = gl.load(row_ptr + eid).to(gl.float32)
-        x_e = gl.load(row_ptr + i2).to(gl.float32)
-        if PDL:
-            if not EARLY_TRIGGER:
-                gluon_gdc_launch_dependents()
-        if ALIGN:   # sentinels first (their stores overlap the routing): every cell but the W segment heads
-            LF: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])   # a warp stores 32 consecutive cells
-            for start in range(0, max_padded, FILL * 32 * NW):
-                c = start + gl.arange(0, FILL * 32 * NW, layout=LF)
-                head = (c % BM == 0) & (c < W * BM)
-                gl.store(sorted_ptr + c, W + 0 * c, mask=(c < max_padded) & ~head)
-            for start in range(W, n_blocks, 32 * NW):
-                c = start + gl.arange(0, 32 * NW, layout=LF)
-                gl.store(block_expert_ptr + c, -1 + 0 * c, mask=c < n_blocks)
         # 1. group scores and the order bits, into shared memory
         biased = _sigmoid(x_g) + bias_g
         m1, m2 = gl.reduce((biased, gl.full([G, GS], float("-inf"), gl.float32, LG)), 1, _top2)
@@ -198,6 +209,28 @@ if HAVE_GLUON:
             gl.store(sorted_ptr + seg * BM, rank, mask=selected)
             gl.store(block_expert_ptr + seg, i, mask=selected)
             gl.store(total_ptr + i * 0, W * BM + i * 0, mask=i == 0)
+
+    @gluon.jit
+    def _router_gluon_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                             stride_row, scale, max_padded, n_blocks,
+                             E: gl.constexpr, GS: gl.constexpr, TOPK_GROUP: gl.constexpr, TOP_K: gl.constexpr,
+                             KR: gl.constexpr, SHARED: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr,
+                             ALIGN: gl.constexpr, PDL: gl.constexpr, EARLY_TRIGGER: gl.constexpr,
+                             NW: gl.constexpr):
+        r = gl.program_id(0)
+        bias_g, bias_e = _load_bias(bias_ptr, E, GS, NW)                                 # a weight: before the wait
+        if PDL:
+            gluon_gdc_wait()
+            if EARLY_TRIGGER:
+                gluon_gdc_launch_dependents()
+        x_g, x_e = _load_logits(logits_ptr + r.to(gl.int64) * stride_row, E, GS, NW, "")
+        if PDL:
+            if not EARLY_TRIGGER:
+                gluon_gdc_launch_dependents()
+        if ALIGN:   # sentinels first (their stores overlap the routing): every cell but the W segment heads
+            _fill_sentinels(sorted_ptr, block_expert_ptr, max_padded, n_blocks, TOP_K + SHARED, BM, NW)
+        _route(x_g, x_e, bias_g, bias_e, r, scale, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+               E, GS, TOPK_GROUP, TOP_K, KR, SHARED, SP, BM, ALIGN, NW)
 
 
 def _constexprs(num_routed: int, n_group: int, topk_group: int, top_k: int, shared: int) -> dict:

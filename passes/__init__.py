@@ -15,6 +15,7 @@ from lingc.passes.fuse_mla import FuseMla
 from lingc.passes.fuse_moe import FuseMoe
 from lingc.passes.fuse_moe_align import FuseMoeAlign
 from lingc.passes.fuse_norm_linear import FuseNormLinear
+from lingc.passes.fuse_norm_router import FuseNormRouter
 from lingc.passes.fuse_projections import FuseProjections
 from lingc.passes.fuse_relay import FuseRelay
 from lingc.passes.fuse_shared_expert import FuseSharedExpert
@@ -28,7 +29,7 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition
                                                      CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
                                                      FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
                                                      FuseCombineNorm, FuseMla, FuseRelay, FuseCatNorm, FuseAlignIntoMoe,
-                                                     DraftVocab, Pdl)}
+                                                     DraftVocab, FuseNormRouter, Pdl)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

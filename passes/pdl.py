@@ -123,6 +123,7 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
 PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14),
                   "moe_down": (2, 3, 4), "moe_down_pairs": (2,), "mla_attention": (0,), "moe_up_act": (0,),
                   "moe_up_act_pairs": (0,)}
+SHARED_LAST_PREWAIT = ("moe_up_act", "moe_up_act_pairs")   # x early only with fuse_shared_expert's shared_last hint
 
 
 def _prewait_safe(node: fx.Node, short: str) -> bool:
@@ -132,6 +133,8 @@ def _prewait_safe(node: fx.Node, short: str) -> bool:
         prev = prev.prev
     if prev.op == "root":
         return True
+    if short in SHARED_LAST_PREWAIT and not node.meta.get("lingc.launch", {}).get("shared_last"):
+        return True         # without the hint the up-GEMM reads nothing before its wait
     early = [node.args[i] for i in PREWAIT_INPUTS[short]]
     if written_buffers(prev) & {base_buffer(a) for a in early}:
         return False
@@ -265,7 +268,7 @@ class Pdl(Pass):
                "before a linear that reads its weights early triggers at entry")
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
-             "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab", "fuse_align_into_moe")
+             "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab", "fuse_align_into_moe", "fuse_norm_router")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
@@ -279,6 +282,7 @@ class Pdl(Pass):
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
             found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align", "moe_up_act_pairs")
                       for n in calls(graph, op)]
+            found += [("moe", _moe_chain(n)) for n in calls(graph, "add_rmsnorm_router") if n.args[11]]   # aligned
             found += [("kda", _kda_chain(n))
                       for op in ("kda_recurrent", "kda_chunk", "kda_recurrent_staged", "kda_fused_verify",
                                  "kda_fused_decode")

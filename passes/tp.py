@@ -71,6 +71,7 @@ from lingc.program import Program
 from lingc.passes.base import Pass
 from lingc.passes.fuse_align_into_moe import unfuse as unfuse_pairs
 from lingc.passes.fuse_combine_norm import unfuse as unfuse_combine_norm
+from lingc.passes.fuse_norm_router import unfuse as unfuse_norm_router
 from lingc.passes.fuse_moe import unfuse
 from lingc.passes.matchers import calls, consumers, get_weight_node
 
@@ -404,12 +405,14 @@ class TensorParallel(Pass):
         ep_layers: list[str] = []
         views: dict[str, int] = {}
         for gname, graph in program.graphs.items():
-            # 1. MoE -> expert parallel (fuse_moe's and fuse_combine_norm's ops are split back first: the rewrite needs
-            # the separate combine)
+            # 1. MoE -> expert parallel (fuse_moe's, fuse_combine_norm's and fuse_norm_router's ops are split back
+            # first: the rewrite needs the separate combine and router)
             for fused in calls(graph, "moe_fused"):
                 unfuse(graph, fused)
             for fused in calls(graph, "combine_add_rmsnorm"):
                 unfuse_combine_norm(graph, fused)
+            for fused in calls(graph, "add_rmsnorm_router"):   # the rewrite reads the router's align
+                unfuse_norm_router(graph, fused)
             for combine in calls(graph, "moe_combine"):
                 ep_layers.append(f"{gname}:{_rewrite_moe(program, graph, combine, tp).name}")
             # 2. collectives after row-parallel products, MoE combines and the lm_head
