@@ -380,6 +380,9 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:mod.ATTR=VALUE[;...]",
                     help="also run the 'all' row with these tunables overridden (module docstring); repeatable")
     ap.add_argument("--no-parity", action="store_true", help="skip the greedy parity run (A/B calls)")
+    ap.add_argument("--parity-passes", default="all", metavar="P[,P...]",
+                    help="the passes the greedy parity compiles (default all; e.g. all,fuse_norm_router: an opt-in "
+                         "pass's parity)")
     ap.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens of the end-to-end run")
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="also run a row 'all+draft_vocab' (the opt-in pass) with a synthetic map of N evenly spaced "
@@ -501,7 +504,7 @@ def main() -> None:
     try:
         if args.no_parity:
             raise RuntimeError("skipped (--no-parity)")
-        result["greedy_parity"] = greedy_parity(model, full, ["all"])
+        result["greedy_parity"] = greedy_parity(model, full, args.parity_passes.split(","))
     except Exception as e:  # noqa: BLE001
         result["greedy_parity"] = {"error": f"{type(e).__name__}: {e}"}
     print("greedy parity", result["greedy_parity"], flush=True)
