@@ -48,7 +48,7 @@ from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.pdl import TRIGGER, pdl_supported
 from lingc.kernels.workspace import counters as _counters, indexed
 from lingc.ops.moe import align_sizes
-from lingc.ops.norm_router import no_align
+from lingc.ops.norm_router import MAX_ROWS, no_align
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -61,7 +61,6 @@ except ImportError:  # pragma: no cover - depends on the Triton build
 
 ENABLED = os.environ.get("LINGC_NORM_ROUTER_GLUON", "1") == "1"
 FAILED: list[str] = []       # the first compile failure's message; once set, every launch runs the two kernels
-MAX_ROWS = 16                # rows (tokens) a launch: one counter each (decode 1, verify 6)
 MAX_HIDDEN = 8192            # next_pow2(h) a program's registers hold (with one gate row at least)
 WEIGHT_ELEMENTS = 8192       # gate values a program holds (EPP x next_pow2(h); 2-byte weights, half that for fp32)
 VEC = 8                      # contiguous h elements a thread loads (16 B of bf16)

@@ -20,6 +20,10 @@ from lingc.ops.moe import align_sizes, router_align, router_topk
 from lingc.ops.norm_linear import add_rmsnorm_linear
 from lingc.ops.registry import register
 
+# rows (tokens) a fused call takes: the kernel's one ticket counter a row (decode 1, verify 6); fuse_norm_router leaves
+# larger calls (prefill chunks) unfused. Here, not in kernels/norm_router.py, so the pass imports no kernel module.
+MAX_ROWS = 16
+
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 

@@ -95,12 +95,13 @@ def test_order_respects_after_regardless_of_user_order(requested, expected):
 
 
 def test_all_expands_to_every_registered_pass():
-    """Every pass but the opt-in ones (in_all = False: fuse_moe, draft_vocab), which run only when named."""
+    """Every pass but the opt-in ones (in_all = False: fuse_moe, draft_vocab, fuse_norm_router), which run only when
+    named."""
     order = names(resolve(["all"], PASSES))
     opt_in = {n for n, p in PASSES.items() if not p.in_all}
-    assert opt_in == {"fuse_moe", "draft_vocab"}
+    assert opt_in == {"fuse_moe", "draft_vocab", "fuse_norm_router"}
     assert set(order) == set(PASSES) - opt_in and len(order) == len(PASSES) - len(opt_in)
-    with_opt_in = names(resolve(["all", "fuse_moe", "draft_vocab"], PASSES))
+    with_opt_in = names(resolve(["all", "fuse_moe", "draft_vocab", "fuse_norm_router"], PASSES))
     assert set(with_opt_in) == set(PASSES) and with_opt_in[-1] == "pdl"
     assert {"partition", "fuse_swiglu", "bf16_router", "pdl"} <= set(PASSES)
     assert order[:2] == ["specialize_greedy", "partition"] and order[-1] == "pdl"   # copy, split, ..., schedule last
