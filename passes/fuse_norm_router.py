@@ -180,7 +180,7 @@ def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:
 
 class FuseNormRouter(Pass):
     name = "fuse_norm_router"
-    summary = "add_rmsnorm_linear (gate) + router_align / router_topk -> one add_rmsnorm_router (-1 launch a MoE layer)"
+    summary = "add_rmsnorm_linear (gate) + router -> one add_rmsnorm_router (-1 launch a MoE layer)"
     after = ("partition", "bf16_router", "fuse_add_norm", "fuse_moe_align", "fuse_shared_expert", "fuse_norm_linear",
              "fuse_align_into_moe", "fuse_combine_norm")
     changes_numerics = True      # on the GPU: the fused kernel's own fp32 order (module docstring)
