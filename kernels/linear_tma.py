@@ -90,9 +90,11 @@ EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers 
 # gated_rmsnorm_linear (KDA's o_norm + o_proj, the opt-in LINGC_NORM_LINEAR_GATED=1 of passes/fuse_norm_linear.py):
 # the norm built per x block (GATED, heads of BLOCK_K) after the wait, the weight ring filled before it, so the
 # gated_rmsnorm launch goes without moving o_proj's weight read after the wait as the Triton GATED GEMV did (10.5 vs
-# 6.8 us for the pair). Up to GATED_MAX_ROWS rows (decode, verify and the draft alike: row invariance). Written
-# 2026-12-05 without a GPU: compiled for sm_90 offline, not yet run or timed on one (bench/kernel_linear.py --gated
-# checks it against the pair and times it). LINGC_LINEAR_TMA_GATED=0 leaves gated launches on the Triton kernels
+# 6.8 us for the pair). Up to GATED_MAX_ROWS rows (decode, verify and the draft alike: row invariance). On the H200
+# (2026-12-05, bench/kernel_linear.py --gated, kernel-linear-gated-tma-h200-20261205.json) its checks pass but it is
+# still slower than the pair: 6.52 vs 5.18 us at one row, 8.18 vs 5.45 at six (PDL on); the step with the opt-in on,
+# greedy decode +25 us, verify +55 (step-ab-h200-20261205.json). LINGC_LINEAR_TMA_GATED=0 leaves gated launches on
+# the Triton kernels
 GATED_TMA = os.environ.get("LINGC_LINEAR_TMA_GATED", "1") == "1"
 GATED_MAX_ROWS = 16
 GATED_FAILED: list[str] = []   # a GATED compile failure turns off the GATED launches only, not the plain ones

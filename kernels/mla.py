@@ -148,9 +148,9 @@ CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 1
 CB_BLOCK_R = 64
 # the combine reads a query's partials in one round trip where all S splits fit one CB_BLOCK_S step (capacity up to
 # 16384 rows): the maximum from the step's own loads instead of a load of the maxima first. Same bits (the combine's
-# test compares both paths); written 2026-12-05 without a GPU, not yet timed (A/B:
-# bench/device_step.py --variant 'one:lingc.kernels.mla.COMBINE_ONE_STEP=True'), so off by default;
-# LINGC_MLA_COMBINE_ONE_STEP=1 turns it on
+# test compares both paths). H200 A/B (2026-12-05, step-ab-h200-20261205.json; --variant
+# 'one:lingc.kernels.mla.COMBINE_ONE_STEP=True'): greedy decode 1.1255 vs 1.1318 / 1.1287 ms, greedy verify 2.1318 vs
+# 2.1248 / 2.1267: inside the run-to-run spread, so off by default; LINGC_MLA_COMBINE_ONE_STEP=1 turns it on
 COMBINE_ONE_STEP = os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "0") == "1"
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)

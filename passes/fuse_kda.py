@@ -290,8 +290,10 @@ class FuseKda(Pass):
     # Ling-3.0-tiny verify instead of 18 at 1.9 us each exposed); LAYER_COMMITS (4) keeps one layer per launch. Same
     # bits either way. H200, one process, baselines first and last (bench/results/step-ab-h200-20261201-o.json):
     # verify 2.459 / 2.462 ms at 4 against 2.443 / 2.445 at 8. Since 2026-12-05 one launch takes up to
-    # COMMIT_MULTI_PAIRS (80): 72 puts Ling-3.0-tiny's 18 layers in one, same bits, not yet timed on the GPU (A/B:
-    # bench/device_step.py --variant 'c72:lingc.passes.fuse_kda.FuseKda.commit_pairs=72'), so 8 stays the default
+    # COMMIT_MULTI_PAIRS (80): 72 puts Ling-3.0-tiny's 18 layers in one, same bits; alone 15.6 us against 30.3 for
+    # the 8-pair launches (kernels-meta-h200-20261205.json), but in the step greedy verify 2.1219 vs 2.1248 / 2.1267
+    # ms (step-ab-h200-20261205.json, --variant 'c72:lingc.passes.fuse_kda.FuseKda.commit_pairs=72'): inside the
+    # spread, so 8 stays the default
     commit_pairs = 8
 
     def apply(self, program: Program) -> dict[str, Any]:

@@ -78,8 +78,9 @@ MAX_WEIGHT_ELEMENTS = int(os.environ.get("LINGC_NORM_LINEAR_MAX_WEIGHT", 1 << 20
 # 6.8 for the gated_rmsnorm + linear pair (8.9 vs 5.7 with PDL; bench/kernel_linear.py --gated, results/
 # kernel-linear-gated-h200-20261130.json), 10.2 us a layer in the decode step against 4.7 + 1.8 (results/
 # launches-h200-20261130-c.json); LINGC_NORM_LINEAR_GATED=1 turns it on. Since 2026-12-05 a PDL launch of it on sm_90
-# runs kernels/linear_tma.py's Gluon kernel (GATED: the weight ring fills before the wait as o_proj's does), not yet
-# timed on the GPU (A/B: bench/device_step.py --variant 'gated:lingc.passes.fuse_norm_linear.GATED=True')
+# runs kernels/linear_tma.py's Gluon kernel (GATED: the weight ring fills before the wait as o_proj's does); still
+# slower: 6.52 vs 5.18 us alone at one row, greedy decode +25 us and verify +55 in the step (2026-12-05,
+# step-ab-h200-20261205.json; A/B: bench/device_step.py --variant 'gated:lingc.passes.fuse_norm_linear.GATED=True')
 GATED = os.environ.get("LINGC_NORM_LINEAR_GATED", "0") == "1"
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)   # keep the values and their order
 

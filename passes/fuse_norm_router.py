@@ -1,5 +1,6 @@
 """fuse_norm_router: add_rmsnorm_linear (the post-attention norm in the gate GEMV) + the router reading its logits
--> one add_rmsnorm_router (opt-in until the H200 step says it pays).
+-> one add_rmsnorm_router (opt-in: on the H200 the step measured level in decode, +4 us in verify; README, ninth
+session).
 
 At batch 1 a MoE layer's router front is two dependent launches around 0.4 MB of gate weight: the norm + gate GEMV
 (2.59 us a layer in the H200 decode step) and router_align (2.09; verify 2.87 + 2.41 with router_topk). The fused
@@ -185,7 +186,7 @@ class FuseNormRouter(Pass):
              "fuse_align_into_moe", "fuse_combine_norm")
     changes_numerics = True      # on the GPU: the fused kernel's own fp32 order (module docstring)
     tolerance = 0.01             # as fuse_norm_linear's (a normed element may move by one bf16 rounding)
-    in_all = os.environ.get("LINGC_FUSE_NORM_ROUTER", "0") == "1"   # opt-in until the H200 step says it pays
+    in_all = os.environ.get("LINGC_FUSE_NORM_ROUTER", "0") == "1"   # opt-in: level / slower on the H200 (docstring)
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused: list[str] = []

@@ -179,8 +179,8 @@ ENTRY_TRIGGER_ROWS: dict[str, int] = {"gated_rmsnorm": 16, "mla_attention": 16}
 # 3.65 us a launch against 2.62 for the one-row TMA launch in decode; launches-kda-tma-h200-20261204.json), while the
 # 31.5 MB KDA projection, the loss measured above, stays past it. A shape rule in bytes, so the pass needs no device
 # facts. At most kernels/linear_tma.py EARLY_MAX_ROWS (16): past it the linear stays on the Triton kernel, which
-# reads nothing early (the case that measured slower). 0 (off): written 2026-12-05 without a GPU, not yet timed
-# (A/B: bench/device_step.py --variant 'small:lingc.passes.pdl.ENTRY_TRIGGER_SMALL_ROWS=16')
+# reads nothing early (the case that measured slower). 0 (off): at 16 the H200 step measured greedy verify 2.1245 vs
+# 2.1248 / 2.1267 ms (step-ab-h200-20261205.json, --variant 'small:lingc.passes.pdl.ENTRY_TRIGGER_SMALL_ROWS=16')
 ENTRY_TRIGGER_SMALL_ROWS = 0
 ENTRY_TRIGGER_SMALL_WEIGHT_BYTES = 8 << 20
 
