@@ -19,13 +19,13 @@ dependent round trip through L2 for a few KB of data. Here (Gluon, sm_90) one gr
 No program waits for another. Row r's bits depend only on row r (each row has its own programs and counter), so a
 verify chain's rows get decode's bits: row invariance, hence greedy NEXTN == plain decoding.
 
-Numerics: other bits than the two kernels it replaces. The logits are a different fp32 sum over h (the
+Numerics: possibly other bits than the two kernels it replaces. The logits are a different fp32 sum over h (the
 gate rows' products in this kernel's layout, vs the FMA GEMV's tiles) before their rounding to the gate's dtype, and
 the norm's sum of squares likewise. So normed (new_residual is exact either way: one fp32 add rounded once) and the
-routing may differ from the unfused kernels where a sum lands on the other side of a rounding boundary. The pass that makes the op says so (changes_numerics). Where the Gluon kernel does
-not run (the interpreter, other GPUs, more than MAX_ROWS rows, a shape `eligible` rejects, a compile failure) the
-launcher runs the two kernels it replaces, which give the reference composition's arrangement (kernels/linear.py and
-kernels/router.py's own bits).
+routing may differ from the unfused kernels where a sum lands on the other side of a rounding boundary (none did in
+the H200 check below). The pass that makes the op says so (changes_numerics). Where the Gluon kernel does not run
+(the interpreter, other GPUs, more than MAX_ROWS rows, a shape `eligible` rejects, a compile failure) the launcher
+runs the two kernels it replaces (kernels/linear.py's and kernels/router.py's own bits).
 
 Register budget: a program holds EPP x next_pow2(h) gate values (bf16: EPP = WEIGHT_ELEMENTS // next_pow2(h), so
 4 rows of 2048 at Ling-3.0-tiny's h = 1536, 32 programs a row: 32 registers a thread at E / 32 = 4 warps, the
@@ -61,7 +61,7 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from lingc.kernels.pdl import gluon_gdc_launch_dependents, gluon_gdc_wait
-    from lingc.kernels.router_gluon import _fill_sentinels, _load_bias, _load_logits, _route
+    from lingc.kernels.router_gluon import _fill_sentinels, _load_row, _route
     HAVE_GLUON = router_gluon.HAVE_GLUON
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
@@ -117,7 +117,7 @@ if HAVE_GLUON:
         # weights (written by no kernel): before the wait
         gate = gl.load(gw_ptr + e[:, None].to(gl.int64) * K + k[None, :], mask=kmask[None, :], other=0.0)
         nw = gl.load(nw_ptr + k, mask=kmask, other=0.0).to(gl.float32)
-        bias_g, bias_e = _load_bias(bias_ptr, E, GS, NW)
+        bias_g, bias_e = _load_row(bias_ptr, E, GS, NW, "")
         if PDL:
             gluon_gdc_wait()
             if EARLY_TRIGGER:
@@ -145,7 +145,7 @@ if HAVE_GLUON:
         gl.thread_barrier()             # every thread's stores come before the ticket (release) is taken
         ticket = gl.atomic_add(count_ptr + r, 1, sem="acq_rel", scope="gpu")
         if ticket == gl.num_programs(0) - 1:   # the row's other programs have stored their logits
-            x_g, x_e = _load_logits(logits_ptr + row * E, E, GS, NW, ".cg")
+            x_g, x_e = _load_row(logits_ptr + row * E, E, GS, NW, ".cg")
             _route(x_g, x_e, bias_g, bias_e, r, scale, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                    E, GS, TOPK_GROUP, TOP_K, KR, SHARED, SP, BM, ALIGN, NW)
             gl.store(count_ptr + r, 0)  # ready for the next launch

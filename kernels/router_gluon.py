@@ -101,19 +101,9 @@ if HAVE_GLUON:
         return gl.maximum(s1, s2), gl.maximum(i1, i2)
 
     @gluon.jit
-    def _load_bias(bias_ptr, E: gl.constexpr, GS: gl.constexpr, NW: gl.constexpr):
-        """The expert bias (a weight: before the PDL wait) in the two layouts `_route` takes: [G, GS] and [E]."""
-        G: gl.constexpr = E // GS
-        LG: gl.constexpr = gl.BlockedLayout([1, 1], [32 // GS, GS], [NW, 1], [1, 0])    # [G, GS], expert a thread
-        L2: gl.constexpr = gl.BlockedLayout([1, GS], [32, 1], [NW, 1], [1, 0])         # [E, GS]: a row a thread
-        g = gl.arange(0, G, layout=gl.SliceLayout(1, LG))
-        j = gl.arange(0, GS, layout=gl.SliceLayout(0, LG))
-        i2 = gl.arange(0, E, layout=gl.SliceLayout(1, L2))
-        return gl.load(bias_ptr + g[:, None] * GS + j[None, :]).to(gl.float32), gl.load(bias_ptr + i2).to(gl.float32)
-
-    @gluon.jit
-    def _load_logits(row_ptr, E: gl.constexpr, GS: gl.constexpr, NW: gl.constexpr, CACHE: gl.constexpr):
-        """One row of E logits in `_route`'s two layouts (CACHE ".cg": through L2, written by other CTAs)."""
+    def _load_row(row_ptr, E: gl.constexpr, GS: gl.constexpr, NW: gl.constexpr, CACHE: gl.constexpr):
+        """One row of E values (the logits, or the expert bias) in `_route`'s two layouts, [G, GS] and [E] (CACHE
+        ".cg": through L2, for logits other CTAs wrote)."""
         G: gl.constexpr = E // GS
         LG: gl.constexpr = gl.BlockedLayout([1, 1], [32 // GS, GS], [NW, 1], [1, 0])
         L2: gl.constexpr = gl.BlockedLayout([1, GS], [32, 1], [NW, 1], [1, 0])
@@ -141,7 +131,7 @@ if HAVE_GLUON:
     def _route(x_g, x_e, bias_g, bias_e, r, scale, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                E: gl.constexpr, GS: gl.constexpr, TOPK_GROUP: gl.constexpr, TOP_K: gl.constexpr, KR: gl.constexpr,
                SHARED: gl.constexpr, SP: gl.constexpr, BM: gl.constexpr, ALIGN: gl.constexpr, NW: gl.constexpr):
-        """Steps 1-4 of the module docstring for row r, from its logits and the bias in `_load_bias`'s layouts.
+        """Steps 1-4 of the module docstring for row r, from its logits and bias in `_load_row`'s layouts.
         With ALIGN the caller has stored (or ordered before this) the sentinels: `_fill_sentinels`."""
         G: gl.constexpr = E // GS
         W: gl.constexpr = TOP_K + SHARED
@@ -218,12 +208,12 @@ if HAVE_GLUON:
                              ALIGN: gl.constexpr, PDL: gl.constexpr, EARLY_TRIGGER: gl.constexpr,
                              NW: gl.constexpr):
         r = gl.program_id(0)
-        bias_g, bias_e = _load_bias(bias_ptr, E, GS, NW)                                 # a weight: before the wait
+        bias_g, bias_e = _load_row(bias_ptr, E, GS, NW, "")                              # a weight: before the wait
         if PDL:
             gluon_gdc_wait()
             if EARLY_TRIGGER:
                 gluon_gdc_launch_dependents()
-        x_g, x_e = _load_logits(logits_ptr + r.to(gl.int64) * stride_row, E, GS, NW, "")
+        x_g, x_e = _load_row(logits_ptr + r.to(gl.int64) * stride_row, E, GS, NW, "")
         if PDL:
             if not EARLY_TRIGGER:
                 gluon_gdc_launch_dependents()

@@ -84,8 +84,10 @@ def _match(router: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     rows = 1
     for d in rows_meta.shape[:-1]:
         rows *= d
-    if not 1 <= rows <= MAX_ROWS or any(u.args[1] not in (0, 1, 2) for u in _getitems(lin)) or hidden < 1:
+    if not 1 <= rows <= MAX_ROWS or hidden < 1:
         return None
+    if any(u.target is not operator.getitem for n in (lin, router) for u in n.users):
+        return None                        # the tuple itself read somewhere: its outputs cannot be re-pointed
     return lin, logits, view
 
 
