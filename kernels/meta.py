@@ -301,9 +301,10 @@ def step_refill(seq_lens: torch.Tensor, tokens: int, page_table: torch.Tensor, s
                 *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(step_positions(seq_lens, tokens), *paged_refill(page_table, slots, those positions, page_size))
     (lingc.step_refill): one launch, _paged_refill_kernel computing the positions itself (FROM_SEQ)."""
-    B, MP = slots.shape[0], page_table.shape[1]
+    B = slots.shape[0]
     if page_table.dim() != 2 or page_table.stride(1) != 1 or seq_lens.dim() != 1 or seq_lens.shape[0] != B:
-        return torch.ops.lingc.step_refill(seq_lens, tokens, page_table, slots, page_size)
+        return torch.ops.lingc.step_refill(seq_lens, tokens, page_table, slots, page_size)   # the reference op
+    MP = page_table.shape[1]
     positions = torch.empty((B, tokens), dtype=torch.int64, device=page_table.device)
     if B == 0 or tokens == 0:
         return positions, *paged_refill(page_table, slots, positions, page_size, pdl=pdl)

@@ -51,9 +51,9 @@ import triton
 
 from lingc.kernels import router as router_kernels, router_gluon
 from lingc.kernels import linear as linear_kernels
-from lingc.kernels.gluon_launch import guarded, major as _major
+from lingc.kernels.gluon_launch import guarded
 from lingc.kernels.pdl import TRIGGER, pdl_supported
-from lingc.kernels.workspace import counters as _counters, indexed
+from lingc.kernels.workspace import counters as _counters
 from lingc.ops.moe import align_sizes
 from lingc.ops.norm_router import MAX_ROWS, no_align
 
@@ -91,10 +91,8 @@ def eligible(x: torch.Tensor, gate_weight: torch.Tensor, n_group: int, topk_grou
     rows = x.numel() // hidden if hidden else 0
     if not 1 <= rows <= MAX_ROWS or triton.next_power_of_2(hidden) > MAX_HIDDEN:
         return False
-    if not router_gluon.eligible(x.device, num_routed, n_group, topk_group, top_k):   # CUDA sm_90+, no interpreter
-        return False
-    return experts_per_program(num_routed, hidden, gate_weight.element_size()) >= num_routed // 32 \
-        and _major(indexed(x.device)) >= 9
+    return router_gluon.eligible(x.device, num_routed, n_group, topk_group, top_k) \
+        and experts_per_program(num_routed, hidden, gate_weight.element_size()) >= num_routed // 32   # sm_90+, warps
 
 
 if HAVE_GLUON:

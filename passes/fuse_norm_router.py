@@ -37,6 +37,7 @@ greedy NEXTN == plain decoding still holds. The tp pass splits it back (`unfuse`
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from typing import Any
@@ -80,11 +81,7 @@ def _match(router: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     rows_meta = x.meta.get("lingc.tensor") if isinstance(x, fx.Node) else None
     if not isinstance(meta, TensorMeta) or meta.dtype != torch.float32 or not isinstance(rows_meta, TensorMeta):
         return None
-    hidden = rows_meta.shape[-1]
-    rows = 1
-    for d in rows_meta.shape[:-1]:
-        rows *= d
-    if not 1 <= rows <= MAX_ROWS or hidden < 1:
+    if not 1 <= math.prod(rows_meta.shape[:-1]) <= MAX_ROWS:
         return None
     if any(u.target is not operator.getitem for n in (lin, router) for u in n.users):
         return None                        # the tuple itself read somewhere: its outputs cannot be re-pointed
@@ -150,9 +147,7 @@ def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:
      shared) = fused.args
     num_routed = int(gate_weight.meta["lingc.tensor"].shape[0])
     x_meta = x.meta["lingc.tensor"]
-    rows = 1
-    for d in x_meta.shape[:-1]:
-        rows *= d
+    rows = math.prod(x_meta.shape[:-1])
     with graph.inserting_before(fused):
         lin = graph.call_function(OPS.add_rmsnorm_linear, (residual, x, norm_weight, eps, gate_weight, torch.float32,
                                                            True))

@@ -1,4 +1,5 @@
-"""Helpers shared by the pass tests (tests/passes is on sys.path): op counts per graph, a program cut to some graphs."""
+"""Helpers shared by the pass tests (tests/passes is on sys.path): op counts per graph, a program cut to some graphs,
+the reference backend's bit-exactness between two stages, greedy NEXTN against plain decoding on the CPU engine."""
 
 from __future__ import annotations
 
@@ -22,3 +23,18 @@ def only(program: Program, graphs: tuple[str, ...]) -> Program:
     new = program.copy()
     new.graphs = {g: new.graphs[g] for g in graphs}
     return new
+
+
+def assert_reference_exact(before: Program, after: Program, graphs: tuple[str, ...]) -> None:
+    """`graphs` of the two stages give the same bits on the reference backend (passes/verify.py compare_stages)."""
+    from lingc.passes.verify import compare_stages
+
+    report = compare_stages(only(before, graphs), only(after, graphs), exact=True, tolerance=None)
+    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+
+
+def greedy_tokens(program: Program, spec: str, n: int = 10) -> list[int]:
+    """The CPU engine's greedy tokens for one fixed prompt, speculating with `spec` ("nextn" or "none")."""
+    from lingc.runtime.engine import Engine, Request
+
+    return Engine(program, "cpu", spec).generate(Request([11, 22, 33], n, ignore_eos=True)).tokens

@@ -15,10 +15,8 @@ from lingc.passes import PASSES
 from lingc.passes.fuse_combine_norm import FuseCombineNorm
 from lingc.passes.manager import CompileResult, PassManager, resolve
 from lingc.passes.tp import run_tp_stage
-from lingc.passes.verify import compare_stages
 from lingc.program import Program
-from lingc.runtime.engine import Engine, Request
-from pass_support import count, only   # tests/passes is on sys.path
+from pass_support import assert_reference_exact, count, greedy_tokens, only   # tests/passes is on sys.path
 
 BEFORE = ["fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "fuse_shared_expert"]
 NUMERICS_GRAPHS = ("decode", "verify", "draft")
@@ -68,14 +66,12 @@ def test_record_and_node(fused):
 
 def test_reference_backend_is_bit_exact(fused):
     before, after, _ = fused
-    report = compare_stages(only(before, NUMERICS_GRAPHS), only(after, NUMERICS_GRAPHS), exact=True, tolerance=None)
-    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+    assert_reference_exact(before, after, NUMERICS_GRAPHS)
 
 
 def test_greedy_nextn_equals_plain(fused):
     _, after, _ = fused
-    tokens = {spec: Engine(after, "cpu", spec).generate(Request([11, 22, 33], 10, ignore_eos=True)).tokens
-              for spec in ("nextn", "none")}
+    tokens = {spec: greedy_tokens(after, spec) for spec in ("nextn", "none")}
     assert len(tokens["none"]) == 10 and tokens["nextn"] == tokens["none"]
 
 

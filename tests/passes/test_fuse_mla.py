@@ -20,7 +20,7 @@ from lingc.passes.pdl import Pdl
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
 from lingc.runtime.engine import Engine, Request
-from pass_support import count, only   # tests/passes is on sys.path
+from pass_support import assert_reference_exact, count, only   # tests/passes is on sys.path
 
 OTHERS = [n for n, p in PASSES.items() if p.in_all and n not in ("fuse_mla", "pdl")]
 GRAPHS = ["decode", "step", "prefill", "verify", "draft", "extend", "mtp_decode", "mtp_prefill"]
@@ -71,8 +71,7 @@ def test_nodes_and_record(fused):
 
 def test_reference_backend_is_bit_exact(fused):
     before, after, _ = fused
-    report = compare_stages(only(before, NUMERICS_GRAPHS), only(after, NUMERICS_GRAPHS), exact=True, tolerance=None)
-    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+    assert_reference_exact(before, after, NUMERICS_GRAPHS)
 
 
 def test_greedy_nextn_equals_plain_and_the_unfused_program(fused):

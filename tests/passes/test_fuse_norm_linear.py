@@ -31,7 +31,7 @@ from lingc.passes.pdl import Pdl
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
 from lingc.runtime.engine import Engine, Request
-from pass_support import count, only   # tests/passes is on sys.path
+from pass_support import assert_reference_exact, count, only   # tests/passes is on sys.path
 
 # per graph: (rmsnorm_linear, add_rmsnorm_linear, want_normed). A target forward: L0's input norm and the q_a norms
 # of 3 MLA layers (4 rmsnorm_linear), every add_rmsnorm (12: the final norm's feeds the lm_head); the kv_a norms
@@ -138,14 +138,12 @@ def test_a_second_linear_reader_keeps_reading_normed(fp32):
 
 def test_reference_backend_is_bit_exact_fp32(fp32):
     before, after, _ = fp32
-    report = compare_stages(only(before, NUMERICS_GRAPHS), only(after, NUMERICS_GRAPHS), exact=True, tolerance=None)
-    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+    assert_reference_exact(before, after, NUMERICS_GRAPHS)
 
 
 def test_reference_backend_is_bit_exact_bf16_after_every_pass(bf16_all):
     before, after = bf16_all
-    report = compare_stages(only(before, NUMERICS_GRAPHS), only(after, NUMERICS_GRAPHS), exact=True, tolerance=None)
-    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+    assert_reference_exact(before, after, NUMERICS_GRAPHS)
 
 
 def test_greedy_nextn_equals_plain_with_every_pass(bf16_all):

@@ -20,8 +20,7 @@ from lingc.passes.matchers import calls
 from lingc.passes.tp import run_tp_stage
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
-from lingc.runtime.engine import Engine, Request
-from pass_support import count, launches, only   # tests/passes is on sys.path
+from pass_support import assert_reference_exact, count, greedy_tokens, launches, only   # tests/passes is on sys.path
 
 NUMERICS_GRAPHS = ("decode", "verify", "draft")
 
@@ -74,14 +73,12 @@ def test_fused_node(programs, graph, block_m):
 
 def test_reference_backend_is_bit_exact(programs):
     before, after, _ = programs
-    report = compare_stages(only(before, NUMERICS_GRAPHS), only(after, NUMERICS_GRAPHS), exact=True, tolerance=None)
-    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
+    assert_reference_exact(before, after, NUMERICS_GRAPHS)
 
 
 def test_greedy_nextn_equals_plain(programs):
     _, after, _ = programs
-    tokens = {spec: Engine(after, "cpu", spec).generate(Request([11, 22, 33], 10, ignore_eos=True)).tokens
-              for spec in ("nextn", "none")}
+    tokens = {spec: greedy_tokens(after, spec) for spec in ("nextn", "none")}
     assert len(tokens["none"]) == 10 and tokens["nextn"] == tokens["none"]
 
 
