@@ -22,6 +22,7 @@ from lingc.passes.fuse_shared_expert import FuseSharedExpert
 from lingc.passes.fuse_swiglu import FuseSwiglu
 from lingc.passes.partition import Partition
 from lingc.passes.pdl import Pdl
+from lingc.passes.prefetch_weights import PrefetchWeights
 from lingc.passes.specialize_greedy import SpecializeGreedy
 from lingc.passes.tp import TensorParallel
 
@@ -29,7 +30,7 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition
                                                      CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
                                                      FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
                                                      FuseCombineNorm, FuseMla, FuseRelay, FuseCatNorm, FuseAlignIntoMoe,
-                                                     DraftVocab, FuseNormRouter, Pdl)}
+                                                     DraftVocab, FuseNormRouter, Pdl, PrefetchWeights)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

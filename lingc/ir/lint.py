@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from lingc.ir.serialize import allowed_ops
-from lingc.ops.registry import op_name
+from lingc.ops.registry import HINTS, op_name
 from lingc.program import Program, TensorMeta
 
 
@@ -17,8 +17,9 @@ class LintError(ValueError):
 
 
 def _has_side_effects(node: fx.Node) -> bool:
+    """A mutable schema, or a hint op (lingc.ops.registry HINTS: kept though nothing reads it)."""
     schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+    return bool(schema is not None and schema.is_mutable) or op_name(node.target).removeprefix("lingc.") in HINTS
 
 
 def lint(program: Program) -> None:

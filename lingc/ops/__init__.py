@@ -7,6 +7,7 @@ Importing this package registers the ops (the only import-time side effect lingc
 
 from lingc.ops import norm, linear, norm_linear, kda, mla, moe, sample, meta, spec, dist  # noqa: F401  (registration)
 from lingc.ops import norm_router  # noqa: F401  (registration; after norm_linear and moe, which it composes)
+from lingc.ops import prefetch  # noqa: F401  (registration)
 from lingc.ops.registry import OPS, op_name
 
 __all__ = ["OPS", "op_name"]

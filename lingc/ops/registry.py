@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 LIB = "lingc"
 
@@ -27,8 +28,15 @@ class _Ops(dict):
 
 
 OPS = _Ops()
+HINTS: set[str] = set()   # short names of hint ops: no result, no writes, yet kept in a graph (lingc/ops/prefetch.py)
 
 
-def register(name: str) -> None:
-    """Record torch.ops.lingc.<name>.default in OPS (called right after torch.library.custom_op)."""
+def register(name: str, hint: bool = False) -> None:
+    """Record torch.ops.lingc.<name>.default in OPS (called right after torch.library.custom_op). A hint op
+    (hint=True) is also kept by graph.eliminate_dead_code and by the IR lint, though nothing reads it."""
     OPS[name] = getattr(getattr(torch.ops, LIB), name).default
+    if hint:
+        HINTS.add(name)
+        keep = getattr(torch.fx.node, "has_side_effect", None)
+        if keep is not None:
+            keep(OPS[name])

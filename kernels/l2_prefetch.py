@@ -1,0 +1,87 @@
+"""L2 prefetch of a weight ahead of the kernel that reads it: a hint kernel that uses HBM while the step's chain idles.
+
+At batch 1 a layer's chain alternates between weight streams (the projections, the MoE GEMMs) and kernels that read
+almost nothing from HBM (the router, the MoE down-GEMM's post-wait part, the norms, the KDA recurrence). A weight
+stream's kernel can only start reading after its PDL wait, so each pays its ramp (the first bytes ~1 us after the
+wait) on the critical path, and the HBM idles through the small kernels before it. `l2_prefetch` asks L2 for a byte
+range of a weight (written by no kernel: no ordering question) from a launch placed earlier in the chain, so that the
+weight's later reader finds part of it in L2.
+
+Kernel: grid (P,), THREADS threads a program, one contiguous CHUNK-byte piece a thread:
+    BULK:     cp.async.bulk.prefetch.L2.global [addr], size      (sm_90's TMA unit; one instruction a piece)
+    not BULK: prefetch.global.L2 [addr + j * 128] for each 128 B line of the piece
+It is a hint: nothing waits for it and nothing reads its result, so a prefetch that L2 drops costs only bandwidth.
+
+PDL: the launch triggers its dependents at entry (the next kernel may launch at once), issues the prefetches (they
+read only the weight), then waits (`gdc_wait`) before exiting, so that its completion still implies its
+predecessor's: a kernel after it that waits on it sees everything the kernels before it wrote. Without PDL the
+prefetches are issued stream-ordered. The interpreter and CPU tensors run nothing (a hint has no CPU meaning).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_wait
+from lingc.ops.prefetch import clip
+
+THREADS = 128      # threads a program (4 warps), one piece each
+PROGRAMS = 132     # programs (one an SM on the H200)
+LINE = 128         # L2 line bytes (the non-bulk path's step)
+ALIGN = 16         # cp.async.bulk.prefetch wants 16 B aligned addresses and sizes
+
+
+@triton.jit
+def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr, BULK: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:
+        pdl_launch_next()
+    piece = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK       # [THREADS] byte offsets
+    size = tl.minimum(nbytes - piece, CHUNK).to(tl.int32)                                     # <= 0 past the end
+    addr = ptr + piece
+    if BULK:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        for j in tl.static_range(0, CHUNK, 128):
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                "=r,l,r", [addr + j, size - j], dtype=tl.int32, is_pure=False, pack=1)
+    if PDL:
+        pdl_wait()
+
+
+def chunk_bytes(nbytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> int:
+    """Bytes a thread prefetches: the range over programs * threads pieces, rounded up to ALIGN."""
+    per = -(-nbytes // (programs * threads))
+    return -(-per // ALIGN) * ALIGN
+
+
+def l2_prefetch(weight: torch.Tensor, start: int = 0, nbytes: int = -1, *, pdl: bool = False,
+                bulk: bool = True, programs: int = PROGRAMS) -> None:
+    """Ask L2 for bytes [start, start + nbytes) of weight's storage (contiguous), clipped to it (nbytes -1: to the
+    end; lingc/ops/prefetch.py `clip`). A no-op off CUDA and under the interpreter."""
+    if weight.device.type != "cuda" or triton.knobs.runtime.interpret:
+        return
+    if not weight.is_contiguous():
+        raise ValueError(f"l2_prefetch: weight {list(weight.shape)} is not contiguous")
+    start, nbytes = clip(weight.numel() * weight.element_size(), start, nbytes)
+    start -= start % ALIGN                              # whole 16 B pieces (a hint may round outward)
+    if nbytes <= 0:
+        return
+    raw = weight.reshape(-1).view(torch.uint8)[start:]
+    chunk = chunk_bytes(nbytes, programs)
+    grid = (min(programs, -(-nbytes // (chunk * THREADS))),)
+    launch = {"launch_pdl": True} if pdl and pdl_supported(weight.device) else {}
+    _l2_prefetch_kernel[grid](raw, nbytes, CHUNK=chunk, THREADS=THREADS, BULK=bulk and raw.data_ptr() % ALIGN == 0,
+                              PDL=bool(launch), num_warps=THREADS // 32, **launch)
+
+
+def _lower(weight: torch.Tensor, start: int, nbytes: int, *, pdl: bool = False) -> None:
+    l2_prefetch(weight, start, nbytes, pdl=pdl)
+
+
+LOWERINGS = {"l2_prefetch": _lower}
