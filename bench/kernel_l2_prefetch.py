@@ -25,7 +25,7 @@ from lingc.kernels.l2_prefetch import l2_prefetch  # noqa: E402
 from lingc.kernels.linear import linear  # noqa: E402
 
 SHAPES = {"kda_qkvfbg": (10256, 1536), "o_proj": (1536, 2048), "mla_q_a_kv_a_g": (848, 1536)}
-GAPS_US = (0.0, 2.0, 4.0, 6.0, 8.0)
+GAPS_US = (0.0, 4.0, 8.0)
 CLOCK_GHZ = 1.98     # torch.cuda._sleep counts SM cycles
 
 

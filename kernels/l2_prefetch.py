@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_wait
+from lingc.kernels.pdl import pdl_launch_next, pdl_supported
 from lingc.ops.prefetch import clip
 
 THREADS = 128      # threads a program (4 warps), one piece each
@@ -51,7 +51,7 @@ def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr,
                 "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                 "=r,l,r", [addr + j, size - j], dtype=tl.int32, is_pure=False, pack=1)
     if PDL:
-        pdl_wait()
+        tl.extra.cuda.gdc_wait()       # not pdl_wait: the dependents were let launch at entry already
 
 
 def chunk_bytes(nbytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> int:

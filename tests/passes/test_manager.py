@@ -102,9 +102,10 @@ def test_all_expands_to_every_registered_pass():
     assert opt_in == {"fuse_moe", "draft_vocab", "fuse_norm_router"}
     assert set(order) == set(PASSES) - opt_in and len(order) == len(PASSES) - len(opt_in)
     with_opt_in = names(resolve(["all", "fuse_moe", "draft_vocab", "fuse_norm_router"], PASSES))
-    assert set(with_opt_in) == set(PASSES) and with_opt_in[-1] == "pdl"
+    assert set(with_opt_in) == set(PASSES) and with_opt_in[-2:] == ["pdl", "prefetch_weights"]
     assert {"partition", "fuse_swiglu", "bf16_router", "pdl"} <= set(PASSES)
-    assert order[:2] == ["specialize_greedy", "partition"] and order[-1] == "pdl"   # copy, split, ..., schedule last
+    # copy, split, ..., schedule, then the L2 hints around the scheduled launches
+    assert order[:2] == ["specialize_greedy", "partition"] and order[-2:] == ["pdl", "prefetch_weights"]
     for i, name in enumerate(order):                                # every declared constraint holds
         assert all(order.index(a) < i for a in (*PASSES[name].after, *PASSES[name].requires) if a in order), name
     assert names(resolve(["pdl", "all"], PASSES)) == order

@@ -1,0 +1,67 @@
+"""kernels/l2_prefetch.py: the hint kernel's sm_90 code compiled offline (a hint has no CPU result to compare).
+
+Under PDL the trigger comes first, then the prefetches, then the wait (so the kernel's completion still implies its
+predecessor's); without PDL there is no GDC instruction. The bulk path issues one cp.async.bulk.prefetch.L2 a thread,
+the line path one prefetch.global.L2 a 128 B line. The launcher does nothing off CUDA. Whether the prefetch pays is
+measured on the H200 (bench/kernel_l2_prefetch.py, bench/device_step.py's A/B)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lingc.kernels import l2_prefetch as P
+
+_PROBE = r"""
+import sys, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from lingc.kernels.l2_prefetch import _l2_prefetch_kernel
+chunk, bulk, pdl = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+src = ASTSource(_l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "THREADS": "constexpr",
+                                      "BULK": "constexpr", "PDL": "constexpr"},
+                {"CHUNK": chunk, "THREADS": 128, "BULK": bulk, "PDL": pdl})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
+lines = [l.strip() for l in ptx.splitlines() if not l.strip().startswith("//")]
+find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s) or (" " + s) in l]
+print(find("griddepcontrol.launch_dependents"), find("cp.async.bulk.prefetch.L2.global"),
+      find("prefetch.global.L2"), find("griddepcontrol.wait"), sep="|")
+"""
+
+
+def _compile(chunk: int, bulk: bool, pdl: bool) -> tuple[list[int], ...]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(chunk), "1" if bulk else "0", "1" if pdl else "0"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tuple(eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "stream-ordered"])
+def test_bulk_prefetch_between_the_trigger_and_the_wait(pdl: bool) -> None:
+    trigger, bulk, line, wait = _compile(944, True, pdl)
+    assert len(bulk) == 1 and not line
+    if pdl:
+        assert len(trigger) == 1 and len(wait) == 1 and trigger[0] < bulk[0] < wait[0]
+    else:
+        assert not trigger and not wait
+
+
+def test_line_prefetch_one_a_line() -> None:
+    trigger, bulk, line, wait = _compile(1024, False, True)
+    assert not bulk and len(line) == 1024 // P.LINE and trigger[0] < min(line) and max(line) < wait[0]
+
+
+@pytest.mark.parametrize("nbytes", [1, 16, 31_506_432, 482_869_248])
+def test_chunks_cover_the_range_in_aligned_pieces(nbytes: int) -> None:
+    chunk = P.chunk_bytes(nbytes)
+    assert chunk % P.ALIGN == 0 and chunk * P.PROGRAMS * P.THREADS >= nbytes
+
+
+def test_launcher_is_a_no_op_off_cuda() -> None:
+    w = torch.randn(64, 64)
+    assert P.l2_prefetch(w) is None and P.LOWERINGS["l2_prefetch"](w, 0, -1) is None

@@ -1,0 +1,141 @@
+"""prefetch_weights: l2_prefetch hints after each streaming launch, ahead of the big projection that follows.
+
+On test-tiny after partition and every pass of `all` (prefetch_weights runs last, after pdl), with the pass's byte
+thresholds scaled down to test-tiny's KB weights (at Ling-3.0-tiny's sizes the defaults pick the KDA / MLA
+projections, o_proj, the MLA dense and the lm_head): where each hint sits and what it names, its PDL annotation,
+launch counts, the reference backend bit-exact and greedy NEXTN == plain decoding with the hints, the IR lint and
+fx's dead-code elimination keeping the result-less op, the JSON round trip, the tp pass sharding around it, and the
+ENABLED switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lingc.passes.prefetch_weights as PW
+from lingc.ir.serialize import graph_from_json, graph_to_json
+from lingc.ops import OPS
+from lingc.ops.prefetch import clip
+from lingc.passes.manager import CompileResult, PassManager
+from lingc.passes.matchers import calls, is_free
+from lingc.passes.pdl import SOLO_META
+from lingc.passes.tp import run_tp_stage
+from lingc.program import Program
+from pass_support import assert_reference_exact, count, greedy_tokens, launches, only   # tests/passes is on sys.path
+
+GRAPHS = ("decode", "verify", "draft", "extend")
+SMALL = {"TARGET_MIN_BYTES": 16 << 10, "WINDOW_MIN_BYTES": 8 << 10, "MAX_BYTES": 32 << 10}
+
+
+@pytest.fixture(scope="module")
+def programs(tiny_partitioned: Program):
+    before = PassManager(["all"]).run(tiny_partitioned).program
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in SMALL.items():
+            mp.setattr(PW, key, value)
+        result = PassManager(["all"]).run(tiny_partitioned)
+    record = next(r for r in result.records if r.name == "prefetch_weights")
+    return before, result.program, record
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """The scaled-down thresholds for the checks that call the pass's helpers."""
+    for key, value in SMALL.items():
+        monkeypatch.setattr(PW, key, value)
+
+
+def _launches_before(node):
+    prev = node.prev
+    while prev.op != "root" and (prev.op != "call_function" or is_free(prev)):
+        prev = prev.prev
+    return prev
+
+
+def test_default_thresholds_insert_nothing_on_test_tiny(programs):
+    """test-tiny's weights are KB: at the Ling-sized defaults the pass has no target, so `all` is unchanged."""
+    before, _, _ = programs
+    assert all(count(before, g, "l2_prefetch") == 0 for g in before.graphs)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_hints_sit_after_a_stream_before_their_target(programs, graph, small):
+    before, after, record = programs
+    hints = calls(after.graphs[graph], "l2_prefetch")
+    rows = [r for r in record.details["prefetches"] if r["graph"] == graph]
+    assert hints and len(hints) == len(rows)
+    assert launches(after, graph) == launches(before, graph) + len(hints)
+    names = {n.name: n for n in after.graphs[graph].nodes}
+    for hint, row in zip(hints, rows):
+        weight, start, nbytes = hint.args
+        assert weight.op == "get_attr" and weight.target == row["weight"] and start == 0
+        size = PW._bytes(weight)
+        assert size >= SMALL["TARGET_MIN_BYTES"]
+        assert nbytes == (-1 if size <= SMALL["MAX_BYTES"] else SMALL["MAX_BYTES"])
+        stream = _launches_before(hint)
+        assert stream.name == row["after"] and PW._streams(stream)
+        target = names[row["before"]]
+        assert PW._weight(target) is weight
+        between = []               # the launches from the hint to its target: none streams, at least one runs
+        node = hint.next
+        while node is not target:
+            if node.op == "call_function" and not is_free(node) and node.target is not OPS.l2_prefetch:
+                between.append(node)
+            node = node.next
+        assert between and not any(PW._streams(n) for n in between)
+        assert hint.meta["lingc.pdl"] == SOLO_META
+        assert hint.meta.get("lingc.scope") == target.meta.get("lingc.scope")
+
+
+def test_record(programs):
+    _, after, record = programs
+    assert not record.changes_numerics and record.details["enabled"]
+    assert record.matches == len(record.details["prefetches"]) == sum(
+        count(after, g, "l2_prefetch") for g in after.graphs)
+
+
+def test_reference_exact_and_greedy_parity(programs):
+    before, after, _ = programs
+    assert_reference_exact(before, after, ("decode", "verify", "draft"))
+    assert greedy_tokens(after, "nextn") == greedy_tokens(before, "nextn") == greedy_tokens(after, "none")
+
+
+def test_kept_by_dead_code_elimination_and_json(programs):
+    _, after, _ = programs
+    graph = after.copy().graphs["decode"]
+    n = len(calls(graph, "l2_prefetch"))
+    graph.eliminate_dead_code()
+    assert len(calls(graph, "l2_prefetch")) == n > 0
+    loaded = graph_from_json(graph_to_json(after.graphs["decode"]), "decode")
+    assert [(x.name, x.target) for x in loaded.nodes] == [(x.name, x.target) for x in after.graphs["decode"].nodes]
+
+
+def test_tp_shards_around_the_hints(programs):
+    _, after, _ = programs
+    result = CompileResult(only(after, ("decode",)))
+    run_tp_stage(result, 2)
+    hints = calls(result.program.graphs["decode"], "l2_prefetch")
+    assert len(hints) == count(after, "decode", "l2_prefetch")
+    for hint in hints:                 # each still names a weight of the (sharded) program
+        assert hint.args[0].target in result.program.weights
+
+
+def test_disabled_inserts_nothing(tiny_partitioned, small, monkeypatch):
+    monkeypatch.setattr(PW, "ENABLED", False)
+    result = PassManager(["all"]).run(only(tiny_partitioned, ("decode",)))
+    record = next(r for r in result.records if r.name == "prefetch_weights")
+    assert record.matches == 0 and count(result.program, "decode", "l2_prefetch") == 0
+
+
+@pytest.mark.parametrize("total, start, nbytes, want", [
+    (1000, 0, -1, (0, 1000)), (1000, 100, 200, (100, 200)), (1000, 900, 500, (900, 100)),
+    (1000, 2000, 10, (1000, 0)), (1000, -5, -1, (0, 1000)),
+])
+def test_clip(total, start, nbytes, want):
+    """The op's range is clipped to the tensor (a tp shard is smaller than the weight the pass saw)."""
+    assert clip(total, start, nbytes) == want
+
+
+def test_reference_op_is_a_no_op():
+    w = torch.randn(4, 8)
+    assert OPS.l2_prefetch(w, 0, -1) is None
