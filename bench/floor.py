@@ -8,7 +8,7 @@ arguments, and counts what each must read or write at least once:
                the embedding table only the rows looked up
     kda_state  the recurrent state read (and written back, or staged per chain position), conv windows
     mla_cache  the latent rows each MLA attention reads (positions <= the query's), once per call
-Activations (KB at batch 1) are left out. floor_ms = bytes / measured HBM bandwidth.
+Activations (KB at batch 1) are left out, and hint ops (l2_prefetch: a weight counted where it is read). floor_ms = bytes / measured HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lingc.ops.registry import HINTS
 from lingc.runtime.executor import Executor, Launch
 
 MOE_OPS = ("moe_up", "moe_up_act", "moe_down")
@@ -41,6 +42,8 @@ def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Cou
     """Bytes by category that one launch must move, from its actual arguments (see the module docstring)."""
     counts: Counter = Counter()
     op = _op(launch)
+    if op in HINTS:                      # l2_prefetch: a hint; its weight is counted where the weight is read
+        return counts
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if op == "moe_fused":                                                   # w13 and w2 of the chosen experts
         w13, w2, block_expert, total, block_m = args[1], args[2], args[5], args[6], args[8]

@@ -1,7 +1,7 @@
 """Does an L2 prefetch issued before an HBM-idle gap shorten the skinny linear that follows it? (kernels/l2_prefetch.py)
 
-Per call, in one CUDA graph over cold weight copies:  [l2_prefetch(W_i)] -> sleep(gap) -> linear(x, W_i)
-against the same without the prefetch and the sleep alone; reports the linear's share (time - sleep alone) per gap,
+Per call, in one CUDA graph over cold weight copies:  [l2_prefetch(W_i) on a side stream, as the runtime launches
+it] || sleep(gap) -> linear(x, W_i), against the same without the prefetch and the sleep alone; reports the linear's share (time - sleep alone) per gap,
 bulk (cp.async.bulk.prefetch) and per-line (prefetch.global.L2) prefetches, whole weight and its first half, and
 the linear on a warm (L2-resident) weight for scale.
 
@@ -25,7 +25,7 @@ from lingc.kernels.l2_prefetch import l2_prefetch  # noqa: E402
 from lingc.kernels.linear import linear  # noqa: E402
 
 SHAPES = {"kda_qkvfbg": (10256, 1536), "o_proj": (1536, 2048), "mla_q_a_kv_a_g": (848, 1536)}
-GAPS_US = (0.0, 4.0, 8.0)
+GAPS_US = (0.0, 2.0, 4.0, 8.0)
 CLOCK_GHZ = 1.98     # torch.cuda._sleep counts SM cycles
 
 
@@ -46,6 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
+    side = torch.cuda.Stream(dev)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         copies = cold_copies(n * k * 2)
@@ -68,10 +69,15 @@ def main() -> None:
                         "bulk_half": dict(bulk=True, nbytes=n * k)}
             for label, kw in variants.items():
                 def call(w, kw=kw):
-                    if kw is not None:
-                        l2_prefetch(w, **kw)
+                    if kw is not None:         # as the runtime launches a hint: a side stream, forked here
+                        main = torch.cuda.current_stream()
+                        side.wait_stream(main)
+                        with torch.cuda.stream(side):
+                            l2_prefetch(w, **kw)
                     sleep()
                     linear(x, w, out=out)
+                    if kw is not None:
+                        torch.cuda.current_stream().wait_stream(side)
                 t = graph_time_us([lambda w=w: call(w) for w in ws])
                 row[f"{label}_us"] = t
                 row[f"{label}_linear_share_us"] = t - t_sleep

@@ -12,10 +12,11 @@ Kernel: grid (P,), THREADS threads a program, one contiguous CHUNK-byte piece a 
     not BULK: prefetch.global.L2 [addr + j * 128] for each 128 B line of the piece
 It is a hint: nothing waits for it and nothing reads its result, so a prefetch that L2 drops costs only bandwidth.
 
-PDL: the launch triggers its dependents at entry (the next kernel may launch at once), issues the prefetches (they
-read only the weight), then waits (`gdc_wait`) before exiting, so that its completion still implies its
-predecessor's: a kernel after it that waits on it sees everything the kernels before it wrote. Without PDL the
-prefetches are issued stream-ordered. The interpreter and CPU tensors run nothing (a hint has no CPU meaning).
+How it runs in a step: the runtime launches it on a side stream that forks after the launches before it and joins at
+the graph's end (runtime/executor.py), never PDL-launched: a grid that issued prefetches stays alive until they land
+(on the H200 its time was the prefetch's transfer time), so on the chain's stream it would hold up the next launch's
+wait. PDL (a launcher option, for probes): trigger at entry, prefetch, then gdc_wait, so that the grid's completion
+still implies its predecessor's. The interpreter and CPU tensors run nothing (a hint has no CPU meaning).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Lowering resolves every node once to (implementation, argument slots): with backend "reference" every
 lingc op runs its torch reference; with backend "triton" a lingc op runs its Triton launcher where
 lingc.kernels.lowering has one (the rest, and aten view ops, run themselves). Nodes the `pdl` pass annotated
-launch with pdl=True when PDL is on. Running walks the list; nothing is looked up, allocated by the host or
+launch with pdl=True when PDL is on; a hint op's kernel (l2_prefetch) runs on a side stream that forks after the
+launches before it and joins at the graph's end, so no launch waits for it. Running walks the list; nothing is looked up, allocated by the host or
 read back on the way, so `runtime.graphs` can capture a run as a CUDA graph. Inputs are persistent buffers (`Buffers`): state pools, relay buffers, staging,
 slots and page table are shared by every graph by name; host-fed inputs (input_ids, positions, ...)
 get one buffer per graph. The same code runs eagerly on CPU and is what the GPU path captures.
@@ -18,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from lingc.ops import op_name
+from lingc.ops.registry import HINTS
 from lingc.program import Program
 
 SHARED_ROLES = ("state:", "relay:", "staging:", "slots", "page_table")
@@ -50,6 +52,7 @@ class Launch:
     kwargs: dict
     out: int              # env index of the result
     label: str = ""       # "triton:<op>" or the op's name
+    side: bool = False    # a hint op's kernel (lingc.ops.registry HINTS): launched on the side stream (Executor.run)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,10 @@ def lower(program: Program, name: str, backend: str = "reference", pdl: bool = F
                 kwargs = {**kwargs, "pdl": True}
             if label.startswith("triton:") and node.meta.get("lingc.launch"):
                 kwargs = {**kwargs, **launch_hints(node)}           # kernel-only hints (docs/ir.md)
-            launches.append(Launch(fn, fx.node.map_arg(node.args, ref), kwargs, index[node], label))
+            side = label.startswith("triton:") and label.removeprefix("triton:") in HINTS
+            if side:                             # off the chain: nothing waits for it, it waits for nothing
+                kwargs = {k: v for k, v in kwargs.items() if k != "pdl"}
+            launches.append(Launch(fn, fx.node.map_arg(node.args, ref), kwargs, index[node], label, side))
     return Lowered(name, inputs, weights, launches, len(index), output)
 
 
@@ -174,6 +180,7 @@ class Executor:
         self.weights = {k: v.to(self.device) for k, v in program.weights.items()}
         self.buffers = Buffers.allocate(program, self.device)
         self.lowered = {name: lower(program, name, backend, pdl) for name in program.graphs}
+        self._side: torch.cuda.Stream | None = None     # hint kernels' stream, made on first use (_side_stream)
 
     def kernel_counts(self, name: str) -> dict[str, int]:
         """How many launches of graph `name` run each implementation ("triton:<op>" or the op name)."""
@@ -198,9 +205,25 @@ class Executor:
             env[i] = self.buffers.tensors[key]
         for i, w in low.weights:
             env[i] = self.weights[w]
+        side = None
         for launch in low.launches:
             args, kwargs = _resolve(launch.args, env), _resolve(launch.kwargs, env)
-            env[launch.out] = launch.fn(*args, **kwargs)
+            if launch.side and self.device.type == "cuda":
+                side = side or self._side_stream()
+                side.wait_stream(torch.cuda.current_stream(self.device))     # after everything launched so far
+                with torch.cuda.stream(side):
+                    env[launch.out] = launch.fn(*args, **kwargs)
+            else:
+                env[launch.out] = launch.fn(*args, **kwargs)
             if observe is not None:
                 observe(launch, args, kwargs, env[launch.out])
+        if side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side)        # joined at the end (a graph must join)
         return _resolve(low.output, env)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream hint kernels run on (l2_prefetch): the launches after a hint do not wait for it, so a hint that
+        takes as long as its prefetch lands never holds up the chain; it starts once everything before it is done."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side

@@ -2,10 +2,10 @@
 
 On test-tiny after partition and every pass of `all` (prefetch_weights runs last, after pdl), with the pass's byte
 thresholds scaled down to test-tiny's KB weights (at Ling-3.0-tiny's sizes the defaults pick the KDA / MLA
-projections, o_proj, the MLA dense and the lm_head): where each hint sits and what it names, its PDL annotation,
+projections, o_proj, the MLA dense and the lm_head): where each hint sits and what it names (no PDL annotation),
 launch counts, the reference backend bit-exact and greedy NEXTN == plain decoding with the hints, the IR lint and
 fx's dead-code elimination keeping the result-less op, the JSON round trip, the tp pass sharding around it, and the
-ENABLED switch."""
+ENABLED switch, and the executor lowering the hint as a side-stream launch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from lingc.ops import OPS
 from lingc.ops.prefetch import clip
 from lingc.passes.manager import CompileResult, PassManager
 from lingc.passes.matchers import calls, is_free
-from lingc.passes.pdl import SOLO_META
 from lingc.passes.tp import run_tp_stage
 from lingc.program import Program
 from pass_support import assert_reference_exact, count, greedy_tokens, launches, only   # tests/passes is on sys.path
@@ -83,7 +82,7 @@ def test_hints_sit_after_a_stream_before_their_target(programs, graph, small):
                 between.append(node)
             node = node.next
         assert between and not any(PW._streams(n) for n in between)
-        assert hint.meta["lingc.pdl"] == SOLO_META
+        assert "lingc.pdl" not in hint.meta          # the runtime launches it off the chain (a side stream)
         assert hint.meta.get("lingc.scope") == target.meta.get("lingc.scope")
 
 
@@ -134,6 +133,18 @@ def test_disabled_inserts_nothing(tiny_partitioned, small, monkeypatch):
 def test_clip(total, start, nbytes, want):
     """The op's range is clipped to the tensor (a tp shard is smaller than the weight the pass saw)."""
     assert clip(total, start, nbytes) == want
+
+
+def test_lowered_as_a_side_launch_without_pdl(programs):
+    """The triton backend lowers the hint to a side-stream launch (runtime/executor.py), never PDL-launched; on CPU
+    the executor runs it inline (a no-op there)."""
+    from lingc.runtime.executor import lower
+
+    _, after, _ = programs
+    low = lower(after, "decode", backend="triton", pdl=True)
+    hints = [x for x in low.launches if x.label == "triton:l2_prefetch"]
+    assert hints and all(x.side and "pdl" not in x.kwargs for x in hints)
+    assert not any(x.side for x in low.launches if x.label != "triton:l2_prefetch")
 
 
 def test_reference_op_is_a_no_op():
