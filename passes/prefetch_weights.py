@@ -23,7 +23,17 @@ After:
     L2_attention_fused_qkvfbg_l2_prefetch = lingc.l2_prefetch(w_L2_attention_fused_qkvfbg_weight, 0, -1)
     L2_input_layernorm_combine_add_rmsnorm = ...
 
-A scheduling hint: numerics unchanged (the op computes nothing).
+A scheduling hint: numerics unchanged (the op computes nothing). Opt-in: `--passes all,prefetch_weights` or
+LINGC_PREFETCH_WEIGHTS=1.
+
+Measured on the H200 (2026-12-05), only in a first form where the hint was PDL-chained on the step's stream (trigger
+at entry, prefetch, wait): greedy decode 1.1767 / 1.1756 ms with the hints against 1.1275 / 1.1357 without, greedy
+verify 2.1784 / 2.1794 against 2.1256 / 2.1275 (bench/results/step-ab-prefetch-pdl-h200-20261205.json). The probe
+(kernel-l2-prefetch-serial-h200-20261205.json) says why: a grid that issued prefetches lives until they land (its time
+is about the transfer's), so the next launch's wait waited for it; after it the 31.5 MB KDA projection ran warm (7.6
+against 10.6 us cold). Hence the side stream, which is not measured yet (no GPU was lent for it): bench/
+kernel_l2_prefetch.py and the A/B `bench/device_step.py --only all --variant base: --variant
+'pf:lingc.passes.prefetch_weights.PrefetchWeights.in_all=True' --variant base2: --variant pf2:...` will say.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from lingc.passes.base import Pass
 from lingc.passes.matchers import is_free
 from lingc.program import Program
 
-ENABLED = os.environ.get("LINGC_PREFETCH_WEIGHTS", "1") == "1"   # off: the pass inserts nothing (bench A/B)
+ENABLED = True                 # False: the pass inserts nothing (a bench A/B switch)
 TARGET_MIN_BYTES = 2 << 20     # prefetch weights of at least this size (KDA / MLA projections, o_proj, dense, lm_head)
 WINDOW_MIN_BYTES = 1 << 20     # a linear-family launch over this much weight opens a window (it streams)
 MAX_BYTES = 32 << 20           # at most this much of one weight (the lm_head's first rows: its first wave's tiles)
@@ -125,6 +135,9 @@ class PrefetchWeights(Pass):
              "fuse_norm_linear", "fuse_combine_norm", "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe",
              "draft_vocab", "fuse_norm_router", "pdl")
     changes_numerics = False
+    # opt-in (`--passes all,prefetch_weights` or LINGC_PREFETCH_WEIGHTS=1) until the side-stream form is measured on
+    # the H200: the PDL-chained form measured slower (module docstring)
+    in_all = os.environ.get("LINGC_PREFETCH_WEIGHTS", "0") == "1"
 
     def apply(self, program: Program) -> dict[str, Any]:
         inserted: list[dict[str, Any]] = []

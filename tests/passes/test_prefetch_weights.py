@@ -1,6 +1,6 @@
 """prefetch_weights: l2_prefetch hints after each streaming launch, ahead of the big projection that follows.
 
-On test-tiny after partition and every pass of `all` (prefetch_weights runs last, after pdl), with the pass's byte
+On test-tiny after partition and every pass of `all` plus this opt-in one (it runs last, after pdl), with the pass's byte
 thresholds scaled down to test-tiny's KB weights (at Ling-3.0-tiny's sizes the defaults pick the KDA / MLA
 projections, o_proj, the MLA dense and the lm_head): where each hint sits and what it names (no PDL annotation),
 launch counts, the reference backend bit-exact and greedy NEXTN == plain decoding with the hints, the IR lint and
@@ -32,7 +32,7 @@ def programs(tiny_partitioned: Program):
     with pytest.MonkeyPatch.context() as mp:
         for key, value in SMALL.items():
             mp.setattr(PW, key, value)
-        result = PassManager(["all"]).run(tiny_partitioned)
+        result = PassManager(["all", "prefetch_weights"]).run(tiny_partitioned)
     record = next(r for r in result.records if r.name == "prefetch_weights")
     return before, result.program, record
 
@@ -51,10 +51,12 @@ def _launches_before(node):
     return prev
 
 
-def test_default_thresholds_insert_nothing_on_test_tiny(programs):
-    """test-tiny's weights are KB: at the Ling-sized defaults the pass has no target, so `all` is unchanged."""
+def test_opt_in_and_default_thresholds(tiny_partitioned, programs):
+    """Not in `all`; named, at the Ling-sized defaults it has no target in test-tiny's KB weights."""
     before, _, _ = programs
-    assert all(count(before, g, "l2_prefetch") == 0 for g in before.graphs)
+    assert not PW.PrefetchWeights.in_all and all(count(before, g, "l2_prefetch") == 0 for g in before.graphs)
+    result = PassManager(["all", "prefetch_weights"]).run(only(tiny_partitioned, ("decode",)))
+    assert count(result.program, "decode", "l2_prefetch") == 0
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -121,7 +123,7 @@ def test_tp_shards_around_the_hints(programs):
 
 def test_disabled_inserts_nothing(tiny_partitioned, small, monkeypatch):
     monkeypatch.setattr(PW, "ENABLED", False)
-    result = PassManager(["all"]).run(only(tiny_partitioned, ("decode",)))
+    result = PassManager(["all", "prefetch_weights"]).run(only(tiny_partitioned, ("decode",)))
     record = next(r for r in result.records if r.name == "prefetch_weights")
     assert record.matches == 0 and count(result.program, "decode", "l2_prefetch") == 0
 
