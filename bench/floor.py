@@ -8,7 +8,8 @@ arguments, and counts what each must read or write at least once:
                the embedding table only the rows looked up
     kda_state  the recurrent state read (and written back, or staged per chain position), conv windows
     mla_cache  the latent rows each MLA attention reads (positions <= the query's), once per call
-Activations (KB at batch 1) are left out, and hint ops (l2_prefetch: a weight counted where it is read). floor_ms = bytes / measured HBM bandwidth.
+Activations (KB at batch 1) are left out, and so are hint ops (l2_prefetch: its weight counts where it is read).
+floor_ms = bytes / measured HBM bandwidth.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Does an L2 prefetch issued before an HBM-idle gap shorten the skinny linear that follows it? (kernels/l2_prefetch.py)
 
 Per call, in one CUDA graph over cold weight copies:  [l2_prefetch(W_i) on a side stream, as the runtime launches
-it] || sleep(gap) -> linear(x, W_i), against the same without the prefetch and the sleep alone; reports the linear's share (time - sleep alone) per gap,
-bulk (cp.async.bulk.prefetch) and per-line (prefetch.global.L2) prefetches, whole weight and its first half, and
-the linear on a warm (L2-resident) weight for scale.
+it] || sleep(gap) -> linear(x, W_i), against the same without the prefetch and the sleep alone. Reports the linear's
+share (time - sleep alone) per gap for bulk (cp.async.bulk.prefetch) and per-line (prefetch.global.L2) prefetches of
+the whole weight and of its first half, and the linear on a warm (L2-resident) weight for scale.
 
     python3 bench/kernel_l2_prefetch.py --json bench/results/kernel-l2-prefetch-h200-DATE.json
 """

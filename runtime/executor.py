@@ -4,10 +4,11 @@ Lowering resolves every node once to (implementation, argument slots): with back
 lingc op runs its torch reference; with backend "triton" a lingc op runs its Triton launcher where
 lingc.kernels.lowering has one (the rest, and aten view ops, run themselves). Nodes the `pdl` pass annotated
 launch with pdl=True when PDL is on; a hint op's kernel (l2_prefetch) runs on a side stream that forks after the
-launches before it and joins at the graph's end, so no launch waits for it. Running walks the list; nothing is looked up, allocated by the host or
-read back on the way, so `runtime.graphs` can capture a run as a CUDA graph. Inputs are persistent buffers (`Buffers`): state pools, relay buffers, staging,
-slots and page table are shared by every graph by name; host-fed inputs (input_ids, positions, ...)
-get one buffer per graph. The same code runs eagerly on CPU and is what the GPU path captures.
+launches before it and joins at the graph's end, so no launch waits for it. Running walks the list; nothing is
+looked up, allocated by the host or read back on the way, so `runtime.graphs` can capture a run as a CUDA graph.
+Inputs are persistent buffers (`Buffers`): state pools, relay buffers, staging, slots and page table are shared by
+every graph by name; host-fed inputs (input_ids, positions, ...) get one buffer per graph. The same code runs
+eagerly on CPU and is what the GPU path captures.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """prefetch_weights: l2_prefetch hints after each streaming launch, ahead of the big projection that follows.
 
-On test-tiny after partition and every pass of `all` plus this opt-in one (it runs last, after pdl), with the pass's byte
-thresholds scaled down to test-tiny's KB weights (at Ling-3.0-tiny's sizes the defaults pick the KDA / MLA
+On test-tiny after partition and every pass of `all` plus this opt-in one (it runs last, after pdl), with the pass's
+byte thresholds scaled down to test-tiny's KB weights (at Ling-3.0-tiny's sizes the defaults pick the KDA / MLA
 projections, o_proj, the MLA dense and the lm_head): where each hint sits and what it names (no PDL annotation),
 launch counts, the reference backend bit-exact and greedy NEXTN == plain decoding with the hints, the IR lint and
-fx's dead-code elimination keeping the result-less op, the JSON round trip, the tp pass sharding around it, and the
+fx's dead-code elimination keeping the result-less op, the JSON round trip, the tp pass sharding around it, the
 ENABLED switch, and the executor lowering the hint as a side-stream launch."""
 
 from __future__ import annotations
