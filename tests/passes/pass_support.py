@@ -38,3 +38,9 @@ def greedy_tokens(program: Program, spec: str, n: int = 10) -> list[int]:
     from lingc.runtime.engine import Engine, Request
 
     return Engine(program, "cpu", spec).generate(Request([11, 22, 33], n, ignore_eos=True)).tokens
+
+
+def assert_greedy_nextn_equals_plain(program: Program, n: int = 10) -> None:
+    """NEXTN speculation gives plain decoding's n greedy tokens on the CPU engine (the pass tests' parity gate)."""
+    tokens = {spec: greedy_tokens(program, spec, n) for spec in ("nextn", "none")}
+    assert len(tokens["none"]) == n and tokens["nextn"] == tokens["none"]

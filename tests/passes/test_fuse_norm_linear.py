@@ -30,8 +30,8 @@ from lingc.passes.manager import CompileResult, PassManager, resolve
 from lingc.passes.pdl import Pdl
 from lingc.passes.verify import compare_stages
 from lingc.program import Program
-from lingc.runtime.engine import Engine, Request
-from pass_support import assert_reference_exact, count, only   # tests/passes is on sys.path
+from pass_support import (  # tests/passes is on sys.path
+    assert_greedy_nextn_equals_plain, assert_reference_exact, count, only)
 
 # per graph: (rmsnorm_linear, add_rmsnorm_linear, want_normed). A target forward: L0's input norm and the q_a norms
 # of 3 MLA layers (4 rmsnorm_linear), every add_rmsnorm (12: the final norm's feeds the lm_head); the kv_a norms
@@ -148,9 +148,7 @@ def test_reference_backend_is_bit_exact_bf16_after_every_pass(bf16_all):
 
 def test_greedy_nextn_equals_plain_with_every_pass(bf16_all):
     _, after = bf16_all
-    tokens = {spec: Engine(after, "cpu", spec).generate(Request([11, 22, 33], 12, ignore_eos=True)).tokens
-              for spec in ("nextn", "none")}
-    assert len(tokens["none"]) == 12 and tokens["nextn"] == tokens["none"]
+    assert_greedy_nextn_equals_plain(after, 12)
 
 
 # ---- pdl, manager, artifact, CLI -------------------------------------------------------------------------
