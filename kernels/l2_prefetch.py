@@ -21,6 +21,8 @@ still implies its predecessor's. The interpreter and CPU tensors run nothing (a 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,25 +34,41 @@ THREADS = 128      # threads a program (4 warps), one piece each
 PROGRAMS = 132     # programs (one an SM on the H200)
 LINE = 128         # L2 line bytes (the non-bulk path's step)
 ALIGN = 16         # cp.async.bulk.prefetch wants 16 B aligned addresses and sizes
+# the prefetched lines' L2 eviction priority: False normal (default), True evict_last (createpolicy + .L2::cache_hint;
+# prefetch.global.L2::evict_last on the per-line path), so the lines outlive the weight streams between the hint and
+# the weight's reader. A bench A/B knob (LINGC_PREFETCH_EVICT_LAST=1); not measured on a GPU yet
+EVICT_LAST = os.environ.get("LINGC_PREFETCH_EVICT_LAST", "0") == "1"
 
 
 @triton.jit
 def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr, BULK: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, EVICT_LAST: tl.constexpr = False):
     if PDL:
         pdl_launch_next()
     piece = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK       # [THREADS] byte offsets
     size = tl.minimum(nbytes - piece, CHUNK).to(tl.int32)                                     # <= 0 past the end
     addr = ptr + piece
     if BULK:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+        if EVICT_LAST:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
+                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
     else:
         for j in tl.static_range(0, CHUNK, 128):
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [addr + j, size - j], dtype=tl.int32, is_pure=False, pack=1)
+            if EVICT_LAST:
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+                    "=r,l,r", [addr + j, size - j], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                    "=r,l,r", [addr + j, size - j], dtype=tl.int32, is_pure=False, pack=1)
     if PDL:
         tl.extra.cuda.gdc_wait()       # not pdl_wait: the dependents were let launch at entry already
 
@@ -62,9 +80,10 @@ def chunk_bytes(nbytes: int, programs: int = PROGRAMS, threads: int = THREADS) -
 
 
 def l2_prefetch(weight: torch.Tensor, start: int = 0, nbytes: int = -1, *, pdl: bool = False,
-                bulk: bool = True, programs: int = PROGRAMS) -> None:
+                bulk: bool = True, programs: int = PROGRAMS, evict_last: bool | None = None) -> None:
     """Ask L2 for bytes [start, start + nbytes) of weight's storage (contiguous), clipped to it (nbytes -1: to the
-    end; lingc/ops/prefetch.py `clip`). A no-op off CUDA and under the interpreter."""
+    end; lingc/ops/prefetch.py `clip`). evict_last None: the module's EVICT_LAST. A no-op off CUDA and under the
+    interpreter."""
     if weight.device.type != "cuda" or triton.knobs.runtime.interpret:
         return
     if not weight.is_contiguous():
@@ -78,7 +97,8 @@ def l2_prefetch(weight: torch.Tensor, start: int = 0, nbytes: int = -1, *, pdl: 
     grid = (min(programs, -(-nbytes // (chunk * THREADS))),)
     launch = {"launch_pdl": True} if pdl and pdl_supported(weight.device) else {}
     _l2_prefetch_kernel[grid](raw, nbytes, CHUNK=chunk, THREADS=THREADS, BULK=bulk and raw.data_ptr() % ALIGN == 0,
-                              PDL=bool(launch), num_warps=THREADS // 32, **launch)
+                              PDL=bool(launch), EVICT_LAST=EVICT_LAST if evict_last is None else evict_last,
+                              num_warps=THREADS // 32, **launch)
 
 
 def _lower(weight: torch.Tensor, start: int, nbytes: int, *, pdl: bool = False) -> None:

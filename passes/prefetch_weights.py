@@ -31,9 +31,13 @@ at entry, prefetch, wait): greedy decode 1.1767 / 1.1756 ms with the hints again
 verify 2.1784 / 2.1794 against 2.1256 / 2.1275 (bench/results/step-ab-prefetch-pdl-h200-20261205.json). The probe
 (kernel-l2-prefetch-serial-h200-20261205.json) says why: a grid that issued prefetches lives until they land (its time
 is about the transfer's), so the next launch's wait waited for it; after it the 31.5 MB KDA projection ran warm (7.6
-against 10.6 us cold). Hence the side stream, which is not measured yet (no GPU was lent for it): bench/
-kernel_l2_prefetch.py and the A/B `bench/device_step.py --only all --variant base: --variant
-'pf:lingc.passes.prefetch_weights.PrefetchWeights.in_all=True' --variant base2: --variant pf2:...` will say.
+against 10.6 us cold). Hence the side stream, which is not measured yet (no GPU was lent for it):
+bench/device_prefetch_ab.sh runs the probe, the A/B/A/B of the `all` row with and without the hints (and with the two
+knobs below), and the greedy parity with them, in one device call.
+
+Knobs for that A/B: ANCHOR_SKIP (the hint follows the ANCHOR_SKIP-th nearest streaming launch: 2 moves the KDA
+projection's hint from after the previous layer's down-GEMM to after its up-GEMM, more idle time to fill but the
+down-GEMM's stream between) and kernels/l2_prefetch.py's EVICT_LAST (the prefetched lines at evict_last priority).
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ ENABLED = True                 # False: the pass inserts nothing (a bench A/B sw
 TARGET_MIN_BYTES = 2 << 20     # prefetch weights of at least this size (KDA / MLA projections, o_proj, dense, lm_head)
 WINDOW_MIN_BYTES = 1 << 20     # a linear-family launch over this much weight opens a window (it streams)
 MAX_BYTES = 32 << 20           # at most this much of one weight (the lm_head's first rows: its first wave's tiles)
+# which earlier streaming launch the hint follows: 1 the nearest (default), 2 the one before it (the KDA projection's
+# hint then follows the previous layer's up-GEMM and lands over its down-GEMM and combine), ... A bench A/B knob:
+# an earlier hint overlaps more idle time but its lines must survive the streams in between in the 50 MB L2
+ANCHOR_SKIP = 1
 # linear-family ops and the positional index of their weight
 WEIGHT_ARG = {"linear": 1, "rmsnorm_linear": 3, "add_rmsnorm_linear": 4, "gated_rmsnorm_linear": 4}
 STREAMS = ("moe_up", "moe_up_act", "moe_up_act_pairs", "moe_down", "moe_down_pairs", "moe_fused")
@@ -90,13 +98,18 @@ def _streams(node: fx.Node) -> bool:
     return w is not None and _bytes(w) >= WINDOW_MIN_BYTES
 
 
-def _window_start(node: fx.Node) -> fx.Node | None:
-    """The nearest launch before `node` that streams a weight, with at least one launch between the two."""
-    prev, between = node.prev, 0
+def _window_start(node: fx.Node, skip: int = 1) -> fx.Node | None:
+    """The skip-th nearest launch before `node` that streams a weight (skip 1: the nearest), with at least one launch
+    between the nearest and `node`; None where there is no such launch."""
+    prev, between, seen = node.prev, 0, 0
     while prev.op != "root":
         if prev.op == "call_function" and not is_free(prev):
             if _streams(prev):
-                return prev if between else None
+                if not between:
+                    return None
+                seen += 1
+                if seen == skip:
+                    return prev
             between += 1
         prev = prev.prev
     return None
@@ -111,7 +124,7 @@ def insert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
         w = _weight(node)
         if w is None or _bytes(w) < TARGET_MIN_BYTES:
             continue
-        start = _window_start(node)
+        start = _window_start(node, ANCHOR_SKIP)
         if start is None:
             continue
         plans.append((node, w, start))
@@ -141,7 +154,9 @@ class PrefetchWeights(Pass):
 
     def apply(self, program: Program) -> dict[str, Any]:
         inserted: list[dict[str, Any]] = []
+        if not isinstance(ANCHOR_SKIP, int) or ANCHOR_SKIP < 1:
+            raise ValueError(f"prefetch_weights: ANCHOR_SKIP must be an integer of at least 1, got {ANCHOR_SKIP!r}")
         if ENABLED:
             for gname, graph in program.graphs.items():
                 inserted += [{"graph": gname, **row} for row in insert_prefetches(graph)]
-        return {"matches": len(inserted), "enabled": ENABLED, "prefetches": inserted}
+        return {"matches": len(inserted), "enabled": ENABLED, "anchor_skip": ANCHOR_SKIP, "prefetches": inserted}

@@ -21,21 +21,25 @@ import sys, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from lingc.kernels.l2_prefetch import _l2_prefetch_kernel
-chunk, bulk, pdl = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+chunk, bulk, pdl, last = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4] == "1"
 src = ASTSource(_l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "THREADS": "constexpr",
-                                      "BULK": "constexpr", "PDL": "constexpr"},
-                {"CHUNK": chunk, "THREADS": 128, "BULK": bulk, "PDL": pdl})
+                                      "BULK": "constexpr", "PDL": "constexpr", "EVICT_LAST": "constexpr"},
+                {"CHUNK": chunk, "THREADS": 128, "BULK": bulk, "PDL": pdl, "EVICT_LAST": last})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
 lines = [l.strip() for l in ptx.splitlines() if not l.strip().startswith("//")]
 find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s) or (" " + s) in l]
 print(find("griddepcontrol.launch_dependents"), find("cp.async.bulk.prefetch.L2.global"),
-      find("prefetch.global.L2"), find("griddepcontrol.wait"), sep="|")
+      find("prefetch.global.L2"), find("griddepcontrol.wait"), find("createpolicy.fractional.L2::evict_last"),
+      find("cp.async.bulk.prefetch.L2.global.L2::cache_hint"), find("prefetch.global.L2::evict_last"), sep="|")
 """
 
 
-def _compile(chunk: int, bulk: bool, pdl: bool) -> tuple[list[int], ...]:
+def _compile(chunk: int, bulk: bool, pdl: bool, evict_last: bool = False) -> tuple[list[int], ...]:
+    """PTX line numbers of: trigger, bulk prefetch, line prefetch, wait, createpolicy, bulk with a policy, line
+    prefetch with evict_last (triton.compile runs ptxas too, so the inline PTX is checked for sm_90)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(chunk), "1" if bulk else "0", "1" if pdl else "0"],
+    flags = ["1" if flag else "0" for flag in (bulk, pdl, evict_last)]
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(chunk), *flags],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tuple(eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
@@ -43,8 +47,8 @@ def _compile(chunk: int, bulk: bool, pdl: bool) -> tuple[list[int], ...]:
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "stream-ordered"])
 def test_bulk_prefetch_between_the_trigger_and_the_wait(pdl: bool) -> None:
-    trigger, bulk, line, wait = _compile(944, True, pdl)
-    assert len(bulk) == 1 and not line
+    trigger, bulk, line, wait, policy, hinted, _ = _compile(944, True, pdl)
+    assert len(bulk) == 1 and not line and not policy and not hinted
     if pdl:
         assert len(trigger) == 1 and len(wait) == 1 and trigger[0] < bulk[0] < wait[0]
     else:
@@ -52,8 +56,17 @@ def test_bulk_prefetch_between_the_trigger_and_the_wait(pdl: bool) -> None:
 
 
 def test_line_prefetch_one_a_line() -> None:
-    trigger, bulk, line, wait = _compile(1024, False, True)
-    assert not bulk and len(line) == 1024 // P.LINE and trigger[0] < min(line) and max(line) < wait[0]
+    trigger, bulk, line, wait, _, _, last = _compile(1024, False, True)
+    assert not bulk and len(line) == 1024 // P.LINE and trigger[0] < min(line) and max(line) < wait[0] and not last
+
+
+def test_evict_last_puts_the_policy_on_every_prefetch() -> None:
+    """EVICT_LAST: the bulk prefetch carries an evict_last createpolicy (.L2::cache_hint), the line path
+    prefetch.global.L2::evict_last on every line; ptxas accepts both for sm_90."""
+    _, bulk, line, _, policy, hinted, last = _compile(944, True, False, True)
+    assert len(bulk) == len(hinted) == len(policy) == 1 and not line      # one inline-asm block, one PTX line
+    _, bulk, line, _, policy, hinted, last = _compile(1024, False, False, True)
+    assert not bulk and len(last) == len(line) == 1024 // P.LINE and not policy
 
 
 @pytest.mark.parametrize("nbytes", [1, 16, 31_506_432, 482_869_248])

@@ -128,6 +128,45 @@ def test_disabled_inserts_nothing(tiny_partitioned, small, monkeypatch):
     assert record.matches == 0 and count(result.program, "decode", "l2_prefetch") == 0
 
 
+def _stream_launches_between(first, last):
+    """The streaming launches strictly between two nodes of a graph (hints not counted)."""
+    found, node = [], first.next
+    while node is not last:
+        launch = node.op == "call_function" and not is_free(node) and node.target is not OPS.l2_prefetch
+        if launch and PW._streams(node):
+            found.append(node)
+        node = node.next
+    return found
+
+
+def test_anchor_skip_moves_each_hint_one_stream_earlier(tiny_partitioned, small, monkeypatch):
+    """ANCHOR_SKIP 2: every hint follows the second-nearest streaming launch before its target, so exactly one
+    streaming launch (the default's anchor) runs between the hint and the target; a target with a single stream
+    before it gets none. Values unchanged."""
+    program = only(tiny_partitioned, ("decode",))
+    nearest = PassManager(["all", "prefetch_weights"]).run(program)
+    monkeypatch.setattr(PW, "ANCHOR_SKIP", 2)
+    earlier = PassManager(["all", "prefetch_weights"]).run(program)
+    rows = {r["before"]: r for r in next(r for r in earlier.records if r.name == "prefetch_weights").details[
+        "prefetches"]}
+    base = {r["before"]: r for r in next(r for r in nearest.records if r.name == "prefetch_weights").details[
+        "prefetches"]}
+    assert rows and set(rows) <= set(base) and all(r["after"] != base[t]["after"] for t, r in rows.items())
+    graph = earlier.program.graphs["decode"]
+    names = {n.name: n for n in graph.nodes}
+    for target, row in rows.items():
+        hint = names[row["node"]]
+        assert _launches_before(hint).name == row["after"]
+        assert [n.name for n in _stream_launches_between(hint, names[target])] == [base[target]["after"]]
+    assert_reference_exact(nearest.program, earlier.program, ("decode",))
+
+
+def test_anchor_skip_below_one_is_an_error(tiny_partitioned, small, monkeypatch):
+    monkeypatch.setattr(PW, "ANCHOR_SKIP", 0)
+    with pytest.raises(ValueError, match="ANCHOR_SKIP must be an integer of at least 1, got 0"):
+        PassManager(["all", "prefetch_weights"]).run(only(tiny_partitioned, ("decode",)))
+
+
 @pytest.mark.parametrize("total, start, nbytes, want", [
     (1000, 0, -1, (0, 1000)), (1000, 100, 200, (100, 200)), (1000, 900, 500, (900, 100)),
     (1000, 2000, 10, (1000, 0)), (1000, -5, -1, (0, 1000)),
