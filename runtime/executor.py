@@ -181,7 +181,9 @@ class Executor:
         self.weights = {k: v.to(self.device) for k, v in program.weights.items()}
         self.buffers = Buffers.allocate(program, self.device)
         self.lowered = {name: lower(program, name, backend, pdl) for name in program.graphs}
-        self._side: torch.cuda.Stream | None = None     # hint kernels' stream, made on first use (_side_stream)
+        self._side: torch.cuda.Stream | None = None     # hint kernels' stream (_side_stream)
+        if self.device.type == "cuda" and any(x.side for low in self.lowered.values() for x in low.launches):
+            self._side_stream()      # made here, never first inside a CUDA-graph capture
 
     def kernel_counts(self, name: str) -> dict[str, int]:
         """How many launches of graph `name` run each implementation ("triton:<op>" or the op name)."""
