@@ -12,6 +12,10 @@ Kernel: grid (P,), THREADS threads a program, one contiguous CHUNK-byte piece a 
     not BULK: prefetch.global.L2 [addr + j * 128] for each 128 B line of the piece
 It is a hint: nothing waits for it and nothing reads its result, so a prefetch that L2 drops costs only bandwidth.
 
+l2_prefetch_experts (a router's picks, read on the device): the same grid over the ids' NP x PIECES pieces, piece i
+the bytes [p * CHUNK, min((p + 1) * CHUNK, nbytes)) of expert ids[i // PIECES] (p = i % PIECES), CHUNK about one
+16 B-rounded piece a thread, so a piece never spans two experts; one bulk prefetch a thread a step, never PDL.
+
 How it runs in a step: the runtime launches it on a side stream that forks after the launches before it and joins at
 the graph's end (runtime/executor.py), never PDL-launched: a grid that issued prefetches stays alive until they land
 (on the H200 its time was the prefetch's transfer time), so on the chain's stream it would hold up the next launch's
@@ -101,8 +105,71 @@ def l2_prefetch(weight: torch.Tensor, start: int = 0, nbytes: int = -1, *, pdl: 
                               num_warps=THREADS // 32, **launch)
 
 
+@triton.jit
+def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, NP, E, expert_bytes, nbytes, CHUNK: tl.constexpr,
+                                PIECES: tl.constexpr, THREADS: tl.constexpr, ITERS: tl.constexpr,
+                                EVICT_LAST: tl.constexpr = False):
+    """Piece i of the NP * PIECES: id j = i // PIECES, bytes [p * CHUNK, min((p + 1) * CHUNK, nbytes)) of expert
+    ids[j] (p = i % PIECES), one cp.async.bulk.prefetch.L2 a thread a step; an id outside [0, E) prefetches nothing."""
+    first = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64)
+    for it in tl.static_range(ITERS):
+        i = first + it * tl.num_programs(0) * THREADS
+        live = i < NP * PIECES
+        j = i // PIECES
+        e = tl.load(ids_ptr + j, mask=live, other=-1).to(tl.int64)
+        off = (i % PIECES) * CHUNK
+        ok = live & (e >= 0) & (e < E)
+        size = tl.where(ok, tl.minimum(nbytes - off, CHUNK), 0).to(tl.int32)
+        addr = w_ptr + tl.where(ok, e * expert_bytes + off, 0)
+        if EVICT_LAST:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
+                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def expert_pieces(pairs: int, nbytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> tuple[int, int]:
+    """(CHUNK, PIECES) for `pairs` ids of `nbytes` each: about one ALIGN-rounded piece a thread, PIECES * CHUNK >=
+    nbytes (a piece never spans two experts)."""
+    chunk = chunk_bytes(pairs * nbytes, programs, threads)
+    return chunk, -(-nbytes // chunk)
+
+
+def l2_prefetch_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int = -1, *,
+                        programs: int = PROGRAMS, evict_last: bool | None = None) -> None:
+    """Ask L2 for the first nbytes (-1: all) of weight[e] for each id e in ids (int, on weight's device; ids outside
+    [0, E) are skipped, repeated ids prefetched again). A no-op off CUDA, under the interpreter, and where weight's
+    storage or expert stride is not 16 B aligned (cp.async.bulk.prefetch's rule; a hint may do nothing)."""
+    if weight.device.type != "cuda" or triton.knobs.runtime.interpret or ids.numel() == 0:
+        return
+    if not weight.is_contiguous() or ids.device != weight.device or ids.is_floating_point():
+        raise ValueError(f"l2_prefetch_experts: want a contiguous weight and integer ids on its device, got "
+                         f"{list(weight.shape)} contiguous={weight.is_contiguous()}, ids {ids.dtype} on {ids.device}")
+    expert_bytes = weight.stride(0) * weight.element_size()
+    _, nbytes = clip(expert_bytes, 0, nbytes)
+    nbytes -= nbytes % ALIGN
+    if nbytes <= 0 or expert_bytes % ALIGN or weight.data_ptr() % ALIGN:
+        return
+    pairs = ids.numel()
+    chunk, pieces = expert_pieces(pairs, nbytes, programs)
+    grid = (min(programs, -(-pairs * pieces // THREADS)),)
+    _l2_prefetch_experts_kernel[grid](
+        weight.reshape(-1).view(torch.uint8), ids.reshape(-1), pairs, weight.shape[0], expert_bytes, nbytes,
+        CHUNK=chunk, PIECES=pieces, THREADS=THREADS, ITERS=-(-pairs * pieces // (grid[0] * THREADS)),
+        EVICT_LAST=EVICT_LAST if evict_last is None else evict_last, num_warps=THREADS // 32)
+
+
 def _lower(weight: torch.Tensor, start: int, nbytes: int, *, pdl: bool = False) -> None:
     l2_prefetch(weight, start, nbytes, pdl=pdl)
 
 
-LOWERINGS = {"l2_prefetch": _lower}
+def _lower_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int, *, pdl: bool = False) -> None:
+    l2_prefetch_experts(weight, ids, nbytes)            # a side-stream hint: never PDL-launched
+
+
+LOWERINGS = {"l2_prefetch": _lower, "l2_prefetch_experts": _lower_experts}

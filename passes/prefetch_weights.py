@@ -38,11 +38,23 @@ knobs below), and the greedy parity with them, in one device call.
 Knobs for that A/B: ANCHOR_SKIP (the hint follows the ANCHOR_SKIP-th nearest streaming launch: 2 moves the KDA
 projection's hint from after the previous layer's down-GEMM to after its up-GEMM, more idle time to fill but the
 down-GEMM's stream between) and kernels/l2_prefetch.py's EVICT_LAST (the prefetched lines at evict_last priority).
+
+The routed experts (EXPERTS, EXPERT_W2; off): their weights are known only once the router has run, so their hint
+reads the router's ids on the device and goes right after them, where the side stream forks as the up-GEMM starts:
+
+    ids = router_align(...)[1]                                   # a getitem made if nothing read it
+    lingc.l2_prefetch_experts(w13, ids, -1)                      # EXPERT_W2: then (w2, ids, -1)
+    up = lingc.moe_up_act(x, w13, sorted_pairs, ...)
+
+It gains nothing from idle time before the GEMM; the bet is that 132 programs asking for all the picked experts'
+bytes at once fill the HBM's queue faster than the GEMM's pipelined loads do (the decode up-GEMM streams 28 MB at
+2.4 TB/s, 11.9 us against 6.7 at the floor).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import Any
 
@@ -60,7 +72,17 @@ MAX_BYTES = 32 << 20           # at most this much of one weight (the lm_head's 
 # which earlier streaming launch the hint follows: 1 the nearest (default), 2 the one before it (the KDA projection's
 # hint then follows the previous layer's up-GEMM and lands over its down-GEMM and combine), ... A bench A/B knob:
 # an earlier hint overlaps more idle time but its lines must survive the streams in between in the 50 MB L2
-ANCHOR_SKIP = 1
+ANCHOR_SKIP: Any = os.environ.get("LINGC_PREFETCH_ANCHOR_SKIP", "1")
+ANCHOR_SKIP = int(ANCHOR_SKIP) if ANCHOR_SKIP.strip().isdigit() else ANCHOR_SKIP    # else apply() names the bad value
+WEIGHTS = True                 # the projections' hints above (False: only the experts', for an A/B)
+# the routed experts' hints: right after each up-GEMM's router (its launch done), l2_prefetch_experts(w13, ids, -1)
+# asks L2 for the picked experts' w13 from 132 programs at once, beside the up-GEMM's own pipelined loads; EXPERT_W2
+# adds their w2 (the down-GEMM's) after it on the side stream. Bench A/B knobs, off: not measured on a GPU yet
+# (LINGC_PREFETCH_EXPERTS=1, LINGC_PREFETCH_EXPERT_W2=1 turn them on)
+EXPERTS = os.environ.get("LINGC_PREFETCH_EXPERTS", "0") == "1"
+EXPERT_W2 = os.environ.get("LINGC_PREFETCH_EXPERT_W2", "0") == "1"
+UP_GEMMS = ("moe_up", "moe_up_act", "moe_up_act_pairs")
+DOWN_GEMMS = ("moe_down", "moe_down_pairs")
 # linear-family ops and the positional index of their weight
 WEIGHT_ARG = {"linear": 1, "rmsnorm_linear": 3, "add_rmsnorm_linear": 4, "gated_rmsnorm_linear": 4}
 STREAMS = ("moe_up", "moe_up_act", "moe_up_act_pairs", "moe_down", "moe_down_pairs", "moe_fused")
@@ -140,6 +162,62 @@ def insert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
     return added
 
 
+def _expert_ids(graph: fx.Graph, up: fx.Node) -> fx.Node | None:
+    """The router's expert ids [N, k] an up-GEMM's pairs come from: moe_up_act_pairs' own argument; for the aligned
+    GEMMs the ids that moe_align read, or output 1 of router_align (3 of add_rmsnorm_router), the getitem made here
+    if nothing read it yet. None for another source."""
+    if up.target is OPS.moe_up_act_pairs:
+        return up.args[2]
+    pairs = up.args[2]
+    if not isinstance(pairs, fx.Node) or pairs.target is not operator.getitem:
+        return None
+    src, index = pairs.args
+    if src.target is OPS.moe_align:
+        return src.args[0]
+    if src.target not in (OPS.router_align, OPS.add_rmsnorm_router):
+        return None
+    ids = next((u for u in src.users if u.target is operator.getitem and u.args[1] == index - 1), None)
+    if ids is None:
+        with graph.inserting_after(src):
+            ids = graph.call_function(operator.getitem, (src, index - 1))
+        ids.meta.update({k: src.meta[k] for k in KEEP_META if k in src.meta})
+        ids.name = graph._graph_namespace.create_name(f"{src.name}_ids", None)
+    return ids
+
+
+def _down_of(up: fx.Node) -> fx.Node | None:
+    """The down-GEMM reading an up-GEMM's activation (moe_up's through its silu_and_mul)."""
+    act = up
+    if up.target is OPS.moe_up:
+        act = next((u for u in up.users if u.target is OPS.silu_and_mul), None)
+        if act is None:
+            return None
+    return next((u for u in act.users if any(u.target is OPS[d] for d in DOWN_GEMMS) and u.args[0] is act), None)
+
+
+def insert_expert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
+    """Insert l2_prefetch_experts(w13, ids, -1) for each up-GEMM right after the node holding its router's ids (and,
+    with EXPERT_W2, the down-GEMM's w2 after it); returns what it inserted."""
+    added = []
+    for up in [n for n in graph.nodes if n.op == "call_function" and any(n.target is OPS[u] for u in UP_GEMMS)]:
+        w13 = up.args[1]
+        ids = _expert_ids(graph, up)
+        if ids is None or not isinstance(w13, fx.Node) or w13.op != "get_attr":
+            continue
+        down = _down_of(up) if EXPERT_W2 else None
+        weights = [w13] + ([down.args[1]] if down is not None and isinstance(down.args[1], fx.Node) else [])
+        anchor = ids               # right after the router's ids: before the launches pdl moved in (a shared expert)
+        for w in weights:
+            with graph.inserting_after(anchor):
+                hint = graph.call_function(OPS.l2_prefetch_experts, (w, ids, -1))
+            hint.name = graph._graph_namespace.create_name(f"{up.name}_{w.target.rsplit('.', 1)[-1]}_l2_prefetch",
+                                                           None)
+            hint.meta.update({k: up.meta[k] for k in KEEP_META if k in up.meta})
+            added.append({"node": hint.name, "weight": w.target, "ids": ids.name, "before": up.name})
+            anchor = hint
+    return added
+
+
 class PrefetchWeights(Pass):
     name = "prefetch_weights"
     summary = "l2_prefetch hints: a big projection's weight streams into L2 while the kernels before it idle the HBM"
@@ -155,8 +233,15 @@ class PrefetchWeights(Pass):
     def apply(self, program: Program) -> dict[str, Any]:
         inserted: list[dict[str, Any]] = []
         if not isinstance(ANCHOR_SKIP, int) or ANCHOR_SKIP < 1:
-            raise ValueError(f"prefetch_weights: ANCHOR_SKIP must be an integer of at least 1, got {ANCHOR_SKIP!r}")
+            raise ValueError(f"prefetch_weights: ANCHOR_SKIP (LINGC_PREFETCH_ANCHOR_SKIP) must be an integer of at "
+                             f"least 1, got {ANCHOR_SKIP!r}")
+        experts: list[dict[str, Any]] = []
         if ENABLED:
             for gname, graph in program.graphs.items():
-                inserted += [{"graph": gname, **row} for row in insert_prefetches(graph)]
-        return {"matches": len(inserted), "enabled": ENABLED, "anchor_skip": ANCHOR_SKIP, "prefetches": inserted}
+                if WEIGHTS:
+                    inserted += [{"graph": gname, **row} for row in insert_prefetches(graph)]
+                if EXPERTS:
+                    experts += [{"graph": gname, **row} for row in insert_expert_prefetches(graph)]
+        return {"matches": len(inserted) + len(experts), "enabled": ENABLED, "anchor_skip": ANCHOR_SKIP,
+                "weights": WEIGHTS, "experts": EXPERTS, "expert_w2": EXPERT_W2, "prefetches": inserted,
+                "expert_prefetches": experts}

@@ -31,6 +31,8 @@ Graph rewrites (per graph; counts for test-tiny decode: 6 layers -> 12 all_reduc
     After fuse_shared_expert the shared expert is pair k of every token (expert E, weight 1.0): one rank per
     layer (layer % N, spreading the layers' shared experts over the ranks) computes it whole as its local expert
     E/N, the others drop that pair like any other rank's; ep_combine then has no shared_out.
+    prefetch_weights' l2_prefetch_experts hints (opt-in EXPERTS) name global expert ids: they are dropped first
+    (`dropped_expert_hints`); its l2_prefetch hints stay and clip to the rank's shard of their weight.
 
     logits = lingc.linear(x, w_lm_head)          # [B, T, V / N]
  -> logits = lingc.all_gather(lingc.linear(x, w_lm_head), -1, N)      # [B, T, V]: sampling sees every id
@@ -404,9 +406,13 @@ class TensorParallel(Pass):
         all_gather: dict[str, int] = {}
         ep_layers: list[str] = []
         views: dict[str, int] = {}
+        dropped_hints = 0
         for gname, graph in program.graphs.items():
             # 1. MoE -> expert parallel (fuse_moe's, fuse_combine_norm's and fuse_norm_router's ops are split back
             # first: the rewrite needs the separate combine and router)
+            for hint in calls(graph, "l2_prefetch_experts"):   # global expert ids: a rank holds a slice of them
+                graph.erase_node(hint)
+                dropped_hints += 1
             for fused in calls(graph, "moe_fused"):
                 unfuse(graph, fused)
             for fused in calls(graph, "combine_add_rmsnorm"):
@@ -479,7 +485,7 @@ class TensorParallel(Pass):
             rules[spec["rule"]] = rules.get(spec["rule"], 0) + 1
         return {"matches": sum(all_reduce.values()) + sum(all_gather.values()) + len(ep_layers), "tp": tp,
                 "all_reduce": all_reduce, "all_gather": all_gather, "ep_layers": ep_layers,
-                "weight_rules": rules, "views_resized": views}
+                "weight_rules": rules, "views_resized": views, "dropped_expert_hints": dropped_hints}
 
 
 # ---- N ranks in one process -------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""l2_prefetch: a scheduling hint op, asking L2 for a byte range of a weight ahead of the kernel that reads it.
+"""l2_prefetch, l2_prefetch_experts: scheduling hint ops, asking L2 for weight bytes ahead of the kernel reading them.
 
     l2_prefetch(weight, start, nbytes) -> None
+    l2_prefetch_experts(weight [E, ...], ids int [...], nbytes) -> None   the first nbytes of weight[e], e in ids
 
 Reads nothing, writes nothing, returns nothing: the reference (and every backend without a kernel for it) does
 nothing, so a graph computes the same values with or without it. The prefetch_weights pass places it; the GPU kernel
 is kernels/l2_prefetch.py. `start` / `nbytes` are bytes of weight's storage; the range is clipped to the tensor
-(nbytes -1: to its end), so a later pass that shards the weight (tp) leaves a valid hint.
+(nbytes -1: to its end), so a later pass that shards the weight (tp) leaves a valid hint. l2_prefetch_experts reads
+its expert ids on the device (the router's picks); the tp pass drops it (a rank's experts are a slice of the ids).
 """
 
 from __future__ import annotations
@@ -34,3 +36,18 @@ def clip(total: int, start: int, nbytes: int) -> tuple[int, int]:
     start = min(max(start, 0), total)
     end = total if nbytes < 0 else min(total, start + nbytes)
     return start, end - start
+
+
+@torch.library.custom_op("lingc::l2_prefetch_experts", mutates_args=())
+def l2_prefetch_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int) -> None:
+    """A hint: ask L2 for the first nbytes (-1: all) of weight[e] for every expert id e in ids (a router's picks,
+    known only on the device); ids outside [0, weight.shape[0]) are skipped. Nothing to compute here."""
+    return None
+
+
+@l2_prefetch_experts.register_fake
+def _(weight, ids, nbytes):
+    return None
+
+
+register("l2_prefetch_experts", hint=True)

@@ -78,3 +78,49 @@ def test_chunks_cover_the_range_in_aligned_pieces(nbytes: int) -> None:
 def test_launcher_is_a_no_op_off_cuda() -> None:
     w = torch.randn(64, 64)
     assert P.l2_prefetch(w) is None and P.LOWERINGS["l2_prefetch"](w, 0, -1) is None
+
+
+_PROBE_EXPERTS = r"""
+import sys, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from lingc.kernels.l2_prefetch import _l2_prefetch_experts_kernel, expert_pieces
+pairs, nbytes, iters, last = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+chunk, pieces = expert_pieces(pairs, nbytes)
+sig = {"w_ptr": "*u8", "ids_ptr": "*i32", "NP": "i32", "E": "i32", "expert_bytes": "i64", "nbytes": "i64",
+       "CHUNK": "constexpr", "PIECES": "constexpr", "THREADS": "constexpr", "ITERS": "constexpr",
+       "EVICT_LAST": "constexpr"}
+src = ASTSource(_l2_prefetch_experts_kernel, sig, {"CHUNK": chunk, "PIECES": pieces, "THREADS": 128, "ITERS": iters,
+                                                    "EVICT_LAST": last})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
+lines = [l.strip() for l in ptx.splitlines() if not l.strip().startswith("//")]
+count = lambda s: sum(s in l for l in lines)
+print(count("cp.async.bulk.prefetch.L2.global"), count("L2::cache_hint"), count("createpolicy"), count("st.global"),
+      count("griddepcontrol"), sep="|")
+"""
+
+
+@pytest.mark.parametrize("iters, last", [(1, False), (2, False), (1, True)])
+def test_expert_prefetch_one_bulk_prefetch_a_step(iters: int, last: bool) -> None:
+    """l2_prefetch_experts' kernel: ITERS bulk prefetches a thread (evict_last: each with its policy), no store, no
+    GDC instruction (a side-stream hint, never PDL-launched); ptxas accepts it for sm_90."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE_EXPERTS, "9", str(3 << 20), str(iters), "1" if last else "0"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bulk, hinted, policy, stores, gdc = (int(x) for x in proc.stdout.strip().splitlines()[-1].split("|"))
+    assert bulk == iters and stores == 0 and gdc == 0
+    assert (hinted, policy) == ((iters, iters) if last else (0, 0))
+
+
+@pytest.mark.parametrize("pairs, nbytes", [(9, 3 << 20), (54, 3 << 20), (9, 1_572_864), (1, 16), (64, 160)])
+def test_expert_pieces_cover_each_expert_in_aligned_pieces(pairs: int, nbytes: int) -> None:
+    chunk, pieces = P.expert_pieces(pairs, nbytes)
+    assert chunk % P.ALIGN == 0 and pieces * chunk >= nbytes > (pieces - 1) * chunk
+    assert pairs * pieces <= 2 * P.PROGRAMS * P.THREADS or pieces == 1
+
+
+def test_expert_launcher_is_a_no_op_off_cuda() -> None:
+    w = torch.randn(4, 8, 16)
+    ids = torch.tensor([[0, 3]], dtype=torch.int32)
+    assert P.l2_prefetch_experts(w, ids) is None and P.LOWERINGS["l2_prefetch_experts"](w, ids, -1) is None

@@ -9,6 +9,8 @@ ENABLED switch, and the executor lowering the hint as a side-stream launch."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -163,7 +165,8 @@ def test_anchor_skip_moves_each_hint_one_stream_earlier(tiny_partitioned, small,
 
 def test_anchor_skip_below_one_is_an_error(tiny_partitioned, small, monkeypatch):
     monkeypatch.setattr(PW, "ANCHOR_SKIP", 0)
-    with pytest.raises(ValueError, match="ANCHOR_SKIP must be an integer of at least 1, got 0"):
+    with pytest.raises(ValueError, match=r"ANCHOR_SKIP \(LINGC_PREFETCH_ANCHOR_SKIP\) must be an integer of at least "
+                                         r"1, got 0"):
         PassManager(["all", "prefetch_weights"]).run(only(tiny_partitioned, ("decode",)))
 
 
@@ -191,3 +194,109 @@ def test_lowered_as_a_side_launch_without_pdl(programs):
 def test_reference_op_is_a_no_op():
     w = torch.randn(4, 8)
     assert OPS.l2_prefetch(w, 0, -1) is None
+
+
+# ---- the routed experts' hints (EXPERTS / EXPERT_W2, bench A/B knobs; off by default) ------------------------------
+
+UPS = ("moe_up", "moe_up_act", "moe_up_act_pairs")
+
+
+@pytest.fixture(scope="module")
+def expert_programs(tiny_partitioned: Program):
+    """`all` + prefetch_weights with only the experts' hints (w13 and w2)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PW, "WEIGHTS", False)
+        mp.setattr(PW, "EXPERTS", True)
+        mp.setattr(PW, "EXPERT_W2", True)
+        result = PassManager(["all", "prefetch_weights"]).run(tiny_partitioned)
+    before = PassManager(["all"]).run(tiny_partitioned).program
+    record = next(r for r in result.records if r.name == "prefetch_weights")
+    return before, result.program, record
+
+
+def _ups(graph):
+    return [n for n in graph.nodes if n.op == "call_function" and any(n.target is OPS[u] for u in UPS)]
+
+
+def _between(first, last):
+    node, found = first.next, []
+    while node is not last:
+        found.append(node)
+        node = node.next
+    return found
+
+
+def test_expert_hints_off_by_default(programs):
+    _, after, record = programs
+    assert not PW.EXPERTS and not record.details["experts"] and not record.details["expert_prefetches"]
+    assert all(count(after, g, "l2_prefetch_experts") == 0 for g in after.graphs)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_expert_hints_sit_right_before_each_up_gemm(expert_programs, graph):
+    """w13's then w2's hint right after every up-GEMM's router launch (before launches pdl moved in between, e.g.
+    test-tiny's unfused shared experts); each names its up-GEMM's and down-GEMM's weights and the router's ids (the
+    pair grid's own ids argument, else router_align's output 1)."""
+    before, after, record = expert_programs
+    g = after.graphs[graph]
+    ups = _ups(g)
+    hints = calls(g, "l2_prefetch_experts")
+    assert ups and len(hints) == 2 * len(ups) and count(after, graph, "l2_prefetch") == 0
+    assert launches(after, graph) == launches(before, graph) + len(hints)
+    rows = [r for r in record.details["expert_prefetches"] if r["graph"] == graph]
+    assert len(rows) == len(hints)
+    names = {n.name: n for n in g.nodes}
+    for up in ups:
+        w13_hint, w2_hint = (names[r["node"]] for r in rows if r["before"] == up.name)
+        router = _launches_before(w13_hint)
+        assert _launches_before(w2_hint) is w13_hint and not any(n in _ups(g) for n in _between(w2_hint, up))
+        assert w13_hint.target is w2_hint.target is OPS.l2_prefetch_experts
+        assert w13_hint.args[0] is up.args[1] and w13_hint.args[2] == w2_hint.args[2] == -1
+        down = next(u for u in up.users if u.target in (OPS.moe_down, OPS.moe_down_pairs))
+        assert w2_hint.args[0] is down.args[1] and w13_hint.args[1] is w2_hint.args[1]
+        ids = w13_hint.args[1]
+        if up.target is OPS.moe_up_act_pairs:
+            assert ids is up.args[2] and router.target is OPS.router_topk
+        else:
+            assert router.target is OPS.router_align
+            assert ids.target is operator.getitem and ids.args == (router, 1) and up.args[2].args == (router, 2)
+        assert "lingc.pdl" not in w13_hint.meta and w13_hint.meta.get("lingc.scope") == up.meta.get("lingc.scope")
+
+
+def test_expert_hints_keep_values_and_greedy_parity(expert_programs):
+    before, after, _ = expert_programs
+    assert_reference_exact(before, after, ("decode", "verify", "draft"))
+    assert greedy_tokens(after, "nextn") == greedy_tokens(before, "nextn") == greedy_tokens(after, "none")
+
+
+def test_expert_hints_lint_dce_json(expert_programs):
+    from lingc.ir.lint import lint
+
+    _, after, _ = expert_programs
+    lint(after)
+    graph = after.copy().graphs["verify"]
+    n = len(calls(graph, "l2_prefetch_experts"))
+    graph.eliminate_dead_code()
+    assert len(calls(graph, "l2_prefetch_experts")) == n > 0
+    loaded = graph_from_json(graph_to_json(after.graphs["decode"]), "decode")
+    assert [(x.name, x.target, x.args) for x in loaded.nodes if x.target is OPS.l2_prefetch_experts] != []
+    assert [x.name for x in loaded.nodes] == [x.name for x in after.graphs["decode"].nodes]
+
+
+def test_tp_drops_the_expert_hints(expert_programs):
+    """A rank holds a slice of the experts and the ids are global: the tp pass removes the hints and says so."""
+    _, after, _ = expert_programs
+    result = CompileResult(only(after, ("decode",)))
+    run_tp_stage(result, 2)
+    assert count(result.program, "decode", "l2_prefetch_experts") == 0
+    tp = next(r for r in result.records if r.name == "tp")
+    assert tp.details["dropped_expert_hints"] == count(after, "decode", "l2_prefetch_experts") > 0
+
+
+def test_expert_hints_lowered_as_side_launches(expert_programs):
+    from lingc.runtime.executor import lower
+
+    _, after, _ = expert_programs
+    low = lower(after, "verify", backend="triton", pdl=True)
+    hints = [x for x in low.launches if x.label == "triton:l2_prefetch_experts"]
+    assert hints and all(x.side and "pdl" not in x.kwargs for x in hints)
