@@ -42,6 +42,9 @@ ALIGN = 16         # cp.async.bulk.prefetch wants 16 B aligned addresses and siz
 # prefetch.global.L2::evict_last on the per-line path), so the lines outlive the weight streams between the hint and
 # the weight's reader. A bench A/B knob (LINGC_PREFETCH_EVICT_LAST=1); not measured on a GPU yet
 EVICT_LAST = os.environ.get("LINGC_PREFETCH_EVICT_LAST", "0") == "1"
+# l2_prefetch_experts skips an id that an earlier slot holds too (a verify chain's tokens share experts, and every
+# token holds the fused shared expert) where the ids are at most this many: a [THREADS, 64] compare a step
+DEDUPE_MAX_PAIRS = 64
 
 
 @triton.jit
@@ -108,10 +111,16 @@ def l2_prefetch(weight: torch.Tensor, start: int = 0, nbytes: int = -1, *, pdl: 
 @triton.jit
 def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, NP, E, expert_bytes, nbytes, CHUNK: tl.constexpr,
                                 PIECES: tl.constexpr, THREADS: tl.constexpr, ITERS: tl.constexpr,
-                                EVICT_LAST: tl.constexpr = False):
+                                EVICT_LAST: tl.constexpr = False, DEDUPE: tl.constexpr = False,
+                                NP_POW2: tl.constexpr = 1, rec_ptr=None, RECORD: tl.constexpr = False):
     """Piece i of the NP * PIECES: id j = i // PIECES, bytes [p * CHUNK, min((p + 1) * CHUNK, nbytes)) of expert
-    ids[j] (p = i % PIECES), one cp.async.bulk.prefetch.L2 a thread a step; an id outside [0, E) prefetches nothing."""
+    ids[j] (p = i % PIECES), one cp.async.bulk.prefetch.L2 a thread a step; an id outside [0, E) prefetches nothing,
+    nor (DEDUPE: NP <= NP_POW2, a [THREADS, NP_POW2] compare) an id that an earlier j holds too. RECORD (tests, the
+    interpreter): store each thread's (byte offset from w_ptr, size) at rec_ptr instead of prefetching."""
     first = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64)
+    if DEDUPE:
+        every = tl.arange(0, NP_POW2)
+        all_ids = tl.load(ids_ptr + every, mask=every < NP, other=-1).to(tl.int64)
     for it in tl.static_range(ITERS):
         i = first + it * tl.num_programs(0) * THREADS
         live = i < NP * PIECES
@@ -119,18 +128,25 @@ def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, NP, E, expert_bytes, nbytes, CHU
         e = tl.load(ids_ptr + j, mask=live, other=-1).to(tl.int64)
         off = (i % PIECES) * CHUNK
         ok = live & (e >= 0) & (e < E)
+        if DEDUPE:
+            seen = (all_ids[None, :] == e[:, None]) & (every[None, :] < j[:, None])          # [THREADS, NP_POW2]
+            ok = ok & (tl.sum(seen.to(tl.int32), axis=1) == 0)
         size = tl.where(ok, tl.minimum(nbytes - off, CHUNK), 0).to(tl.int32)
-        addr = w_ptr + tl.where(ok, e * expert_bytes + off, 0)
-        if EVICT_LAST:
+        rel = tl.where(ok, e * expert_bytes + off, 0)
+        if RECORD:
+            slot = i * 2                        # i: this step's piece index, one record a thread a step
+            tl.store(rec_ptr + slot, rel)
+            tl.store(rec_ptr + slot + 1, size.to(tl.int64))
+        elif EVICT_LAST:
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
                 "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
                 "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+                "=r,l,r", [w_ptr + rel, size], dtype=tl.int32, is_pure=False, pack=1)
         else:
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+                "=r,l,r", [w_ptr + rel, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def expert_pieces(pairs: int, nbytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> tuple[int, int]:
@@ -143,8 +159,9 @@ def expert_pieces(pairs: int, nbytes: int, programs: int = PROGRAMS, threads: in
 def l2_prefetch_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int = -1, *,
                         programs: int = PROGRAMS, evict_last: bool | None = None) -> None:
     """Ask L2 for the first nbytes (-1: all) of weight[e] for each id e in ids (int, on weight's device; ids outside
-    [0, E) are skipped, repeated ids prefetched again). A no-op off CUDA, under the interpreter, and where weight's
-    storage or expert stride is not 16 B aligned (cp.async.bulk.prefetch's rule; a hint may do nothing)."""
+    [0, E) are skipped, and so is a repeated id where there are at most DEDUPE_MAX_PAIRS). A no-op off CUDA, under the
+    interpreter, and where weight's storage or expert stride is not 16 B aligned (cp.async.bulk.prefetch's rule; a
+    hint may do nothing)."""
     if weight.device.type != "cuda" or triton.knobs.runtime.interpret or ids.numel() == 0:
         return
     if not weight.is_contiguous() or ids.device != weight.device or ids.is_floating_point():
@@ -161,7 +178,8 @@ def l2_prefetch_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int = -
     _l2_prefetch_experts_kernel[grid](
         weight.reshape(-1).view(torch.uint8), ids.reshape(-1), pairs, weight.shape[0], expert_bytes, nbytes,
         CHUNK=chunk, PIECES=pieces, THREADS=THREADS, ITERS=-(-pairs * pieces // (grid[0] * THREADS)),
-        EVICT_LAST=EVICT_LAST if evict_last is None else evict_last, num_warps=THREADS // 32)
+        EVICT_LAST=EVICT_LAST if evict_last is None else evict_last, DEDUPE=pairs <= DEDUPE_MAX_PAIRS,
+        NP_POW2=triton.next_power_of_2(pairs) if pairs <= DEDUPE_MAX_PAIRS else 1, num_warps=THREADS // 32)
 
 
 def _lower(weight: torch.Tensor, start: int, nbytes: int, *, pdl: bool = False) -> None:

@@ -81,6 +81,7 @@ WEIGHTS = True                 # the projections' hints above (False: only the e
 # (LINGC_PREFETCH_EXPERTS=1, LINGC_PREFETCH_EXPERT_W2=1 turn them on)
 EXPERTS = os.environ.get("LINGC_PREFETCH_EXPERTS", "0") == "1"
 EXPERT_W2 = os.environ.get("LINGC_PREFETCH_EXPERT_W2", "0") == "1"
+EXPERT_MAX_TOKENS = 16        # no experts' hint above this many tokens (prefill's picks cover most experts: no gain)
 UP_GEMMS = ("moe_up", "moe_up_act", "moe_up_act_pairs")
 DOWN_GEMMS = ("moe_down", "moe_down_pairs")
 # linear-family ops and the positional index of their weight
@@ -196,11 +197,14 @@ def _down_of(up: fx.Node) -> fx.Node | None:
 
 
 def insert_expert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
-    """Insert l2_prefetch_experts(w13, ids, -1) for each up-GEMM right after the node holding its router's ids (and,
-    with EXPERT_W2, the down-GEMM's w2 after it); returns what it inserted."""
+    """Insert l2_prefetch_experts(w13, ids, -1) for each up-GEMM of at most EXPERT_MAX_TOKENS tokens right after the
+    node holding its router's ids (and, with EXPERT_W2, the down-GEMM's w2 after it); returns what it inserted."""
     added = []
     for up in [n for n in graph.nodes if n.op == "call_function" and any(n.target is OPS[u] for u in UP_GEMMS)]:
         w13 = up.args[1]
+        x = up.args[0].meta.get("lingc.tensor") if isinstance(up.args[0], fx.Node) else None
+        if x is None or not x.shape or int(x.shape[0]) > EXPERT_MAX_TOKENS:
+            continue
         ids = _expert_ids(graph, up)
         if ids is None or not isinstance(w13, fx.Node) or w13.op != "get_attr":
             continue

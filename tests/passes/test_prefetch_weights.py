@@ -263,6 +263,15 @@ def test_expert_hints_sit_right_before_each_up_gemm(expert_programs, graph):
         assert "lingc.pdl" not in w13_hint.meta and w13_hint.meta.get("lingc.scope") == up.meta.get("lingc.scope")
 
 
+def test_expert_hints_skip_prefill(tiny_program):
+    """Prefill's up-GEMMs (32 tokens here) get no experts' hint: their picks cover most experts."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PW, "EXPERTS", True)
+        result = PassManager(["all", "prefetch_weights"]).run(only(tiny_program, ("prefill", "decode")))
+    assert _ups(result.program.graphs["prefill"]) and count(result.program, "prefill", "l2_prefetch_experts") == 0
+    assert count(result.program, "decode", "l2_prefetch_experts") == len(_ups(result.program.graphs["decode"])) > 0
+
+
 def test_expert_hints_keep_values_and_greedy_parity(expert_programs):
     before, after, _ = expert_programs
     assert_reference_exact(before, after, ("decode", "verify", "draft"))
