@@ -1,12 +1,17 @@
-"""kernels/l2_prefetch.py: the hint kernel's sm_90 code compiled offline (a hint has no CPU result to compare).
+"""kernels/l2_prefetch.py: the hint kernels' sm_90 code compiled offline (a hint has no CPU result to compare), and
+the experts kernel's address math in the interpreter.
 
 Under PDL the trigger comes first, then the prefetches, then the wait (so the kernel's completion still implies its
 predecessor's); without PDL there is no GDC instruction. The bulk path issues one cp.async.bulk.prefetch.L2 a thread,
-the line path one prefetch.global.L2 a 128 B line. The launcher does nothing off CUDA. Whether the prefetch pays is
-measured on the H200 (bench/kernel_l2_prefetch.py, bench/device_step.py's A/B)."""
+the line path one prefetch.global.L2 a 128 B line; EVICT_LAST adds the evict_last policy to each. The experts kernel
+(l2_prefetch_experts) issues one bulk prefetch a thread a step, stores nothing and is never PDL-launched; its RECORD
+path (offsets and sizes stored instead of prefetched) runs in the interpreter, where the pieces must tile each picked
+expert's bytes once. The launchers do nothing off CUDA. Whether a prefetch pays is measured on the H200
+(bench/kernel_l2_prefetch.py, bench/device_prefetch_ab.sh)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,57 +22,83 @@ import triton
 
 from lingc.kernels import l2_prefetch as P
 
+# every variant the tests look at, compiled for sm_90 in one subprocess (TRITON_INTERPRET unset there; triton.compile
+# runs ptxas too, so the inline PTX is checked): weights kernel (chunk, bulk, pdl, evict_last), experts kernel
+# (pairs, nbytes, iters, evict_last, dedupe)
+WEIGHT_VARIANTS = [(944, True, True, False), (944, True, False, False), (1024, False, True, False),
+                   (944, True, False, True), (1024, False, False, True)]
+EXPERT_VARIANTS = [(9, 3 << 20, 1, False, True), (9, 3 << 20, 2, False, False), (9, 3 << 20, 1, True, False),
+                   (54, 3 << 20, 1, False, True)]
+
 _PROBE = r"""
-import sys, triton
+import json, sys, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from lingc.kernels.l2_prefetch import _l2_prefetch_kernel
-chunk, bulk, pdl, last = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4] == "1"
-src = ASTSource(_l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "THREADS": "constexpr",
-                                      "BULK": "constexpr", "PDL": "constexpr", "EVICT_LAST": "constexpr"},
-                {"CHUNK": chunk, "THREADS": 128, "BULK": bulk, "PDL": pdl, "EVICT_LAST": last})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
-lines = [l.strip() for l in ptx.splitlines() if not l.strip().startswith("//")]
-find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s) or (" " + s) in l]
-print(find("griddepcontrol.launch_dependents"), find("cp.async.bulk.prefetch.L2.global"),
-      find("prefetch.global.L2"), find("griddepcontrol.wait"), find("createpolicy.fractional.L2::evict_last"),
-      find("cp.async.bulk.prefetch.L2.global.L2::cache_hint"), find("prefetch.global.L2::evict_last"), sep="|")
+from lingc.kernels.l2_prefetch import _l2_prefetch_kernel, _l2_prefetch_experts_kernel, expert_pieces
+weights, experts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+KEYS = {"trigger": "griddepcontrol.launch_dependents", "wait": "griddepcontrol.wait", "gdc": "griddepcontrol",
+        "bulk": "cp.async.bulk.prefetch.L2.global", "line": "prefetch.global.L2", "store": "st.global",
+        "policy": "createpolicy.fractional.L2::evict_last", "hinted": "cp.async.bulk.prefetch.L2.global.L2::cache_hint",
+        "line_last": "prefetch.global.L2::evict_last"}
+def found(src):
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
+    lines = [l.strip() for l in ptx.splitlines() if not l.strip().startswith("//")]
+    return {k: [i for i, l in enumerate(lines) if l.startswith(s) or (" " + s) in l] for k, s in KEYS.items()}
+out = {"weights": [], "experts": []}
+for chunk, bulk, pdl, last in weights:
+    sig = {"ptr": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "THREADS": "constexpr", "BULK": "constexpr",
+           "PDL": "constexpr", "EVICT_LAST": "constexpr"}
+    out["weights"].append(found(ASTSource(_l2_prefetch_kernel, sig, {"CHUNK": chunk, "THREADS": 128, "BULK": bulk,
+                                                                    "PDL": pdl, "EVICT_LAST": last})))
+for pairs, nbytes, iters, last, dedupe in experts:
+    chunk, pieces = expert_pieces(pairs, nbytes)
+    sig = {"w_ptr": "*u8", "ids_ptr": "*i32", "NP": "i32", "E": "i32", "expert_bytes": "i64", "nbytes": "i64",
+           "CHUNK": "constexpr", "PIECES": "constexpr", "THREADS": "constexpr", "ITERS": "constexpr",
+           "EVICT_LAST": "constexpr", "DEDUPE": "constexpr", "NP_POW2": "constexpr"}
+    out["experts"].append(found(ASTSource(_l2_prefetch_experts_kernel, sig, {
+        "CHUNK": chunk, "PIECES": pieces, "THREADS": 128, "ITERS": iters, "EVICT_LAST": last, "DEDUPE": dedupe,
+        "NP_POW2": triton.next_power_of_2(pairs) if dedupe else 1})))
+print(json.dumps(out))
 """
 
 
-def _compile(chunk: int, bulk: bool, pdl: bool, evict_last: bool = False) -> tuple[list[int], ...]:
-    """PTX line numbers of: trigger, bulk prefetch, line prefetch, wait, createpolicy, bulk with a policy, line
-    prefetch with evict_last (triton.compile runs ptxas too, so the inline PTX is checked for sm_90)."""
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, list[dict[str, list[int]]]]:
+    """PTX line numbers of each KEYS instruction, per variant (WEIGHT_VARIANTS, EXPERT_VARIANTS order)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = ["1" if flag else "0" for flag in (bulk, pdl, evict_last)]
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(chunk), *flags],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(WEIGHT_VARIANTS), json.dumps(EXPERT_VARIANTS)],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return tuple(eval(p) for p in proc.stdout.strip().splitlines()[-1].split("|"))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _weights(compiled, *variant) -> dict[str, list[int]]:
+    return compiled["weights"][WEIGHT_VARIANTS.index(variant)]
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "stream-ordered"])
-def test_bulk_prefetch_between_the_trigger_and_the_wait(pdl: bool) -> None:
-    trigger, bulk, line, wait, policy, hinted, _ = _compile(944, True, pdl)
-    assert len(bulk) == 1 and not line and not policy and not hinted
+def test_bulk_prefetch_between_the_trigger_and_the_wait(compiled, pdl: bool) -> None:
+    f = _weights(compiled, 944, True, pdl, False)
+    assert len(f["bulk"]) == 1 and not f["line"] and not f["policy"] and not f["hinted"]
     if pdl:
-        assert len(trigger) == 1 and len(wait) == 1 and trigger[0] < bulk[0] < wait[0]
+        assert len(f["trigger"]) == 1 and len(f["wait"]) == 1 and f["trigger"][0] < f["bulk"][0] < f["wait"][0]
     else:
-        assert not trigger and not wait
+        assert not f["trigger"] and not f["wait"]
 
 
-def test_line_prefetch_one_a_line() -> None:
-    trigger, bulk, line, wait, _, _, last = _compile(1024, False, True)
-    assert not bulk and len(line) == 1024 // P.LINE and trigger[0] < min(line) and max(line) < wait[0] and not last
+def test_line_prefetch_one_a_line(compiled) -> None:
+    f = _weights(compiled, 1024, False, True, False)
+    assert not f["bulk"] and len(f["line"]) == 1024 // P.LINE and not f["line_last"]
+    assert f["trigger"][0] < min(f["line"]) and max(f["line"]) < f["wait"][0]
 
 
-def test_evict_last_puts_the_policy_on_every_prefetch() -> None:
+def test_evict_last_puts_the_policy_on_every_prefetch(compiled) -> None:
     """EVICT_LAST: the bulk prefetch carries an evict_last createpolicy (.L2::cache_hint), the line path
     prefetch.global.L2::evict_last on every line; ptxas accepts both for sm_90."""
-    _, bulk, line, _, policy, hinted, last = _compile(944, True, False, True)
-    assert len(bulk) == len(hinted) == len(policy) == 1 and not line      # one inline-asm block, one PTX line
-    _, bulk, line, _, policy, hinted, last = _compile(1024, False, False, True)
-    assert not bulk and len(last) == len(line) == 1024 // P.LINE and not policy
+    f = _weights(compiled, 944, True, False, True)
+    assert len(f["bulk"]) == len(f["hinted"]) == len(f["policy"]) == 1 and not f["line"]   # one inline-asm block
+    f = _weights(compiled, 1024, False, False, True)
+    assert not f["bulk"] and len(f["line_last"]) == len(f["line"]) == 1024 // P.LINE and not f["policy"]
 
 
 @pytest.mark.parametrize("nbytes", [1, 16, 31_506_432, 482_869_248])
@@ -81,42 +112,15 @@ def test_launcher_is_a_no_op_off_cuda() -> None:
     assert P.l2_prefetch(w) is None and P.LOWERINGS["l2_prefetch"](w, 0, -1) is None
 
 
-_PROBE_EXPERTS = r"""
-import sys, triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
-from lingc.kernels.l2_prefetch import _l2_prefetch_experts_kernel, expert_pieces
-pairs, nbytes, iters, last = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-dedupe = sys.argv[5] == "1"
-chunk, pieces = expert_pieces(pairs, nbytes)
-sig = {"w_ptr": "*u8", "ids_ptr": "*i32", "NP": "i32", "E": "i32", "expert_bytes": "i64", "nbytes": "i64",
-       "CHUNK": "constexpr", "PIECES": "constexpr", "THREADS": "constexpr", "ITERS": "constexpr",
-       "EVICT_LAST": "constexpr", "DEDUPE": "constexpr", "NP_POW2": "constexpr"}
-src = ASTSource(_l2_prefetch_experts_kernel, sig, {"CHUNK": chunk, "PIECES": pieces, "THREADS": 128, "ITERS": iters,
-                                                    "EVICT_LAST": last, "DEDUPE": dedupe,
-                                                    "NP_POW2": triton.next_power_of_2(pairs) if dedupe else 1})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
-lines = [l.strip() for l in ptx.splitlines() if not l.strip().startswith("//")]
-count = lambda s: sum(s in l for l in lines)
-print(count("cp.async.bulk.prefetch.L2.global"), count("L2::cache_hint"), count("createpolicy"), count("st.global"),
-      count("griddepcontrol"), sep="|")
-"""
-
-
-@pytest.mark.parametrize("pairs, iters, last, dedupe", [(9, 1, False, True), (9, 2, False, False),
-                                                        (9, 1, True, False), (54, 1, False, True)])
-def test_expert_prefetch_one_bulk_prefetch_a_step(pairs: int, iters: int, last: bool, dedupe: bool) -> None:
+@pytest.mark.parametrize("variant", EXPERT_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_expert_prefetch_one_bulk_prefetch_a_step(compiled, variant) -> None:
     """l2_prefetch_experts' kernel: ITERS bulk prefetches a thread (evict_last: each with its policy), no store, no
     GDC instruction (a side-stream hint, never PDL-launched); ptxas accepts it for sm_90, with and without the
     repeated-id check."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(pairs), str(3 << 20), str(iters), "1" if last else "0", "1" if dedupe else "0"]
-    proc = subprocess.run([sys.executable, "-c", _PROBE_EXPERTS, *args],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    bulk, hinted, policy, stores, gdc = (int(x) for x in proc.stdout.strip().splitlines()[-1].split("|"))
-    assert bulk == iters and stores == 0 and gdc == 0
-    assert (hinted, policy) == ((iters, iters) if last else (0, 0))
+    _, _, iters, last, _ = variant
+    f = compiled["experts"][EXPERT_VARIANTS.index(variant)]
+    assert len(f["bulk"]) == iters and not f["store"] and not f["gdc"]
+    assert (len(f["hinted"]), len(f["policy"])) == ((iters, iters) if last else (0, 0))
 
 
 @pytest.mark.parametrize("pairs, nbytes", [(9, 3 << 20), (54, 3 << 20), (9, 1_572_864), (1, 16), (64, 160)])

@@ -5,7 +5,8 @@ byte thresholds scaled down to test-tiny's KB weights (at Ling-3.0-tiny's sizes 
 projections, o_proj, the MLA dense and the lm_head): where each hint sits and what it names (no PDL annotation),
 launch counts, the reference backend bit-exact and greedy NEXTN == plain decoding with the hints, the IR lint and
 fx's dead-code elimination keeping the result-less op, the JSON round trip, the tp pass sharding around it, the
-ENABLED switch, and the executor lowering the hint as a side-stream launch."""
+ENABLED switch, ANCHOR_SKIP, and the executor lowering the hint as a side-stream launch; then the same for the
+experts' hints (EXPERTS / EXPERT_W2: right after each up-GEMM's router ids, none in prefill, dropped by tp)."""
 
 from __future__ import annotations
 
@@ -202,16 +203,15 @@ UPS = ("moe_up", "moe_up_act", "moe_up_act_pairs")
 
 
 @pytest.fixture(scope="module")
-def expert_programs(tiny_partitioned: Program):
-    """`all` + prefetch_weights with only the experts' hints (w13 and w2)."""
+def expert_programs(tiny_partitioned: Program, programs):
+    """`all` + prefetch_weights with only the experts' hints (w13 and w2); `before` is `all` alone."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(PW, "WEIGHTS", False)
         mp.setattr(PW, "EXPERTS", True)
         mp.setattr(PW, "EXPERT_W2", True)
         result = PassManager(["all", "prefetch_weights"]).run(tiny_partitioned)
-    before = PassManager(["all"]).run(tiny_partitioned).program
     record = next(r for r in result.records if r.name == "prefetch_weights")
-    return before, result.program, record
+    return programs[0], result.program, record
 
 
 def _ups(graph):
