@@ -16,6 +16,10 @@ and load what they may, while its predecessor runs), so a kernel's duration is n
 charged its exposed time instead, end_i - end_(i-1) (the first kernel its duration): how much later the chain ends
 because of it. The exposed times sum to the busy span, so the table shows where the PDL step's time goes.
 
+Hint kernels (prefetch_weights' l2_prefetch / l2_prefetch_experts, HINT_KERNELS) run on a side stream beside the
+chain: they are taken out of both kernel sequences before the match and reported apart (`side_stream`: kernels a
+replay and their summed duration), so the table stays the chain's.
+
     python3 bench/device_launches.py --json $OUT/launches.json [--passes all] [--graphs step,verify] [--pdl]
 """
 
@@ -43,6 +47,11 @@ from floor import launch_bytes  # noqa: E402
 from timing import hbm_bandwidth_gbps  # noqa: E402
 
 LAYER = re.compile(r"layers\.\d+\.")
+HINT_KERNELS = ("_l2_prefetch_kernel", "_l2_prefetch_experts_kernel")   # side-stream hints (kernels/l2_prefetch.py)
+
+
+def _is_hint(kernel: dict) -> bool:
+    return any(h in kernel["name"] for h in HINT_KERNELS)
 
 
 def _trace(prof) -> list[dict]:
@@ -92,7 +101,7 @@ def eager_launches(exe, config, name: str) -> tuple[list[dict], list[str], list[
     mark_ts = [t for t, _ in marks]
     runtime = {e["args"]["correlation"]: e["ts"] for e in events
                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and not _is_hint(e)), key=lambda e: e["ts"])
     owner = []
     for k in kernels:
         ts = runtime.get(k["args"].get("correlation"))
@@ -115,7 +124,8 @@ def _first_difference(a: list[str], b: list[str]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def graph_kernels(graphs, exe, name: str, replays: int) -> list[list[dict]]:
+def graph_kernels(graphs, exe, name: str, replays: int) -> tuple[list[list[dict]], list[list[dict]]]:
+    """The chain's kernels of each replay, in start order, and the side stream's hint kernels of each replay."""
     from torch.profiler import ProfilerActivity, profile
     reset_request(exe)
     for _ in range(3):
@@ -125,9 +135,16 @@ def graph_kernels(graphs, exe, name: str, replays: int) -> list[list[dict]]:
         for _ in range(replays):
             graphs.run(name)
             torch.cuda.synchronize()
-    kernels = sorted((e for e in _trace(prof) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return split_replays([e for e in _trace(prof) if e.get("cat") == "kernel"], replays)
+
+
+def split_replays(kernels: list[dict], replays: int) -> tuple[list[list[dict]], list[list[dict]]]:
+    """Kernel events of `replays` back-to-back replays -> (each replay's chain kernels, each replay's hint kernels),
+    both in start order."""
+    kernels = sorted(kernels, key=lambda e: e["ts"])
     per = len(kernels) // replays
-    return [kernels[i * per:(i + 1) * per] for i in range(replays)]
+    reps = [kernels[i * per:(i + 1) * per] for i in range(replays)]
+    return [[k for k in r if not _is_hint(k)] for r in reps], [[k for k in r if _is_hint(k)] for r in reps]
 
 
 def exposed_us(kernels: list[dict]) -> list[float]:
@@ -237,13 +254,18 @@ def main() -> None:
                     "hbm_bandwidth_gbps": bandwidth, "graphs": {}}
     for name in wanted:
         launches, names, owner = eager[name]
-        reps = graph_kernels(graphs, exe, name, args.replays)
+        reps, side = graph_kernels(graphs, exe, name, args.replays)
         row = attribute(launches, names, owner, reps, bandwidth, replay[name] * 1e3, exposed=args.pdl)
+        if side and side[0]:
+            row["side_stream"] = {"kernels": len(side[0]),
+                                  "us": statistics.median(sum(k["dur"] for k in r) for r in side)}
         result["graphs"][name] = row
         if "error" in row:
             print(name, row["error"], flush=True)
             continue
         print(f"\n{name}: unattributed {row['unattributed_us']:.1f} us")
+        if "side_stream" in row:
+            print(f"{name}: side stream {row['side_stream']['kernels']} hint kernels, {row['side_stream']['us']:.1f} us")
         print(f"{name}: replay {row['replay_us']:.1f} us, {row['kernels']} kernels, kernel sum "
               f"{row['kernel_sum_us']:.1f} us, busy {row['busy_us']:.1f}, gaps {row['gaps_us']:.1f}, "
               f"floor {row['floor_us']:.1f} us")

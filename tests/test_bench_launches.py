@@ -1,5 +1,6 @@
 """bench/device_launches.py: graph kernels inherit the eager run's launches in order, grouped by op and weight with
-bytes, floor and excess; a graph whose kernels differ from the eager run's is refused, not mis-attributed."""
+bytes, floor and excess; a graph whose kernels differ from the eager run's is refused, not mis-attributed; the
+side stream's hint kernels are kept out of the chain."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from device_launches import attribute, group_name  # noqa: E402
+from device_launches import attribute, group_name, split_replays  # noqa: E402
 
 
 def _launch(group: str, nbytes: int) -> dict:
@@ -68,3 +69,15 @@ def test_attribute_with_exposed_times():
     by = {g["group"]: g for g in out["groups"]}
     assert out["time_basis"] == "exposed" and out["kernel_sum_us"] == 6.0
     assert by["linear a"]["us"] == 4.0 and by["norm"]["us"] == 2.0       # k2 ends at 6: 2 us after k1
+
+
+def test_split_replays_keeps_hint_kernels_out_of_the_chain():
+    """Two replays of [a, hint, b] (the hint on the side stream, started between a and b): the chain is [a, b] each
+    replay, the hints apart, whatever order the trace lists them in."""
+    one = [{"name": "a", "ts": 0.0, "dur": 1.0}, {"name": "_l2_prefetch_kernel", "ts": 0.5, "dur": 7.0},
+           {"name": "b", "ts": 2.0, "dur": 1.0}]
+    events = [dict(k, ts=k["ts"] + r) for r in (100.0, 0.0) for k in one]
+    chain, side = split_replays(events, 2)
+    assert [[k["name"] for k in r] for r in chain] == [["a", "b"], ["a", "b"]]
+    assert [[(k["name"], k["ts"]) for k in r] for r in side] == [[("_l2_prefetch_kernel", 0.5)],
+                                                                  [("_l2_prefetch_kernel", 100.5)]]
