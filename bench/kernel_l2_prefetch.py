@@ -45,6 +45,17 @@ def commit() -> str:
         return "unknown"
 
 
+def sleeper(gap_us: float, calls: int):
+    """(a call that keeps the SMs' stream busy for gap_us with torch.cuda._sleep, its time a call in a graph of
+    `calls` of them: the HBM-idle gap the hint may fill)."""
+    cycles = int(gap_us * 1e3 * CLOCK_GHZ)
+
+    def sleep() -> None:
+        if cycles:
+            torch.cuda._sleep(cycles)
+    return sleep, (graph_time_us([sleep] * calls) if cycles else 0.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows here")
@@ -64,12 +75,7 @@ def main() -> None:
         cold = graph_time_us([lambda w=w: linear(x, w, out=out) for w in ws])
         print(f"{name} [{n}, {k}] {n * k * 2 / 1e6:.1f} MB: linear cold {cold:.2f} us, warm {warm:.2f} us")
         for gap in GAPS_US:
-            cycles = int(gap * 1e3 * CLOCK_GHZ)
-
-            def sleep():
-                if cycles:
-                    torch.cuda._sleep(cycles)
-            t_sleep = graph_time_us([sleep for _ in ws]) if cycles else 0.0
+            sleep, t_sleep = sleeper(gap, len(ws))
             row = {"shape": name, "n": n, "k": k, "gap_us": gap, "sleep_us": t_sleep, "linear_cold_us": cold,
                    "linear_warm_us": warm}
             variants = {"none": None, "bulk": dict(bulk=True), "line": dict(bulk=False),
@@ -125,12 +131,7 @@ def experts_rows(dev: torch.device, side: torch.cuda.Stream) -> list[dict]:
     print(f"moe_up_act decode ({top_k} experts, {mb:.1f} MB): cold {cold:.2f} us, warm {warm:.2f} us")
     rows = []
     for gap in GAPS_US:
-        cycles = int(gap * 1e3 * CLOCK_GHZ)
-
-        def sleep():
-            if cycles:
-                torch.cuda._sleep(cycles)
-        t_sleep = graph_time_us([sleep for _ in work]) if cycles else 0.0
+        sleep, t_sleep = sleeper(gap, len(work))
         row = {"shape": "moe_up_act_decode", "experts": top_k, "mb": mb, "gap_us": gap, "sleep_us": t_sleep,
                "up_cold_us": cold, "up_warm_us": warm}
         for label, hint in (("none", False), ("experts", True)):
