@@ -109,14 +109,15 @@ def l2_prefetch(weight: torch.Tensor, start: int = 0, nbytes: int = -1, *, pdl: 
 
 
 @triton.jit
-def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, NP, E, expert_bytes, nbytes, CHUNK: tl.constexpr,
+def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, rec_ptr, NP, E, expert_bytes, nbytes, CHUNK: tl.constexpr,
                                 PIECES: tl.constexpr, THREADS: tl.constexpr, ITERS: tl.constexpr,
                                 EVICT_LAST: tl.constexpr = False, DEDUPE: tl.constexpr = False,
-                                NP_POW2: tl.constexpr = 1, rec_ptr=None, RECORD: tl.constexpr = False):
+                                NP_POW2: tl.constexpr = 1, RECORD: tl.constexpr = False):
     """Piece i of the NP * PIECES: id j = i // PIECES, bytes [p * CHUNK, min((p + 1) * CHUNK, nbytes)) of expert
     ids[j] (p = i % PIECES), one cp.async.bulk.prefetch.L2 a thread a step; an id outside [0, E) prefetches nothing,
     nor (DEDUPE: NP <= NP_POW2, a [THREADS, NP_POW2] compare) an id that an earlier j holds too. RECORD (tests, the
-    interpreter): store each thread's (byte offset from w_ptr, size) at rec_ptr instead of prefetching."""
+    interpreter): store each thread's (byte offset from w_ptr, size) at rec_ptr (int64) instead of prefetching; the
+    launcher passes ids_ptr there, never written."""
     first = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64)
     if DEDUPE:
         every = tl.arange(0, NP_POW2)
@@ -175,8 +176,9 @@ def l2_prefetch_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int = -
     pairs = ids.numel()
     chunk, pieces = expert_pieces(pairs, nbytes, programs)
     grid = (min(programs, -(-pairs * pieces // THREADS)),)
+    flat = ids.reshape(-1)
     _l2_prefetch_experts_kernel[grid](
-        weight.reshape(-1).view(torch.uint8), ids.reshape(-1), pairs, weight.shape[0], expert_bytes, nbytes,
+        weight.reshape(-1).view(torch.uint8), flat, flat, pairs, weight.shape[0], expert_bytes, nbytes,
         CHUNK=chunk, PIECES=pieces, THREADS=THREADS, ITERS=-(-pairs * pieces // (grid[0] * THREADS)),
         EVICT_LAST=EVICT_LAST if evict_last is None else evict_last, DEDUPE=pairs <= DEDUPE_MAX_PAIRS,
         NP_POW2=triton.next_power_of_2(pairs) if pairs <= DEDUPE_MAX_PAIRS else 1, num_warps=THREADS // 32)

@@ -52,7 +52,8 @@ for chunk, bulk, pdl, last in weights:
                                                                     "PDL": pdl, "EVICT_LAST": last})))
 for pairs, nbytes, iters, last, dedupe in experts:
     chunk, pieces = expert_pieces(pairs, nbytes)
-    sig = {"w_ptr": "*u8", "ids_ptr": "*i32", "NP": "i32", "E": "i32", "expert_bytes": "i64", "nbytes": "i64",
+    sig = {"w_ptr": "*u8", "ids_ptr": "*i32", "rec_ptr": "*i32", "NP": "i32", "E": "i32", "expert_bytes": "i64",
+           "nbytes": "i64",
            "CHUNK": "constexpr", "PIECES": "constexpr", "THREADS": "constexpr", "ITERS": "constexpr",
            "EVICT_LAST": "constexpr", "DEDUPE": "constexpr", "NP_POW2": "constexpr"}
     out["experts"].append(found(ASTSource(_l2_prefetch_experts_kernel, sig, {
@@ -156,8 +157,8 @@ def test_expert_pieces_tile_each_picked_expert_once(ids, nbytes: int, experts: i
     rec = torch.full((iters * grid * P.THREADS * 2,), -7, dtype=torch.int64)
     w = torch.empty(16, dtype=torch.uint8)                       # never read: RECORD stores offsets only
     P._l2_prefetch_experts_kernel[(grid,)](
-        w, ids_t, pairs, experts, expert_bytes, nbytes, CHUNK=chunk, PIECES=pieces, THREADS=P.THREADS, ITERS=iters,
-        DEDUPE=dedupe, NP_POW2=triton.next_power_of_2(pairs) if dedupe else 1, rec_ptr=rec, RECORD=True)
+        w, ids_t, rec, pairs, experts, expert_bytes, nbytes, CHUNK=chunk, PIECES=pieces, THREADS=P.THREADS,
+        ITERS=iters, DEDUPE=dedupe, NP_POW2=triton.next_power_of_2(pairs) if dedupe else 1, RECORD=True)
     got = rec.reshape(-1, 2)
     assert (got[:, 0] != -7).all()
     spans = sorted((int(o), int(o + s)) for o, s in got.tolist() if s > 0)
