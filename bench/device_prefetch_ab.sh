@@ -39,10 +39,10 @@ WE="$ON;$PF.EXPERTS=True"
 echo "== probes"
 timeout 100 python3 bench/kernel_l2_prefetch.py --shapes kda_qkvfbg,o_proj --json "$OUT/kernel-l2-prefetch.json" 2>&1 \
   | grep -v Warning | tail -30
-timeout 60 python3 bench/kernel_l2_prefetch.py --moe --json "$OUT/kernel-l2-prefetch-experts.json" 2>&1 \
+timeout 90 python3 bench/kernel_l2_prefetch.py --moe --json "$OUT/kernel-l2-prefetch-experts.json" 2>&1 \
   | grep -v Warning | tail -8
 echo "== A/B"
-timeout 380 python3 bench/device_step.py --only all --no-parity \
+timeout 360 python3 bench/device_step.py --only all --no-parity \
   --variant 'base:' --variant "pf:$ON" --variant "pf_s2:$ON;$PF.ANCHOR_SKIP=2" \
   --variant "pf_last:$ON;lingc.kernels.l2_prefetch.EVICT_LAST=True" --variant "pf_e:$E" \
   --variant "pf_e_w2:$E;$PF.EXPERT_W2=True" --variant "pf_we:$WE" \
