@@ -8,7 +8,8 @@ the whole weight and of its first half, and the linear on a warm (L2-resident) w
 --moe: the same question for the routed experts (l2_prefetch_experts, prefetch_weights' EXPERTS knob): the decode
 up-GEMM (moe_up_act, 8 picks of 128 experts, h 1536, I 512, block_m 16; 16 routings that partition the experts, over
 two weight stacks) after [l2_prefetch_experts(w13, ids) on a side stream] || sleep(gap), forked right after the align
-as the runtime forks after the router, against no prefetch; gap 0 is the step's case (the hint starts with the GEMM).
+as the runtime forks after the router, and with the GEMM's own post-wait tile prefetch (kernels/moe.py
+UP_TILE_PREFETCH), against neither; gap 0 is the step's case (the hint starts with the GEMM).
 
     python3 bench/kernel_l2_prefetch.py --json bench/results/kernel-l2-prefetch-h200-DATE.json
     python3 bench/kernel_l2_prefetch.py --moe --json bench/results/kernel-l2-prefetch-experts-h200-DATE.json
@@ -111,6 +112,7 @@ def main() -> None:
 
 def experts_rows(dev: torch.device, side: torch.cuda.Stream) -> list[dict]:
     """The --moe rows (module docstring): moe_up_act's share of each call per gap, with and without the hint."""
+    import lingc.kernels.moe as moe
     from lingc.kernels.moe import moe_up_act
     from lingc.kernels.moe_align import moe_align
 
@@ -134,7 +136,9 @@ def experts_rows(dev: torch.device, side: torch.cuda.Stream) -> list[dict]:
         sleep, t_sleep = sleeper(gap, len(work))
         row = {"shape": "moe_up_act_decode", "experts": top_k, "mb": mb, "gap_us": gap, "sleep_us": t_sleep,
                "up_cold_us": cold, "up_warm_us": warm}
-        for label, hint in (("none", False), ("experts", True)):
+        for label, hint, tile in (("none", False, False), ("experts", True, False), ("tile", False, True)):
+            moe.UP_TILE_PREFETCH = tile        # the GEMM's own post-wait tile prefetch (kernels/moe.py)
+
             def call(w, i, a, hint=hint):
                 if hint:                       # as the runtime launches it: a side stream forked after the router
                     side.wait_stream(torch.cuda.current_stream())
@@ -145,10 +149,11 @@ def experts_rows(dev: torch.device, side: torch.cuda.Stream) -> list[dict]:
                 if hint:
                     torch.cuda.current_stream().wait_stream(side)
             t = graph_time_us([lambda w=w, i=i, a=a: call(w, i, a) for w, i, a in work])
+            moe.UP_TILE_PREFETCH = False
             row[f"{label}_us"] = t
             row[f"{label}_up_share_us"] = t - t_sleep
         print(f"  gap {gap:4.1f} us (sleep {t_sleep:5.2f}): up share none {row['none_up_share_us']:5.2f}"
-              f"  experts {row['experts_up_share_us']:5.2f}")
+              f"  experts {row['experts_up_share_us']:5.2f}  tile {row['tile_up_share_us']:5.2f}")
         rows.append(row)
     return rows
 

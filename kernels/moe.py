@@ -126,6 +126,13 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 # the unpipelined chunk loop is slower (8.8 vs 6.4 us a launch in the PDL-off attribution,
 # bench/results/launches-h200-20261201.json). LINGC_MOE_DOWN_PRELOAD=0 turns it off.
 DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
+# TILE_PREFETCH: after the wait and the expert lookup, each program asks L2 for its whole [BLOCK_N, K] weight tile
+# (one prefetch.global.L2 a 128 B line: 96 KB a decode up-GEMM program, all 28 MB of the step's picks at once) before
+# its K loop streams the tile 3 stages deep; nothing else streams then (the router has finished), so it only brings the
+# requests forward. Bench A/B knobs, off: not measured on a GPU yet. The down-GEMM's applies where it does not preload
+# (verify's pair grid). Never changes bits (a hint). LINGC_MOE_UP_TILE_PREFETCH=1 / LINGC_MOE_DOWN_TILE_PREFETCH=1
+UP_TILE_PREFETCH = os.environ.get("LINGC_MOE_UP_TILE_PREFETCH", "0") == "1"
+DOWN_TILE_PREFETCH = os.environ.get("LINGC_MOE_DOWN_TILE_PREFETCH", "0") == "1"
 # the up-GEMM's shared-expert tile before the PDL wait (shared_last, SHARED_EARLY in _moe_gemm_kernel; moe_up_act at
 # one token, moe_up_act_pairs at any): the fused shared expert's 3 MB of w13 stream while the router routes, off the
 # up-GEMM's post-wait path. Same bits. It paid behind router.py's ~3 us pick-chain router (greedy decode 1.199 ->
@@ -344,17 +351,25 @@ def _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n,
 
 
 @triton.jit
+def _prefetch_expert_tile(w_ptr, expert, pid_n, num_experts, N, K, stride_we, stride_wn, BLOCK_N: tl.constexpr,
+                          K_LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for expert's [BLOCK_N, K] weight tile of N-tile pid_n (one prefetch.global.L2 a 128 B line); the id is
+    clamped, so even a stale one names a real expert's lines."""
+    expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    cols = tl.minimum(tl.arange(0, K_LINES) * LINE, K - 1)
+    prefetch_l2(w_ptr + expert * stride_we + rows[:, None] * stride_wn + cols[None, :])
+
+
+@triton.jit
 def _prefetch_tile(w_ptr, block_expert_ptr, total_ptr, pid_m, pid_n, num_experts, N, K, stride_we, stride_wn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_LINES: tl.constexpr, LINE: tl.constexpr):
     """PREFETCH (before the wait): ask L2 for the [BLOCK_N, K] weight tile of this program's block, read through L2
-    (.cg) from the align two kernels back; ids are clamped, so even a stale one names a real expert's lines."""
+    (.cg) from the align two kernels back."""
     total = tl.load(total_ptr, cache_modifier=".cg")
     if pid_m * BLOCK_M < total:
         expert = tl.load(block_expert_ptr + pid_m, cache_modifier=".cg")
-        expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1).to(tl.int64)
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        cols = tl.minimum(tl.arange(0, K_LINES) * LINE, K - 1)
-        prefetch_l2(w_ptr + expert * stride_we + rows[:, None] * stride_wn + cols[None, :])
+        _prefetch_expert_tile(w_ptr, expert, pid_n, num_experts, N, K, stride_we, stride_wn, BLOCK_N, K_LINES, LINE)
 
 
 @triton.jit
@@ -366,7 +381,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                      K_LINES: tl.constexpr, LINE: tl.constexpr, K_CHUNKS: tl.constexpr = 0,
                      BY_IDS: tl.constexpr = False, PAIR_ROWS: tl.constexpr = 1, PR_BLOCK: tl.constexpr = 16,
-                     SWAP_AB: tl.constexpr = False, SHARED_EARLY: tl.constexpr = False):
+                     SWAP_AB: tl.constexpr = False, SHARED_EARLY: tl.constexpr = False,
+                     TILE_PREFETCH: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ws = ()
@@ -401,6 +417,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
             expert, pairs, first = _pair_rows(sorted_ptr, pid_m, num_pairs, PAIR_ROWS, TILE_M, PR_BLOCK)
             if not first:
                 return
+            if TILE_PREFETCH:     # the whole tile asked of L2 at once, ahead of the K loop's pipelined loads
+                _prefetch_expert_tile(w_ptr, expert, pid_n, num_experts, N, K, stride_we, stride_wn, BLOCK_N,
+                                      K_LINES, LINE)
     else:
         if K_CHUNKS > 0:          # PRELOAD (the down-GEMM): the align is two kernels back, see the module docstring
             total = tl.load(total_ptr, cache_modifier=".cg")
@@ -423,6 +442,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_
         total = tl.load(total_ptr)
         if pid_m * BLOCK_M >= total:
             return
+        if TILE_PREFETCH:         # the whole tile asked of L2 at once, ahead of the K loop's pipelined loads
+            _prefetch_expert_tile(w_ptr, expert, pid_n, num_experts, N, K, stride_we, stride_wn, BLOCK_N, K_LINES,
+                                  LINE)
     _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
                     stride_om, limit, TOP_K, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT,
                     LIBDEVICE_EXP, False, ws, K_CHUNKS, SWAP_AB)
@@ -625,13 +647,16 @@ def _launch_setup(op: str, a: torch.Tensor, w: torch.Tensor, k: int,
 def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_expert: torch.Tensor, total: torch.Tensor, top_k: int, block_m: int, limit: float,
                   swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
-                  prefetch: bool = False, preload: bool = False, shared_last: bool = False) -> torch.Tensor:
+                  prefetch: bool = False, preload: bool = False, shared_last: bool = False,
+                  tile_prefetch: bool = False) -> torch.Tensor:
     """Shared launcher of the three grouped GEMMs: a [R, K] rows (pair p reads row p // top_k), w [E, N, K].
     prefetch: the pre-wait L2 prefetch of the weight tile (PDL only; the down-GEMM, module docstring).
     preload: the whole weight tile into registers first, before the PDL wait (the down-GEMM; K <= PRELOAD_MAX_K and
     at most PRELOAD_MAX_PAIRS pairs).
     shared_last: w's last expert is a fused shared expert, pair top_k - 1 of every row (fuse_shared_expert); at one
-    row its tile runs before the PDL wait (SHARED_EARLY), without the align."""
+    row its tile runs before the PDL wait (SHARED_EARLY), without the align.
+    tile_prefetch: after the wait, each program asks L2 for its whole weight tile before its K loop (TILE_PREFETCH;
+    a GPU hint, never in the interpreter; programs that preload skip it)."""
     num_experts, n, k = _check_gemm(op, a, w, swiglu, config)
     num_pairs = a.shape[0] * top_k
     _check_align(op, sorted_pairs, block_expert, total, num_pairs, num_experts, block_m)
@@ -652,6 +677,7 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
         LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=prefetch and pdl,
         K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
         K_CHUNKS=chunks, SWAP_AB=config.swap_ab, **shared,
+        TILE_PREFETCH=tile_prefetch and a.is_cuda and not interpret and chunks == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
@@ -673,7 +699,7 @@ def _pairs_config(pairs: GemmConfig, aligned: GemmConfig, a: torch.Tensor) -> Ge
 
 def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, top_k: int, limit: float,
                swiglu: bool, pdl: bool, out: torch.Tensor | None, config: GemmConfig,
-               preload: bool = False, shared_last: bool = False) -> torch.Tensor:
+               preload: bool = False, shared_last: bool = False, tile_prefetch: bool = False) -> torch.Tensor:
     """The grouped GEMMs on the pair grid (BY_IDS): program row p = pair p of the router's ids [N, k'] (k' picks +
     shared per token), which runs the GEMM for every pair of its expert if p is that expert's first pair and exits
     otherwise; no align. top_k: pairs per A row (k' for the up-GEMM, 1 for the down-GEMM). Past PAIR_GRID_TOKENS
@@ -689,7 +715,7 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         from lingc.kernels.moe_align import moe_align
         aligned = moe_align(topk_ids, w.shape[0], PAIR_GRID_FALLBACK_BM, pdl=pdl)
         return _grouped_gemm(op, a, w, *aligned, top_k, PAIR_GRID_FALLBACK_BM, limit, swiglu, pdl, out, config,
-                             shared_last=shared_last)
+                             shared_last=shared_last, tile_prefetch=tile_prefetch)
     num_experts, n, k = _check_gemm(op, a, w, swiglu, config)
     if a.shape[0] * top_k != num_pairs:
         raise ValueError(f"{op}: {a.shape[0]} activation rows x {top_k} != {num_pairs} pairs of topk_ids "
@@ -706,9 +732,10 @@ def _pair_gemm(op: str, a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor
         TOP_K=top_k, BLOCK_M=MIN_TILE_M, TILE_M=MIN_TILE_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
         SWIGLU=swiglu, HAS_LIMIT=limit > 0, IEEE_DOT=_ieee_dot(a),
-        LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False, K_LINES=1, LINE=PREFETCH_LINE,
+        LIBDEVICE_EXP=a.is_cuda and not interpret, PDL=pdl, PREFETCH=False,
+        K_LINES=triton.next_power_of_2(triton.cdiv(k, PREFETCH_LINE)), LINE=PREFETCH_LINE,
         K_CHUNKS=chunks, BY_IDS=True, PAIR_ROWS=pair_rows, PR_BLOCK=triton.next_power_of_2(pair_rows),
-        SWAP_AB=config.swap_ab, **shared,
+        SWAP_AB=config.swap_ab, **shared, TILE_PREFETCH=tile_prefetch and a.is_cuda and not interpret and chunks == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **FP_OPTIONS, **launch)
     return out
 
@@ -720,7 +747,8 @@ def moe_up_act_pairs(x: torch.Tensor, w13_interleaved: torch.Tensor, topk_ids: t
     moe_align(topk_ids) (each pair row is its own dot, whatever block it sits in). shared_last as moe_up_act's:
     the shared expert's tile (every token's last pair) runs before the PDL wait."""
     return _pair_gemm("moe_up_act_pairs", x, w13_interleaved, topk_ids, topk_ids.shape[-1], limit, True, pdl, out,
-                      config or _pairs_config(UP_PAIRS_CONFIG, UP_CONFIG, x), shared_last=shared_last)
+                      config or _pairs_config(UP_PAIRS_CONFIG, UP_CONFIG, x), shared_last=shared_last,
+                      tile_prefetch=UP_TILE_PREFETCH)
 
 
 def moe_down_pairs(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, *, pdl: bool = False,
@@ -729,7 +757,7 @@ def moe_down_pairs(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, 
     wait as moe_down's (the ids' writer, the router, is two kernels back)."""
     return _pair_gemm("moe_down_pairs", act, w2, topk_ids, 1, 0.0, False, pdl, out,
                       config or _pairs_config(DOWN_PAIRS_CONFIG, DOWN_CONFIG, act),
-                      preload=DOWN_PRELOAD)
+                      preload=DOWN_PRELOAD, tile_prefetch=DOWN_TILE_PREFETCH)
 
 
 def moe_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
@@ -740,7 +768,7 @@ def moe_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block
     `config` overrides UP_CONFIG (benchmark sweeps; lingc never passes it); pdl is dropped where unsupported.
     """
     return _grouped_gemm("moe_up", x, w13, sorted_pairs, block_expert, total, top_k, block_m, 0.0,
-                         False, pdl, out, config or UP_CONFIG)
+                         False, pdl, out, config or UP_CONFIG, tile_prefetch=UP_TILE_PREFETCH)
 
 
 def moe_up_act(x: torch.Tensor, w13_interleaved: torch.Tensor, sorted_pairs: torch.Tensor,
@@ -754,7 +782,8 @@ def moe_up_act(x: torch.Tensor, w13_interleaved: torch.Tensor, sorted_pairs: tor
     top_k - 1; at one token its tile runs before the PDL wait (SHARED_EARLY), same bits.
     """
     return _grouped_gemm("moe_up_act", x, w13_interleaved, sorted_pairs, block_expert, total, top_k, block_m,
-                         limit, True, pdl, out, config or UP_CONFIG, shared_last=shared_last)
+                         limit, True, pdl, out, config or UP_CONFIG, shared_last=shared_last,
+                         tile_prefetch=UP_TILE_PREFETCH)
 
 
 def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
@@ -762,7 +791,8 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, bl
              config: GemmConfig | None = None) -> torch.Tensor:
     """Grouped down-GEMM, unweighted: act [NP, I], w2 [E, h, I] -> [NP, h] in act.dtype (pair p reads row p)."""
     return _grouped_gemm("moe_down", act, w2, sorted_pairs, block_expert, total, 1, block_m, 0.0,
-                         False, pdl, out, config or DOWN_CONFIG, prefetch=DOWN_PREFETCH, preload=DOWN_PRELOAD and pdl)
+                         False, pdl, out, config or DOWN_CONFIG, prefetch=DOWN_PREFETCH, preload=DOWN_PRELOAD and pdl,
+                         tile_prefetch=DOWN_TILE_PREFETCH)
 
 
 def silu_and_mul(h: torch.Tensor, limit: float, *, pdl: bool = False,

@@ -5,6 +5,7 @@ the other moe tests check."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -98,3 +99,47 @@ def test_shared_early_tile_streams_before_its_wait() -> None:
     assert copies and min(copies) < min(waits), (copies, waits)
     assert stores and min(stores) > min(waits), (stores, waits)
     assert min(triggers) > min(waits), (triggers, waits)
+
+
+_TILE_PROBE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lingc.kernels.moe as K
+out = {}
+for by_ids in (False, True):
+    for tile in (False, True):
+        sig = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+                   total_ptr="*i32", num_pairs="i32", num_experts="i32", N="i32", K="i32", stride_am="i32",
+                   stride_we="i32", stride_wn="i32", stride_om="i32", limit="fp32")
+        const = dict(TOP_K=9, BLOCK_M=16, TILE_M=16, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, SWIGLU=True,
+                     HAS_LIMIT=False, IEEE_DOT=False, LIBDEVICE_EXP=True, PDL=True, PREFETCH=False, K_LINES=32, LINE=64,
+                     K_CHUNKS=0, BY_IDS=by_ids, PAIR_ROWS=9, PR_BLOCK=16, TILE_PREFETCH=tile)
+        sig.update({k: "constexpr" for k in const})
+        ptx = triton.compile(ASTSource(fn=K._moe_gemm_kernel, signature=sig, constexprs=const),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+        lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
+        find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
+        weights = sorted(find("cp.async") + find("ld.global.L1::evict_first"))    # the K loop's weight loads
+        out[f"{int(by_ids)}{int(tile)}"] = [find("griddepcontrol.wait"), find("prefetch.global.L2"), weights]
+print(json.dumps(out))
+"""
+
+
+def test_tile_prefetch_asks_for_the_whole_tile_after_the_wait() -> None:
+    """TILE_PREFETCH (UP_TILE_PREFETCH / DOWN_TILE_PREFETCH, off by default), aligned and on the pair grid: after the
+    wait (the expert is known only then), BLOCK_N x K_LINES = 32 x 32 line prefetches over 128 threads (8 a thread),
+    ahead of the K loop's first weight load (evict_first; cp.async where the strides are known aligned); without it
+    no prefetch."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _TILE_PROBE], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for path in ("0", "1"):                      # aligned, pair grid
+        waits, prefetches, copies = found[path + "0"]
+        assert len(waits) == 1 and not prefetches and copies
+        waits, prefetches, copies = found[path + "1"]
+        assert len(waits) == 1 and len(prefetches) == 32 * 32 // 128, (path, prefetches)
+        assert min(prefetches) > waits[0] and max(prefetches) < min(copies), (path, waits, prefetches, copies[:3])
