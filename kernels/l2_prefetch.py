@@ -40,7 +40,8 @@ LINE = 128         # L2 line bytes (the non-bulk path's step)
 ALIGN = 16         # cp.async.bulk.prefetch wants 16 B aligned addresses and sizes
 # the prefetched lines' L2 eviction priority: False normal (default), True evict_last (createpolicy + .L2::cache_hint;
 # prefetch.global.L2::evict_last on the per-line path), so the lines outlive the weight streams between the hint and
-# the weight's reader. A bench A/B knob (LINGC_PREFETCH_EVICT_LAST=1); not measured on a GPU yet
+# the weight's reader. A bench A/B knob (LINGC_PREFETCH_EVICT_LAST=1); measured slower than normal priority on an
+# H100 (greedy decode 1.3934 vs 1.3664 ms with the hints, bench/results/step-ab-prefetch-h100-20261205.json)
 EVICT_LAST = os.environ.get("LINGC_PREFETCH_EVICT_LAST", "0") == "1"
 # l2_prefetch_experts skips an id that an earlier slot holds too (a verify chain's tokens share experts, and every
 # token holds the fused shared expert) where the ids are at most this many: a [THREADS, 64] compare a step

@@ -129,8 +129,11 @@ DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 # TILE_PREFETCH: after the wait and the expert lookup, each program asks L2 for its whole [BLOCK_N, K] weight tile
 # (one prefetch.global.L2 a 128 B line: 96 KB a decode up-GEMM program, all 28 MB of the step's picks at once) before
 # its K loop streams the tile 3 stages deep; nothing else streams then (the router has finished), so it only brings the
-# requests forward. Bench A/B knobs, off: not measured on a GPU yet. The down-GEMM's applies where it does not preload
-# (verify's pair grid). Never changes bits (a hint). LINGC_MOE_UP_TILE_PREFETCH=1 / LINGC_MOE_DOWN_TILE_PREFETCH=1
+# requests forward. Bench A/B knobs, off: measured slower on an H100 (2026-12-05; the decode up-GEMM alone 13.7-14.3
+# vs 11.6 us, bench/results/kernel-l2-prefetch-experts-h100-20261205.json; greedy decode / verify 1.3764 / 2.8811 ms up
+# only, 1.3754 / 2.9247 with the down-GEMM's, against 1.3371 / 2.6375, step-ab-prefetch-h100-20261205.json): the line
+# prefetches issued ahead of the K loop delay it. The down-GEMM's applies where it does not preload (verify's pair
+# grid). Never changes bits (a hint). LINGC_MOE_UP_TILE_PREFETCH=1 / LINGC_MOE_DOWN_TILE_PREFETCH=1
 UP_TILE_PREFETCH = os.environ.get("LINGC_MOE_UP_TILE_PREFETCH", "0") == "1"
 DOWN_TILE_PREFETCH = os.environ.get("LINGC_MOE_DOWN_TILE_PREFETCH", "0") == "1"
 # the up-GEMM's shared-expert tile before the PDL wait (shared_last, SHARED_EARLY in _moe_gemm_kernel; moe_up_act at

@@ -31,9 +31,12 @@ at entry, prefetch, wait): greedy decode 1.1767 / 1.1756 ms with the hints again
 verify 2.1784 / 2.1794 against 2.1256 / 2.1275 (bench/results/step-ab-prefetch-pdl-h200-20261205.json). The probe
 (kernel-l2-prefetch-serial-h200-20261205.json) says why: a grid that issued prefetches lives until they land (its time
 is about the transfer's), so the next launch's wait waited for it; after it the 31.5 MB KDA projection ran warm (7.6
-against 10.6 us cold). Hence the side stream, which is not measured yet (no GPU was lent for it):
-bench/device_prefetch_ab.sh runs the probe, the A/B/A/B of the `all` row with and without the hints (and with the two
-knobs below), and the greedy parity with them, in one device call.
+against 10.6 us cold). Hence the side stream. Measured (2026-12-05, an H100 80GB HBM3, one process, A/B/A/B;
+bench/results/step-ab-prefetch-h100-20261205.json; greedy decode / verify ms): base 1.3371 / 2.6375 and 1.3347 /
+2.6326; the hints 1.3664 / 2.6349 and 1.3656 / 2.6366; ANCHOR_SKIP 2 1.3462 / 2.6823 and 1.3480 / 2.6804; EVICT_LAST
+1.3934 / 2.6752: slower, so the pass stays opt-in. The probe (kernel-l2-prefetch-h100-20261205.json) says why: with a
+4-8 us lead the KDA projection ran 11.1 instead of 13.05 us (8.1 warm), but beside it (no lead) 16.3, and in the step
+the prefetches compete with the streams around them.
 
 Knobs for that A/B: ANCHOR_SKIP (the hint follows the ANCHOR_SKIP-th nearest streaming launch: 2 moves the KDA
 projection's hint from after the previous layer's down-GEMM to after its up-GEMM, more idle time to fill but the
@@ -46,9 +49,12 @@ reads the router's ids on the device and goes right after them, where the side s
     lingc.l2_prefetch_experts(w13, ids, -1)                      # EXPERT_W2: then (w2, ids, -1)
     up = lingc.moe_up_act(x, w13, sorted_pairs, ...)
 
-It gains nothing from idle time before the GEMM; the bet is that 132 programs asking for all the picked experts'
+It gains nothing from idle time before the GEMM; the bet was that 132 programs asking for all the picked experts'
 bytes at once fill the HBM's queue faster than the GEMM's pipelined loads do (the decode up-GEMM streams 28 MB at
-2.4 TB/s, 11.9 us against 6.7 at the floor).
+2.4 TB/s, 11.9 us against 6.7 at the floor). Measured (same call): it loses. The decode up-GEMM alone took 13.28 us
+with the hint beside it against 11.58 without (kernel-l2-prefetch-experts-h100-20261205.json; 9.8 us only with a 4-8
+us lead, which the ids do not allow), and in the step greedy decode / verify went to 1.3519 / 3.0048 ms (w13), 1.3662
+/ 3.1196 (w13 and w2), 1.3984 / 3.0037 (with the projections' hints) against 1.3371 / 2.6375.
 """
 
 from __future__ import annotations
@@ -77,8 +83,8 @@ ANCHOR_SKIP = int(ANCHOR_SKIP) if ANCHOR_SKIP.strip().isdigit() else ANCHOR_SKIP
 WEIGHTS = True                 # the projections' hints above (False: only the experts', for an A/B)
 # the routed experts' hints: right after each up-GEMM's router (its launch done), l2_prefetch_experts(w13, ids, -1)
 # asks L2 for the picked experts' w13 from 132 programs at once, beside the up-GEMM's own pipelined loads; EXPERT_W2
-# adds their w2 (the down-GEMM's) after it on the side stream. Bench A/B knobs, off: not measured on a GPU yet
-# (LINGC_PREFETCH_EXPERTS=1, LINGC_PREFETCH_EXPERT_W2=1 turn them on)
+# adds their w2 (the down-GEMM's) after it on the side stream. Bench A/B knobs, off: measured slower (verify +370 /
+# +485 us on an H100, module docstring; LINGC_PREFETCH_EXPERTS=1, LINGC_PREFETCH_EXPERT_W2=1 turn them on)
 EXPERTS = os.environ.get("LINGC_PREFETCH_EXPERTS", "0") == "1"
 EXPERT_W2 = os.environ.get("LINGC_PREFETCH_EXPERT_W2", "0") == "1"
 EXPERT_MAX_TOKENS = 16        # no experts' hint above this many tokens (prefill's picks cover most experts: no gain)
@@ -230,8 +236,7 @@ class PrefetchWeights(Pass):
              "fuse_norm_linear", "fuse_combine_norm", "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe",
              "draft_vocab", "fuse_norm_router", "pdl")
     changes_numerics = False
-    # opt-in (`--passes all,prefetch_weights` or LINGC_PREFETCH_WEIGHTS=1) until the side-stream form is measured on
-    # the H200: the PDL-chained form measured slower (module docstring)
+    # opt-in (`--passes all,prefetch_weights` or LINGC_PREFETCH_WEIGHTS=1): every form measured slower (docstring)
     in_all = os.environ.get("LINGC_PREFETCH_WEIGHTS", "0") == "1"
 
     def apply(self, program: Program) -> dict[str, Any]:
