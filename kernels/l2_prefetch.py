@@ -49,6 +49,21 @@ DEDUPE_MAX_PAIRS = 64
 
 
 @triton.jit
+def _bulk_prefetch(addr, size, EVICT_LAST: tl.constexpr):
+    """One cp.async.bulk.prefetch.L2 of `size` bytes at addr where size > 0 (EVICT_LAST: with an evict_last policy)."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
+            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr, BULK: tl.constexpr,
                         PDL: tl.constexpr, EVICT_LAST: tl.constexpr = False):
     if PDL:
@@ -57,16 +72,7 @@ def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr,
     size = tl.minimum(nbytes - piece, CHUNK).to(tl.int32)                                     # <= 0 past the end
     addr = ptr + piece
     if BULK:
-        if EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
-                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+        _bulk_prefetch(addr, size, EVICT_LAST)
     else:
         for j in tl.static_range(0, CHUNK, 128):
             if EVICT_LAST:
@@ -139,16 +145,8 @@ def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, rec_ptr, NP, E, expert_bytes, nb
             slot = i * 2                        # i: this step's piece index, one record a thread a step
             tl.store(rec_ptr + slot, rel)
             tl.store(rec_ptr + slot + 1, size.to(tl.int64))
-        elif EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
-                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-                "=r,l,r", [w_ptr + rel, size], dtype=tl.int32, is_pure=False, pack=1)
         else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [w_ptr + rel, size], dtype=tl.int32, is_pure=False, pack=1)
+            _bulk_prefetch(w_ptr + rel, size, EVICT_LAST)
 
 
 def expert_pieces(pairs: int, nbytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from lingc.modules import MOE_BLOCK_M
 from lingc.ops.moe import PAIR_GRID_PICKS, PAIR_GRID_TOKENS
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls, getitems
+from lingc.passes.matchers import calls, getitems, output_getitem
 
 KEEP_META = ("lingc.scope", "lingc.stage")
 # Layers run on fewer tokens a call keep the aligned GEMMs. H200, Ling-3.0-tiny, one process (bench/device_step.py
@@ -105,12 +105,9 @@ def _router_topk(graph: fx.Graph, router: fx.Node) -> tuple[fx.Node, fx.Node]:
             if read.args[1] < 2:
                 read.args = (topk, read.args[1])
         router = topk
-    ids = getitems(router).get(1, [None])[0]
-    if ids is None:
-        with graph.inserting_after(router):
-            ids = graph.call_function(operator.getitem, (router, 1))
-        ids.meta = {k: router.meta[k] for k in KEEP_META if k in router.meta}
-        ids._rename(f"{router.name}_ids")
+    had_ids = 1 in getitems(router)
+    ids = output_getitem(graph, router, 1, f"{router.name}_ids", KEEP_META)
+    if not had_ids and "lingc.tensor" not in ids.meta:
         weights = getitems(router).get(0, [None])[0]
         shape = getattr(weights.meta.get("lingc.tensor"), "shape", None) if weights is not None else None
         if shape is not None:

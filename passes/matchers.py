@@ -65,6 +65,24 @@ def getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
     return out
 
 
+def output_getitem(graph: fx.Graph, node: fx.Node, index: int, name: str,
+                   keep: tuple[str, ...] = ("lingc.scope", "lingc.stage")) -> fx.Node:
+    """A getitem of output `index` of multi-output `node`: the first existing one, else one made right after `node`,
+    named `name` (made unique in the graph: auto getitem_N names clash on reload), with node's `keep` meta and, where
+    node's lingc.tensor lists its outputs, that output's."""
+    found = getitems(node).get(index)
+    if found:
+        return found[0]
+    with graph.inserting_after(node):
+        item = graph.call_function(operator.getitem, (node, index))
+    item.meta = {k: node.meta[k] for k in keep if k in node.meta}
+    outputs = node.meta.get("lingc.tensor")
+    if isinstance(outputs, (list, tuple)) and index < len(outputs):
+        item.meta["lingc.tensor"] = outputs[index]
+    item._rename(name)
+    return item
+
+
 def producer(node: fx.Node) -> fx.Node:
     """The kernel node that made `node`'s value, looking through views and getitems."""
     while node.op == "call_function" and is_free(node):

@@ -68,7 +68,7 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
-from lingc.passes.matchers import is_free
+from lingc.passes.matchers import is_free, output_getitem
 from lingc.program import Program
 
 ENABLED = True                 # False: the pass inserts nothing (a bench A/B switch)
@@ -183,13 +183,7 @@ def _expert_ids(graph: fx.Graph, up: fx.Node) -> fx.Node | None:
         return src.args[0]
     if src.target not in (OPS.router_align, OPS.add_rmsnorm_router):
         return None
-    ids = next((u for u in src.users if u.target is operator.getitem and u.args[1] == index - 1), None)
-    if ids is None:
-        with graph.inserting_after(src):
-            ids = graph.call_function(operator.getitem, (src, index - 1))
-        ids.meta.update({k: src.meta[k] for k in KEEP_META if k in src.meta})
-        ids.name = graph._graph_namespace.create_name(f"{src.name}_ids", None)
-    return ids
+    return output_getitem(graph, src, index - 1, f"{src.name}_ids", KEEP_META)
 
 
 def _down_of(up: fx.Node) -> fx.Node | None:

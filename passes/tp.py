@@ -75,7 +75,7 @@ from lingc.passes.fuse_align_into_moe import unfuse as unfuse_pairs
 from lingc.passes.fuse_combine_norm import unfuse as unfuse_combine_norm
 from lingc.passes.fuse_norm_router import unfuse as unfuse_norm_router
 from lingc.passes.fuse_moe import unfuse
-from lingc.passes.matchers import calls, consumers, get_weight_node
+from lingc.passes.matchers import calls, consumers, get_weight_node, output_getitem
 
 aten = torch.ops.aten
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -262,12 +262,7 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
     if src.target is OPS.moe_align:
         ids = src.args[0]
     else:
-        ids = _getitem_of(src, 1)
-        if ids is None:
-            with graph.inserting_after(src):
-                ids = graph.call_function(operator.getitem, (src, 1))
-            ids.meta = _meta_from(ids, src)
-            ids._rename(f"{src.name}_ids")         # descriptive names: auto getitem_N names clash on reload
+        ids = output_getitem(graph, src, 1, f"{src.name}_ids", KEEP_META)
     map_name = up.args[1].target.rsplit(".", 1)[0] + ".expert_map"
     owner = shared_owner(map_name, tp) if routed < E else None
     if map_name not in program.weights:

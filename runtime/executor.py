@@ -3,7 +3,7 @@
 Lowering resolves every node once to (implementation, argument slots): with backend "reference" every
 lingc op runs its torch reference; with backend "triton" a lingc op runs its Triton launcher where
 lingc.kernels.lowering has one (the rest, and aten view ops, run themselves). Nodes the `pdl` pass annotated
-launch with pdl=True when PDL is on; a hint op's kernel (l2_prefetch) runs on a side stream that forks after the
+launch with pdl=True when PDL is on; a hint op's kernel (l2_prefetch*) runs on a side stream that forks after the
 launches before it and joins at the graph's end, so no launch waits for it. Running walks the list; nothing is
 looked up, allocated by the host or read back on the way, so `runtime.graphs` can capture a run as a CUDA graph.
 Inputs are persistent buffers (`Buffers`): state pools, relay buffers, staging, slots and page table are shared by
@@ -181,9 +181,11 @@ class Executor:
         self.weights = {k: v.to(self.device) for k, v in program.weights.items()}
         self.buffers = Buffers.allocate(program, self.device)
         self.lowered = {name: lower(program, name, backend, pdl) for name in program.graphs}
-        self._side: torch.cuda.Stream | None = None     # hint kernels' stream (_side_stream)
-        if self.device.type == "cuda" and any(x.side for low in self.lowered.values() for x in low.launches):
-            self._side_stream()      # made here, never first inside a CUDA-graph capture
+        # the hint kernels' stream (l2_prefetch, l2_prefetch_experts): the launches after a hint do not wait for it, so
+        # a hint that lives until its prefetch lands never holds up the chain; it starts once everything before it is
+        # done. Made here, never first inside a CUDA-graph capture
+        hints = any(x.side for low in self.lowered.values() for x in low.launches)
+        self._side = torch.cuda.Stream(self.device) if hints and self.device.type == "cuda" else None
 
     def kernel_counts(self, name: str) -> dict[str, int]:
         """How many launches of graph `name` run each implementation ("triton:<op>" or the op name)."""
@@ -208,25 +210,18 @@ class Executor:
             env[i] = self.buffers.tensors[key]
         for i, w in low.weights:
             env[i] = self.weights[w]
-        side = None
+        forked = False
         for launch in low.launches:
             args, kwargs = _resolve(launch.args, env), _resolve(launch.kwargs, env)
-            if launch.side and self.device.type == "cuda":
-                side = side or self._side_stream()
-                side.wait_stream(torch.cuda.current_stream(self.device))     # after everything launched so far
-                with torch.cuda.stream(side):
+            if launch.side and self._side is not None:
+                forked = True
+                self._side.wait_stream(torch.cuda.current_stream(self.device))     # after everything launched so far
+                with torch.cuda.stream(self._side):
                     env[launch.out] = launch.fn(*args, **kwargs)
             else:
                 env[launch.out] = launch.fn(*args, **kwargs)
             if observe is not None:
                 observe(launch, args, kwargs, env[launch.out])
-        if side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(side)        # joined at the end (a graph must join)
+        if forked:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)   # joined at the end (a graph must join)
         return _resolve(low.output, env)
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        """The stream hint kernels run on (l2_prefetch): the launches after a hint do not wait for it, so a hint that
-        takes as long as its prefetch lands never holds up the chain; it starts once everything before it is done."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        return self._side
