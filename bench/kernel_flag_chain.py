@@ -46,7 +46,7 @@ WARPS = 4
 @triton.jit
 def _link_kernel(x_ptr, y_ptr, w_ptr, flags_ptr, timeouts_ptr, link, zero, max_spins,
                  MODE: tl.constexpr, BLOCK: tl.constexpr, WBLOCK: tl.constexpr, FIRST: tl.constexpr,
-                 LAST: tl.constexpr):
+                 LAST: tl.constexpr, PDL: tl.constexpr = True):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ws = 0.0
@@ -65,7 +65,8 @@ def _link_kernel(x_ptr, y_ptr, w_ptr, flags_ptr, timeouts_ptr, link, zero, max_s
                 spins += 1
             if c < grid:
                 tl.atomic_add(timeouts_ptr, 1)
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL:                                              # off only in the interpreter (the protocol's CPU test)
+            tl.extra.cuda.gdc_launch_dependents()
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     if FIRST:
         x = tl.zeros([BLOCK], tl.float32)
@@ -82,8 +83,9 @@ def _link_kernel(x_ptr, y_ptr, w_ptr, flags_ptr, timeouts_ptr, link, zero, max_s
                 tl.store(flags_ptr + link - 1, 0)
 
 
-def chain(mode: str, links: int, grid: int, weight_kb: int, max_spins: int, dev: torch.device):
-    """The chain's launch closures, its output buffer getter and the timeouts counter."""
+def chain(mode: str, links: int, grid: int, weight_kb: int, max_spins: int, dev: torch.device, pdl: bool = True):
+    """The chain's launch closures, its output buffer, the timeouts counter and the link counters. pdl=False (the
+    interpreter) launches the flag mode without PDL: the protocol alone, one kernel after another."""
     bufs = [torch.zeros(grid * BLOCK, device=dev) for _ in range(2)]
     wblock = weight_kb * 1024 // 2
     weights = [torch.randn(max(grid * wblock, 1), device=dev, dtype=torch.bfloat16) for _ in range(links)]
@@ -94,7 +96,8 @@ def chain(mode: str, links: int, grid: int, weight_kb: int, max_spins: int, dev:
     def launch(i: int):
         return lambda: _link_kernel[(grid,)](
             bufs[i % 2], bufs[(i + 1) % 2], weights[i], flags, timeouts, i, 0.0, max_spins, MODE=m, BLOCK=BLOCK,
-            WBLOCK=wblock, FIRST=i == 0, LAST=i == links - 1, num_warps=WARPS, launch_pdl=m > 0)
+            WBLOCK=wblock, FIRST=i == 0, LAST=i == links - 1, PDL=pdl, num_warps=WARPS,
+            **({"launch_pdl": True} if pdl and m > 0 else {}))
     return [launch(i) for i in range(links)], bufs[links % 2], timeouts, flags
 
 
