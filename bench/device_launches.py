@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_profile import busy_us, kernel_events  # noqa: E402
+from device_profile import busy_us  # noqa: E402
 from device_step import (CONTEXT, DRAFT_TOKENS, GREEDY_SUFFIX, NEXTN_GRAPHS, fill_context, reset_request,  # noqa: E402
                          time_graphs)
 from floor import launch_bytes  # noqa: E402
