@@ -15,7 +15,8 @@ Modes (one row each, per grid size and weight slice):
     pdl    PDL launches, gdc_wait then the trigger (lingc's `early` trigger, kernels/pdl.py)
     flag   PDL launches, the counter poll instead of gdc_wait, then the trigger; signal after the stores; the
            consumer's programs each add 1 again at their end and the one that brings it to 2G resets it to 0, so
-           the counter is ready for the next replay (no host work)
+           the counter is ready for the next replay (no host work). The chain's first kernel keeps gdc_wait (nothing
+           signals it; without the wait it could overwrite a buffer the previous chain's last kernel still reads)
 The value check (the chain's output is its length, every element) runs after the timed replays; a poll that gives up
 after --max-spins counts a timeout (reported; any timeout makes the row not ok).
 
@@ -57,6 +58,8 @@ def _link_kernel(x_ptr, y_ptr, w_ptr, flags_ptr, timeouts_ptr, link, zero, max_s
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if MODE == 2:
+        if FIRST and PDL:   # the chain's entry waits on whatever ran before it (as after a kernel that signals nothing)
+            tl.extra.cuda.gdc_wait()
         if not FIRST:
             c = tl.atomic_add(flags_ptr + link - 1, 0, sem="acquire", scope="gpu")
             spins = 0
