@@ -61,9 +61,9 @@ def _link_kernel(x_ptr, y_ptr, w_ptr, flags_ptr, timeouts_ptr, link, zero, max_s
         if FIRST and PDL:   # the chain's entry waits on whatever ran before it (as after a kernel that signals nothing)
             tl.extra.cuda.gdc_wait()
         if not FIRST:
-            c = tl.atomic_add(flags_ptr + link - 1, 0, sem="acquire", scope="gpu")
+            c = 0
             spins = 0
-            while (c < grid) & (spins < max_spins):
+            while (c < grid) & (spins <= max_spins):     # the first poll and up to max_spins more
                 c = tl.atomic_add(flags_ptr + link - 1, 0, sem="acquire", scope="gpu")
                 spins += 1
             if c < grid:
