@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Two pending questions in one device call (one GPU, nvidia-h200; ~6-7 minutes on a cold machine):
+# Two questions in one device call (one GPU, nvidia-h200; ~5 minutes on a cold machine). Both answered on the H200 at
+# 916022f (bench/README.md: no flag_sync, no knob change; results/flag-chain-h200-20261205.json,
+# results/step-ab-h200-20261205-c.json); kept to repeat them on another GPU or after kernel changes:
 # 1. the boundary probe (bench/kernel_flag_chain.py, OUT_DIR/flag-chain.json): what a kernel boundary costs inside a
 #    CUDA graph with PDL's gdc_wait, against a flag handoff; it decides whether a flag_sync lowering is worth building
 # 2. the MLA / linear / MoE knob A/B (OUT_DIR/ab.json): device_step.py --only all --no-parity with, against base /

@@ -6,13 +6,17 @@ once the whole kernel before it has completed and flushed. A flag handoff replac
 producer, after its stores, adds 1 to the link's counter (CTA barrier, then a release atomic, gpu scope); the
 consumer, launched early by PDL as now, polls the counter (acquire) until it reaches the producer's grid size, then
 triggers its own dependents and runs. This probe measures both on a chain of tiny kernels, so a later change to
-every kernel family's wait is judged by a number, not a guess.
+every kernel family's wait is judged by a number, not a guess. On the H200 (results/flag-chain-h200-20261205.json)
+the flag handoff cost more than gdc_wait at every grid (1.14 vs 0.73 us a kernel at 132 programs).
 
     link i, program p:  [before the wait: read a cold weight slice (--weight-kb)]  wait  y[p] = x[p] + 1  signal
 
 Modes (one row each, per grid size and weight slice):
     graph  plain graph launches, no PDL: each kernel starts after the previous one has finished
     pdl    PDL launches, gdc_wait then the trigger (lingc's `early` trigger, kernels/pdl.py)
+    entry  PDL launches, the trigger at kernel entry (before the weight read), then gdc_wait: every kernel's programs
+           may start while the one before still waits, so the pre-wait weight reads of many links overlap (the deep
+           form of lingc's `entry_trigger` hint, kernels/pdl.py; what it costs is SM slots held while waiting)
     flag   PDL launches, the counter poll instead of gdc_wait, then the trigger; signal after the stores; the
            consumer's programs each add 1 again at their end and the one that brings it to 2G resets it to 0, so
            the counter is ready for the next replay (no host work). The chain's first kernel keeps gdc_wait (nothing
@@ -20,7 +24,8 @@ Modes (one row each, per grid size and weight slice):
 The value check (the chain's output is its length, every element) runs after the timed replays; a poll that gives up
 after --max-spins counts a timeout (reported; any timeout makes the row not ok).
 
-    python3 bench/kernel_flag_chain.py [--links 256] [--grids 1,16,132,264] [--weight-kb 0,16] [--json OUT]
+    python3 bench/kernel_flag_chain.py [--links 256] [--grids 1,16,132,264] [--weight-kb 0,16] [--modes graph,pdl,flag]
+                                       [--json OUT]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import graph_time_us  # noqa: E402
 
-MODES = {"graph": 0, "pdl": 1, "flag": 2}
+MODES = {"graph": 0, "pdl": 1, "flag": 2, "entry": 3}
 BLOCK = 256          # fp32 values a program passes on (1 KB)
 WARPS = 4
 
@@ -50,6 +55,8 @@ def _link_kernel(x_ptr, y_ptr, w_ptr, flags_ptr, timeouts_ptr, link, zero, max_s
                  LAST: tl.constexpr, PDL: tl.constexpr = True):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
+    if MODE == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     ws = 0.0
     if WBLOCK > 0:                      # a weight slice no kernel writes: read before the wait, as lingc's GEMVs do
         w = tl.load(w_ptr + pid.to(tl.int64) * WBLOCK + tl.arange(0, WBLOCK))
@@ -57,6 +64,8 @@ def _link_kernel(x_ptr, y_ptr, w_ptr, flags_ptr, timeouts_ptr, link, zero, max_s
     if MODE == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if MODE == 3:
+        tl.extra.cuda.gdc_wait()
     if MODE == 2:
         if FIRST and PDL:   # the chain's entry waits on whatever ran before it (as after a kernel that signals nothing)
             tl.extra.cuda.gdc_wait()
