@@ -15,6 +15,9 @@ spent ~130 us in them (bench/device_profile.py). Each launcher here is one progr
     embedding(ids [B, T], table [V, h])                  -> table[ids]                 [B, T, h]
     emit_tokens(out_tokens [S, W], out_len [S], slots, tokens [B, n], count [B]?)
                                                          : out_tokens[slot, :n] = tokens[b], out_len[slot] = count or n
+    emit_accepted(out_tokens, out_len, slots, tokens [B, n], count [B], seq [B])
+                                                         : emit_tokens, then -> (tokens[b, count[b] - 1] [B, 1],
+                                                           seq + count [B])                      (fuse_emit)
     gather_rows_multi(tables [S, ...] x N, slots [B])    -> [t[slots] for t in tables]  (fuse_relay)
     scatter_rows_multi(tables x N, slots, values x N, adds x N)
                                                          : t[slots] = v + a             (fuse_relay; a: int)
@@ -432,6 +435,30 @@ def _emit_tokens_kernel(out_tokens_ptr, out_len_ptr, slots_ptr, tokens_ptr, coun
     tl.store(out_len_ptr + slot, count.to(out_len_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _emit_accepted_kernel(out_tokens_ptr, out_len_ptr, slots_ptr, tokens_ptr, count_ptr, seq_ptr, last_ptr, next_ptr,
+                          n, s_out, s_tokens, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """_emit_tokens_kernel with a count, then last[b] = tokens[b, count[b] - 1] (a negative index wraps, as torch's
+    indexing) and next[b] = seq[b] + count[b] in next's dtype (torch's promotion of the add)."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_N)
+    if PDL:
+        pdl_wait()
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    tok = tl.load(tokens_ptr + b * s_tokens + i, mask=i < n, other=0)
+    count = tl.load(count_ptr + b)
+    seq = tl.load(seq_ptr + b)
+    if PDL:
+        pdl_trigger()
+    tl.store(out_tokens_ptr + slot * s_out + i, tok.to(out_tokens_ptr.dtype.element_ty), mask=i < n)
+    tl.store(out_len_ptr + slot, count.to(out_len_ptr.dtype.element_ty))
+    pick = count.to(tl.int64) - 1
+    pick = tl.where(pick < 0, pick + n, pick)
+    tl.store(last_ptr + b, tl.sum(tl.where(i == pick, tok, 0), axis=0).to(last_ptr.dtype.element_ty))
+    ty = next_ptr.dtype.element_ty
+    tl.store(next_ptr + b, seq.to(ty) + count.to(ty))
+
+
 def embedding(input_ids: torch.Tensor, table: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """table[input_ids] [B, T, h] (lingc.embedding): one launch, one program per (token, block of the row), the
     gather_rows kernel with the ids as the index (an exact copy). Ids are not range-checked on the device (the
@@ -469,9 +496,28 @@ def emit_tokens(out_tokens: torch.Tensor, out_len: torch.Tensor, slots: torch.Te
                               BLOCK_N=triton.next_power_of_2(n), PDL=pdl, **opts)
 
 
+def emit_accepted(out_tokens: torch.Tensor, out_len: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+                  count: torch.Tensor, seq: torch.Tensor, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """emit_tokens + pick_position(tokens, count, -1) + seq + count (lingc.emit_accepted) in one launch: one
+    program per request. Integer copies and one integer add: the reference's values exactly."""
+    B = tokens.shape[0] if tokens.dim() == 2 else 0
+    if (out_tokens.dim() != 2 or out_tokens.stride(1) != 1 or tokens.dim() != 2 or tokens.stride(1) != 1
+            or tokens.shape[1] > out_tokens.shape[1] or tokens.shape[1] == 0 or slots.dim() != 1 or out_len.dim() != 1
+            or any(t.shape != (B,) or t.is_floating_point() for t in (slots, count, seq)) or B == 0):
+        return torch.ops.lingc.emit_accepted(out_tokens, out_len, slots, tokens, count, seq)
+    n = tokens.shape[1]
+    last = torch.empty((B, 1), dtype=tokens.dtype, device=tokens.device)
+    nxt = torch.empty((B,), dtype=torch.promote_types(seq.dtype, count.dtype), device=seq.device)
+    pdl, opts = _opts(pdl, tokens.device)
+    _emit_accepted_kernel[(B,)](out_tokens, out_len, slots, tokens, count, seq, last, nxt, n, out_tokens.stride(0),
+                                tokens.stride(0), BLOCK_N=triton.next_power_of_2(n), PDL=pdl, **opts)
+    return last, nxt
+
+
 LOWERINGS: dict[str, Callable] = {
     "embedding": embedding,
     "emit_tokens": emit_tokens,
+    "emit_accepted": emit_accepted,
     "gather_rows": gather_rows,
     "scatter_rows": scatter_rows,
     "step_positions": step_positions,

@@ -115,6 +115,26 @@ def _(out_tokens, out_len, slots, tokens, count=None):
 register("emit_tokens")
 
 
+@torch.library.custom_op("lingc::emit_accepted", mutates_args=("out_tokens", "out_len"))
+def emit_accepted(out_tokens: torch.Tensor, out_len: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+                  count: torch.Tensor, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify's publish tail in one op (fuse_emit): emit_tokens(out_tokens, out_len, slots, tokens, count), then
+    (pick_position(tokens, count, -1) [B, 1], seq + count [B]): the chain's last accepted token (the next root)
+    and the advanced sequence length, in torch's dtypes for that index and that add."""
+    emit_tokens(out_tokens, out_len, slots, tokens, count)
+    return pick_position(tokens, count, -1), seq + count
+
+
+@emit_accepted.register_fake
+def _(out_tokens, out_len, slots, tokens, count, seq):
+    return (tokens.new_empty((tokens.shape[0], 1)),
+            torch.empty(torch.broadcast_shapes(seq.shape, count.shape),
+                        dtype=torch.promote_types(seq.dtype, count.dtype), device=seq.device))
+
+
+register("emit_accepted")
+
+
 @torch.library.custom_op("lingc::paged_refill", mutates_args=())
 def paged_refill(page_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,7 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_every_meta_op_is_lowered() -> None:
     table = kernel_table()
     for op in ("gather_rows", "scatter_rows", "step_positions", "paged_refill", "step_refill", "pick_position",
-               "gather_rows_multi", "scatter_rows_multi", "embedding", "emit_tokens"):
+               "gather_rows_multi", "scatter_rows_multi", "embedding", "emit_tokens", "emit_accepted"):
         assert table[op] is getattr(meta, op)
 
 
@@ -93,6 +93,28 @@ def test_emit_tokens(n: int, with_count: bool) -> None:
     torch.ops.lingc.emit_tokens(*outs[1], slots, tokens, count)
     _same(outs[0][0], outs[1][0])
     _same(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("seq_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [1, 6])
+def test_emit_accepted(n: int, seq_dtype: torch.dtype) -> None:
+    """fuse_emit's op: the emit, the last accepted token (count 1 .. n, and a count of 0 wrapping to the last token
+    as torch's index -1 does) and seq + count in torch's promoted dtype, each equal to the reference's."""
+    g = torch.Generator().manual_seed(10 + n)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32)
+    tokens = torch.randint(0, 1000, (3, n), generator=g)
+    count = torch.tensor([n, 1, 0], dtype=torch.int32)
+    seq = torch.tensor([5, 0, 8190], dtype=seq_dtype)
+    outs = [(torch.full((4, 6), -7, dtype=torch.int64), torch.full((4,), -3, dtype=torch.int32)) for _ in range(2)]
+    got = meta.emit_accepted(*outs[0], slots, tokens, count, seq)
+    want = torch.ops.lingc.emit_accepted(*outs[1], slots, tokens, count, seq)
+    for a, b in zip((*outs[0], *got), (*outs[1], *want)):
+        _same(a, b)
+    assert got[0].view(-1).tolist() == [tokens[0, n - 1].item(), tokens[1, 0].item(), tokens[2, n - 1].item()]
+    assert got[1].dtype == torch.promote_types(seq_dtype, torch.int32) and got[1].tolist() == [5 + n, 1, 8190]
+    strided = torch.randint(0, 1000, (3, 2 * n), generator=g)[:, ::2]             # a layout the kernel declines
+    _same(meta.emit_accepted(*outs[0], slots, strided, count, seq)[0],
+          torch.ops.lingc.emit_accepted(*outs[1], slots, strided, count, seq)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool])
