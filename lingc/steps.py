@@ -96,10 +96,11 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
 
     def draft() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         seq = ops.gather_rows(relay["seq_len"], slots)
+        root = ops.gather_rows(relay["root"], slots).view(B, 1)
         token = ops.gather_rows(relay["draft_first"], slots).view(B, 1)
         hidden = ops.gather_rows(relay["mtp_hidden"], slots).view(B, 1, c.hidden_size)
         temperature, top_k, top_p, seed, counter = _sampling(relay, slots)
-        ids, probs = [token], [ops.gather_rows(relay["draft_first_probs"], slots).view(B, 1, -1)]
+        ids, probs = [root, token], [ops.gather_rows(relay["draft_first_probs"], slots).view(B, 1, -1)]
         # every forward's position and uniform in one launch each (column i: seq + i, counter + i), not an add
         # and a launch per forward
         positions = ops.step_positions(seq, K - 1)                                    # [B, K - 1]
@@ -110,14 +111,16 @@ def nextn_step(model: LingForCausalLM, slots: torch.Tensor, relay: dict[str, tor
             token = ops.sample_tokens(p, u[:, i:i + 1])
             ids.append(token)
             probs.append(p)
-        return seq, torch.cat(ids, dim=1), torch.cat(probs, dim=1)                    # [B], [B, K], [B, K, V]
+        # the chain verify feeds the target, [root, d1..dK]: the root joins the draft's one cat, so verify has no
+        # cat of its own (its draft ids are a view of the chain)
+        return seq, torch.cat(ids, dim=1), torch.cat(probs, dim=1)                    # [B], [B, K+1], [B, K, V]
 
-    seq, draft_ids, draft_probs = stage("draft", draft)
+    seq, chain, draft_probs = stage("draft", draft)
 
     def verify() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        root = ops.gather_rows(relay["root"], slots).view(B, 1)
+        draft_ids = chain[:, 1:]                                                      # [B, K]
         positions = ops.step_positions(seq, K + 1)
-        logits, hidden = model.step(torch.cat([root, draft_ids], dim=1), positions, state)   # [B, K+1, V]
+        logits, hidden = model.step(chain, positions, state)                          # [B, K+1, V]
         temperature, top_k, top_p, seed, counter = _sampling(relay, slots)
         target_probs = ops.filtered_probs(logits, temperature, top_k, top_p)
         # counter + K .. + 2K: the acceptance; + 2K + 1: extend's; + 2K + 2: simulate_accept's (one launch)
