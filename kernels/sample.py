@@ -185,8 +185,9 @@ def _chain_final_kernel(draft_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, u_ptr, val_
     if temp <= 0:
         # greedy: accept while the draft equals the target's argmax; the stop token is the argmax there. The K + 1
         # rows' partials load as one [KP1_BLOCK, C_BLOCK] tile and merge along the chunks together: one set of
-        # block reductions instead of one a row (a loop over the rows took 3.8 us at K = 5 on the H200,
-        # launches-kda-tma-h200-20261204.json). The same compares, so the same ids
+        # block reductions instead of one a row (a loop over the rows took 3.8 us exposed at K = 5 on the H200,
+        # launches-kda-tma-h200-20261204.json; this, 1.6 us on an H100, launches-h100-20261205.json). The same
+        # compares, so the same ids
         rows = b * (K + 1) + kk
         live = (kk < K + 1)[:, None] & cm[None, :]
         offs = rows[:, None] * n_chunks + cc[None, :]

@@ -8,7 +8,9 @@ After:
     verify_emit_accepted = lingc.emit_accepted(relay_out_tokens, relay_out_len, slots, tokens, accept_len, seq)
     verify_pick_position = getitem(verify_emit_accepted, 0); verify_add = getitem(verify_emit_accepted, 1)
 Launches: 3 -> 1 (the add was a torch kernel). On the H200 the three took 0.70 + 1.79 + 1.95 us of greedy verify's
-exposed time (bench/results/launches-kda-tma-h200-20261204.json).
+exposed time (bench/results/launches-kda-tma-h200-20261204.json). Measured on an H100 (2026-12-05, one process, three
+baselines; bench/results/step-ab-emit-h100-20261205.json): greedy verify 3-5 us faster with it in every pairing,
+emit_accepted 0.90 us exposed (launches-h100-20261205.json); greedy parity held on the GPU.
 
 Rules (per emit_tokens with a count): the pick must read the emit's tokens at its count with offset -1; the add
 (alpha 1) must add the count to an integer tensor of the count's shape. At least one of the two must exist (else

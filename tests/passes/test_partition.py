@@ -57,7 +57,7 @@ def test_relay_buffers(tiny_options, partitioned):
     crossings = sorted((r["from"], tuple(r["to"]), tuple(r["shape"]), r["dtype"]) for r in relays)
     assert crossings == sorted([
         ("draft", ("verify",), (S,), "int64"),                     # seq_len as read before verify advances it
-        ("draft", ("verify",), (S, K), "int64"),                   # draft ids d1..dK
+        ("draft", ("verify",), (S, K + 1), "int64"),               # the chain [root, d1..dK]
         ("draft", ("verify",), (S, K, 512), "float32"),            # their draft distributions
         ("verify", ("extend",), (S, K + 1), "int64"),              # the chain's tokens
         ("verify", ("extend",), (S, K + 1), "int64"),              # its positions
