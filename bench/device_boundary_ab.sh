@@ -16,12 +16,7 @@
 # Each step has its own time limit, so one that hangs leaves the other's file. Run from the repository root.
 set -u
 OUT=${1:?usage: LINGC_COMMIT=<hash> bash bench/device_boundary_ab.sh OUT_DIR}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-rm -rf /tmp/lingc-site
-pip install -q --no-deps --no-build-isolation --target /tmp/lingc-site . || exit 1
-export PYTHONPATH=/tmp/lingc-site
-nvidia-smi --query-gpu=name --format=csv,noheader
+source bench/device_site.sh
 echo "== boundary probe"
 timeout 120 python3 bench/kernel_flag_chain.py --json "$OUT/flag-chain.json" 2>&1 | grep -v Warning | tail -30
 M=lingc.kernels.mla

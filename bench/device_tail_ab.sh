@@ -14,12 +14,7 @@
 # Each step has its own time limit, so one that hangs leaves the others' files. Run from the repository root.
 set -u
 OUT=${1:?usage: LINGC_COMMIT=<hash> bash bench/device_tail_ab.sh OUT_DIR}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-rm -rf /tmp/lingc-site
-pip install -q --no-deps --no-build-isolation --target /tmp/lingc-site . || exit 1
-export PYTHONPATH=/tmp/lingc-site
-nvidia-smi --query-gpu=name --format=csv,noheader
+source bench/device_site.sh
 echo "== entry probe"
 timeout 90 python3 bench/kernel_flag_chain.py --modes graph,pdl,entry --grids 16,132,264 --weight-kb 0,16,32 \
   --json "$OUT/entry.json" 2>&1 | grep -v Warning | tail -14

@@ -42,7 +42,8 @@ def _int_vector(node: Any, like: fx.Node) -> bool:
             and not meta.dtype.is_floating_point and meta.dtype != torch.bool and tuple(meta.shape) == tuple(want.shape))
 
 
-def _pick_of(emit: fx.Node, tokens: fx.Node, count: fx.Node) -> fx.Node | None:
+def _pick_of(tokens: fx.Node, count: fx.Node) -> fx.Node | None:
+    """The `pick_position(tokens, count, -1)` reading the emit's tokens at its count, if any."""
     for user in tokens.users:
         if user.target is OPS.pick_position and user.args[:2] == (tokens, count) and not user.kwargs \
                 and (user.args[2] if len(user.args) > 2 else 0) == -1:
@@ -91,7 +92,7 @@ class FuseEmit(Pass):
                 if len(emit.args) < 5 or emit.args[4] is None or emit.kwargs:
                     continue
                 out_tokens, out_len, slots, tokens, count = emit.args[:5]
-                pick, add = _pick_of(emit, tokens, count), _add_of(count)
+                pick, add = _pick_of(tokens, count), _add_of(count)
                 if pick is None and add is None:
                     continue
                 seq = add[1] if add is not None else None
