@@ -1,0 +1,103 @@
+"""How the pair grid's MoE GEMMs grow with the experts they read: what a launch costs beyond streaming its weights.
+
+verify's MoE layers run moe_up_act_pairs and moe_down_pairs (kernels/moe.py's pair grid) on 6 tokens; in the H200 step
+they stream at ~3.7 TB/s against a 4.2 TB/s copy (bench/results/launches-kda-tma-h200-20261204.json), the largest
+share of verify's time over its floor. Is that a lower streaming rate, or a fixed cost a launch pays (the wait, the
+ids' round trip, the pipeline's fill, the last wave's tail)? This times both kernels at Ling-3.0-tiny's shapes (h 1536,
+I 512, 128 experts, top-8, bf16) for routings with exactly d distinct experts (token t's pick j is expert
+S[(8t + j) % d] of a random set S of d: 8 distinct picks a token for d >= 8, every expert of S read), d from 8 to 48
+at 6 tokens and 64 to 128 at 16 (the pair grid's largest), and fits time = a + bytes / bw by least squares over the
+points (bytes: d experts' weights). `a` is the fixed cost, `bw` the streaming rate; the HBM copy bandwidth is
+measured in the same process (bench/timing.py). Cold weights: COPIES copies of each stack alternate over the calls,
+each call with its own set S; times are CUDA-graph replay medians of the calls, PDL-launched as in the step.
+
+    python3 bench/kernel_moe_scaling.py [--json OUT]       # one GPU; JSON lines, and the rows and fits in OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import cold_copies, graph_time_or_none, hbm_bandwidth_gbps  # noqa: E402
+
+H, INTER, E, TOP_K = 1536, 512, 128, 8
+CALLS = 16
+COPIES = cold_copies(E * 2 * INTER * H * 2)
+POINTS = [(6, d) for d in (8, 12, 16, 24, 32, 40, 48)] + [(16, d) for d in (64, 96, 128)]
+
+
+def routing(T: int, d: int, g: torch.Generator, dev: torch.device) -> torch.Tensor:
+    """int32 [T, TOP_K] ids whose union is exactly d experts (d >= TOP_K, d <= T * TOP_K)."""
+    chosen = torch.randperm(E, generator=g)[:d]
+    slots = torch.arange(T * TOP_K).view(T, TOP_K) % d
+    return chosen[slots].to(torch.int32).to(dev)
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys on xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - slope * mx, slope
+
+
+def run(dev: torch.device) -> dict:
+    from lingc.kernels.moe import interleave_w13, moe_down_pairs, moe_up_act_pairs
+    g = torch.Generator(device="cpu").manual_seed(0)
+    gd = torch.Generator(device=dev).manual_seed(0)
+    w13 = [interleave_w13(torch.randn(E, 2 * INTER, H, device=dev, generator=gd).mul(0.02).to(torch.bfloat16))
+           for _ in range(COPIES)]
+    w2 = [torch.randn(E, H, INTER, device=dev, generator=gd).mul(0.02).to(torch.bfloat16) for _ in range(COPIES)]
+    up_bytes, down_bytes = 2 * INTER * H * 2, H * INTER * 2
+    rows = []
+    for T, d in POINTS:
+        ids = [routing(T, d, g, dev) for _ in range(CALLS)]
+        x = [torch.randn(T, H, device=dev, generator=gd).to(torch.bfloat16) for _ in range(CALLS)]
+        act = [moe_up_act_pairs(x[c], w13[c % COPIES], ids[c], 0.0, pdl=True) for c in range(CALLS)]
+        up = graph_time_or_none([lambda c=c: moe_up_act_pairs(x[c], w13[c % COPIES], ids[c], 0.0, pdl=True)
+                                 for c in range(CALLS)])
+        down = graph_time_or_none([lambda c=c: moe_down_pairs(act[c], w2[c % COPIES], ids[c], pdl=True)
+                                   for c in range(CALLS)])
+        row = {"tokens": T, "experts": d, "up_us": up, "up_mb": d * up_bytes / 1e6, "down_us": down,
+               "down_mb": d * down_bytes / 1e6}
+        for k in ("up", "down"):
+            if row[f"{k}_us"]:
+                row[f"{k}_gbps"] = row[f"{k}_mb"] * 1e3 / row[f"{k}_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    fits = {}
+    for k in ("up", "down"):
+        pts = [(r[f"{k}_mb"], r[f"{k}_us"]) for r in rows if r[f"{k}_us"]]
+        if len(pts) >= 3:
+            a, slope = fit([p[0] for p in pts], [p[1] for p in pts])
+            worst = max(abs(y - (a + slope * x)) for x, y in pts)
+            fits[k] = {"fixed_us": a, "stream_gbps": 1e3 / slope, "max_residual_us": worst}
+    return {"rows": rows, "fits": fits}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+              "commit": os.environ.get("LINGC_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
+              "command": "python3 bench/kernel_moe_scaling.py " + " ".join(sys.argv[1:]),
+              "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev)}
+    print(json.dumps({"fits": result["fits"], "hbm_bandwidth_gbps": result["hbm_bandwidth_gbps"]}), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
