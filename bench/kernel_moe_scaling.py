@@ -11,7 +11,11 @@ points (bytes: d experts' weights). `a` is the fixed cost, `bw` the streaming ra
 measured in the same process (bench/timing.py). Cold weights: COPIES copies of each stack alternate over the calls,
 each call with its own set S; times are CUDA-graph replay medians of the calls, PDL-launched as in the step.
 
-    python3 bench/kernel_moe_scaling.py [--json OUT]       # one GPU; JSON lines, and the rows and fits in OUT
+`--up-configs` adds the up-GEMM's series under other tilings (block_n, block_k, warps, stages, swap_ab; the default
+is kernels/moe.py's UP_PAIRS_CONFIG), each with its own fit: which part of a launch a tiling moves. Timing only (a
+tiling with another block_k sums in another order).
+
+    python3 bench/kernel_moe_scaling.py [--json OUT] [--up-configs 64,128,4,4,1;128,128,8,3,1]
 """
 
 from __future__ import annotations
@@ -50,8 +54,17 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def run(dev: torch.device) -> dict:
-    from lingc.kernels.moe import interleave_w13, moe_down_pairs, moe_up_act_pairs
+def parse_configs(spec: str) -> list[tuple[int, int, int, int, bool]]:
+    """'64,128,4,4,1;128,128,8,3,1' -> [(block_n, block_k, num_warps, num_stages, swap_ab), ...]."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        bn, bk, w, st, swap = (int(v) for v in item.split(","))
+        out.append((bn, bk, w, st, bool(swap)))
+    return out
+
+
+def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = ()) -> dict:
+    from lingc.kernels.moe import GemmConfig, interleave_w13, moe_down_pairs, moe_up_act_pairs
     g = torch.Generator(device="cpu").manual_seed(0)
     gd = torch.Generator(device=dev).manual_seed(0)
     w13 = [interleave_w13(torch.randn(E, 2 * INTER, H, device=dev, generator=gd).mul(0.02).to(torch.bfloat16))
@@ -69,13 +82,20 @@ def run(dev: torch.device) -> dict:
                                    for c in range(CALLS)])
         row = {"tokens": T, "experts": d, "up_us": up, "up_mb": d * up_bytes / 1e6, "down_us": down,
                "down_mb": d * down_bytes / 1e6}
-        for k in ("up", "down"):
+        for cfg in up_configs:
+            key = "up_" + "_".join(str(int(v)) for v in cfg)
+            config = GemmConfig(*cfg)
+            row[f"{key}_us"] = graph_time_or_none([
+                lambda c=c: moe_up_act_pairs(x[c], w13[c % COPIES], ids[c], 0.0, pdl=True, config=config)
+                for c in range(CALLS)])
+            row[f"{key}_mb"] = row["up_mb"]
+        for k in [key[:-3] for key in row if key.endswith("_us")]:
             if row[f"{k}_us"]:
                 row[f"{k}_gbps"] = row[f"{k}_mb"] * 1e3 / row[f"{k}_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     fits = {}
-    for k in ("up", "down"):
+    for k in [key[:-3] for key in rows[0] if key.endswith("_us")]:
         pts = [(r[f"{k}_mb"], r[f"{k}_us"]) for r in rows if r[f"{k}_us"]]
         if len(pts) >= 3:
             a, slope = fit([p[0] for p in pts], [p[1] for p in pts])
@@ -87,13 +107,14 @@ def run(dev: torch.device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--up-configs", default="", help="other up-GEMM tilings: bn,bk,warps,stages,swap;...")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "commit": os.environ.get("LINGC_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
               "command": "python3 bench/kernel_moe_scaling.py " + " ".join(sys.argv[1:]),
-              "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev)}
+              "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev, parse_configs(args.up_configs))}
     print(json.dumps({"fits": result["fits"], "hbm_bandwidth_gbps": result["hbm_bandwidth_gbps"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -26,3 +26,8 @@ def test_fit_recovers_a_line() -> None:
     xs = [25.0, 50.0, 100.0, 150.0]
     a, slope = scaling.fit(xs, [3.5 + 0.25 * x for x in xs])
     assert a == pytest.approx(3.5) and slope == pytest.approx(0.25)
+
+
+def test_parse_configs() -> None:
+    assert scaling.parse_configs("64,128,4,4,1; 32,128,4,4,0;") == [(64, 128, 4, 4, True), (32, 128, 4, 4, False)]
+    assert scaling.parse_configs("") == []
