@@ -11,11 +11,13 @@ points (bytes: d experts' weights). `a` is the fixed cost, `bw` the streaming ra
 measured in the same process (bench/timing.py). Cold weights: COPIES copies of each stack alternate over the calls,
 each call with its own set S; times are CUDA-graph replay medians of the calls, PDL-launched as in the step.
 
-`--up-configs` adds the up-GEMM's series under other tilings (block_n, block_k, warps, stages, swap_ab; the default
+`--linear` adds the dense skinny GEMM (kernels/linear.py, lingc.linear) over the same bytes, the first d experts' w13
+rows as one [d * 2I, h] weight at 6 rows: the same streaming without the pair grid's ids prologue, its fixed cost the
+yardstick for the MoE's. `--up-configs` adds the up-GEMM's series under other tilings (block_n, block_k, warps, stages, swap_ab; the default
 is kernels/moe.py's UP_PAIRS_CONFIG), each with its own fit: which part of a launch a tiling moves. Timing only (a
 tiling with another block_k sums in another order).
 
-    python3 bench/kernel_moe_scaling.py [--json OUT] [--up-configs 64,128,4,4,1;128,128,8,3,1]
+    python3 bench/kernel_moe_scaling.py [--json OUT] [--linear] [--up-configs 64,128,4,4,1;128,128,8,3,1]
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def parse_configs(spec: str) -> list[tuple[int, int, int, int, bool]]:
     return out
 
 
-def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = ()) -> dict:
+def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (), dense: bool = False) -> dict:
+    from lingc.kernels.linear import linear
     from lingc.kernels.moe import GemmConfig, interleave_w13, moe_down_pairs, moe_up_act_pairs
     g = torch.Generator(device="cpu").manual_seed(0)
     gd = torch.Generator(device=dev).manual_seed(0)
@@ -82,6 +85,11 @@ def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (
                                    for c in range(CALLS)])
         row = {"tokens": T, "experts": d, "up_us": up, "up_mb": d * up_bytes / 1e6, "down_us": down,
                "down_mb": d * down_bytes / 1e6}
+        if dense:                 # the same bytes through the dense GEMV: w13 rows of experts 0 .. d-1, 6 rows of x
+            row["linear_us"] = graph_time_or_none([
+                lambda c=c: linear(x[c][:6], w13[c % COPIES].view(E * 2 * INTER, H)[:d * 2 * INTER], pdl=True)
+                for c in range(CALLS)])
+            row["linear_mb"] = row["up_mb"]
         for cfg in up_configs:
             key = "up_" + "_".join(str(int(v)) for v in cfg)
             config = GemmConfig(*cfg)
@@ -108,13 +116,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--up-configs", default="", help="other up-GEMM tilings: bn,bk,warps,stages,swap;...")
+    ap.add_argument("--linear", action="store_true", help="also the dense skinny GEMM over the same bytes")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "commit": os.environ.get("LINGC_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
               "command": "python3 bench/kernel_moe_scaling.py " + " ".join(sys.argv[1:]),
-              "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev, parse_configs(args.up_configs))}
+              "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev, parse_configs(args.up_configs), args.linear)}
     print(json.dumps({"fits": result["fits"], "hbm_bandwidth_gbps": result["hbm_bandwidth_gbps"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
