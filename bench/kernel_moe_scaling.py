@@ -13,11 +13,13 @@ each call with its own set S; times are CUDA-graph replay medians of the calls, 
 
 `--linear` adds the dense skinny GEMM (kernels/linear.py, lingc.linear) over the same bytes, the first d experts' w13
 rows as one [d * 2I, h] weight at 6 rows: the same streaming without the pair grid's ids prologue, its fixed cost the
-yardstick for the MoE's. `--up-configs` adds the up-GEMM's series under other tilings (block_n, block_k, warps, stages, swap_ab; the default
+yardstick for the MoE's. `--exits` times instead 8 experts at 1-16 tokens: the same bytes on a grid of 16 x (8 x tokens) programs, of which
+all but the 128 whose pair is its expert's first exit after the ids prologue; time growing with the tokens is what
+the exiting programs cost. `--up-configs` adds the up-GEMM's series under other tilings (block_n, block_k, warps, stages, swap_ab; the default
 is kernels/moe.py's UP_PAIRS_CONFIG), each with its own fit: which part of a launch a tiling moves. Timing only (a
 tiling with another block_k sums in another order).
 
-    python3 bench/kernel_moe_scaling.py [--json OUT] [--linear] [--up-configs 64,128,4,4,1;128,128,8,3,1]
+    python3 bench/kernel_moe_scaling.py [--json OUT] [--linear] [--exits] [--up-configs 64,128,4,4,1;128,128,8,3,1]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ H, INTER, E, TOP_K = 1536, 512, 128, 8
 CALLS = 16
 COPIES = cold_copies(E * 2 * INTER * H * 2)
 POINTS = [(6, d) for d in (8, 12, 16, 24, 32, 40, 48)] + [(16, d) for d in (64, 96, 128)]
+EXIT_POINTS = [(t, TOP_K) for t in (1, 2, 4, 6, 8, 12, 16)]     # --exits: 8 experts, more and more pair rows
 
 
 def routing(T: int, d: int, g: torch.Generator, dev: torch.device) -> torch.Tensor:
@@ -65,7 +68,8 @@ def parse_configs(spec: str) -> list[tuple[int, int, int, int, bool]]:
     return out
 
 
-def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (), dense: bool = False) -> dict:
+def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (), dense: bool = False,
+        points: list[tuple[int, int]] = POINTS) -> dict:
     from lingc.kernels.linear import linear
     from lingc.kernels.moe import GemmConfig, interleave_w13, moe_down_pairs, moe_up_act_pairs
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -75,7 +79,7 @@ def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (
     w2 = [torch.randn(E, H, INTER, device=dev, generator=gd).mul(0.02).to(torch.bfloat16) for _ in range(COPIES)]
     up_bytes, down_bytes = 2 * INTER * H * 2, H * INTER * 2
     rows = []
-    for T, d in POINTS:
+    for T, d in points:
         ids = [routing(T, d, g, dev) for _ in range(CALLS)]
         x = [torch.randn(T, H, device=dev, generator=gd).to(torch.bfloat16) for _ in range(CALLS)]
         act = [moe_up_act_pairs(x[c], w13[c % COPIES], ids[c], 0.0, pdl=True) for c in range(CALLS)]
@@ -103,6 +107,8 @@ def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (
         rows.append(row)
         print(json.dumps(row), flush=True)
     fits = {}
+    if len({r["experts"] for r in rows}) < 3:      # --exits: one byte count, no line to fit
+        return {"rows": rows, "fits": fits}
     for k in [key[:-3] for key in rows[0] if key.endswith("_us")]:
         pts = [(r[f"{k}_mb"], r[f"{k}_us"]) for r in rows if r[f"{k}_us"]]
         if len(pts) >= 3:
@@ -117,13 +123,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--up-configs", default="", help="other up-GEMM tilings: bn,bk,warps,stages,swap;...")
     ap.add_argument("--linear", action="store_true", help="also the dense skinny GEMM over the same bytes")
+    ap.add_argument("--exits", action="store_true", help="8 experts at 1-16 tokens instead (what exiting programs cost)")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "commit": os.environ.get("LINGC_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
               "command": "python3 bench/kernel_moe_scaling.py " + " ".join(sys.argv[1:]),
-              "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev, parse_configs(args.up_configs), args.linear)}
+              "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev, parse_configs(args.up_configs), args.linear,
+                                                        EXIT_POINTS if args.exits else POINTS)}
     print(json.dumps({"fits": result["fits"], "hbm_bandwidth_gbps": result["hbm_bandwidth_gbps"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -31,3 +31,9 @@ def test_fit_recovers_a_line() -> None:
 def test_parse_configs() -> None:
     assert scaling.parse_configs("64,128,4,4,1; 32,128,4,4,0;") == [(64, 128, 4, 4, True), (32, 128, 4, 4, False)]
     assert scaling.parse_configs("") == []
+
+
+@pytest.mark.parametrize("T,d", scaling.EXIT_POINTS)
+def test_exit_points_read_eight_experts(T: int, d: int) -> None:
+    ids = scaling.routing(T, d, torch.Generator().manual_seed(T), torch.device("cpu"))
+    assert int(torch.unique(ids).numel()) == scaling.TOP_K == d
