@@ -13,11 +13,11 @@ baselines; bench/results/step-ab-emit-h100-20261205.json): greedy verify 3-5 us 
 emit_accepted 0.90 us exposed (launches-h100-20261205.json); greedy parity held on the GPU.
 
 Rules (per emit_tokens with a count): the pick must read the emit's tokens at its count with offset -1; the add
-(alpha 1) must add the count to an integer tensor of the count's shape. At least one of the two must exist (else
-nothing is gained). The fused op runs where the earliest of the three ran, so its inputs must be defined there,
-and nothing from there to the last of the three may write the tokens, the count or seq, or read or write
-out_tokens / out_len (the emit moves, never past a use of its buffers). Integer copies and the same add: numerics
-unchanged (the op's reference is the composition).
+(alpha 1) must add the count to an integer tensor of the count's shape; both must exist (verify's tail always has
+them). The fused op runs where the earliest of the three ran, so its inputs must be defined there, and nothing from
+there to the last of the three may write the tokens, the count or seq, or read or write out_tokens / out_len (the
+emit moves, never past a use of its buffers). Integer copies and the same add: numerics unchanged (the op's
+reference is the composition).
 """
 
 from __future__ import annotations
@@ -92,13 +92,11 @@ class FuseEmit(Pass):
                 if len(emit.args) < 5 or emit.args[4] is None or emit.kwargs:
                     continue
                 out_tokens, out_len, slots, tokens, count = emit.args[:5]
-                pick, add = _pick_of(tokens, count), _add_of(count)
-                if pick is None and add is None:
+                pick, found = _pick_of(tokens, count), _add_of(count)
+                if pick is None or found is None:
                     continue
-                seq = add[1] if add is not None else None
-                if seq is None:       # no add: nothing to advance, but the op wants a seq; use the count (unused)
-                    seq = count
-                group = [n for n in (emit, pick, add[0] if add else None) if n is not None]
+                add, seq = found
+                group = [emit, pick, add]
                 order = {n: i for i, n in enumerate(graph.nodes)}
                 first, last = min(group, key=order.get), max(group, key=order.get)
                 if not _movable(graph, first, last, [slots, tokens, count, seq], [out_tokens, out_len], set(group)):
@@ -107,9 +105,8 @@ class FuseEmit(Pass):
                     new = graph.call_function(OPS.emit_accepted, (out_tokens, out_len, slots, tokens, count, seq))
                 new.meta = {k: emit.meta[k] for k in KEEP_META if k in emit.meta}
                 new._rename(emit.name.replace("emit_tokens", "emit_accepted"))
-                for k, old in enumerate((pick, add[0] if add else None)):
-                    if old is not None:       # the old node becomes the getitem (same name, same place)
-                        old.target, old.args, old.kwargs = operator.getitem, (new, k), {}
+                for k, old in enumerate((pick, add)):   # the old node becomes the getitem (same name, same place)
+                    old.target, old.args, old.kwargs = operator.getitem, (new, k), {}
                 graph.erase_node(emit)
                 fused.append(f"{gname}:{new.name}")
         return {"matches": len(fused), "fused": fused}

@@ -81,8 +81,8 @@ def test_second_run_finds_nothing(fused):
 
 
 def test_a_read_of_out_tokens_between_keeps_the_emit(prepared):
-    """A node between the emit and the add that reads out_tokens: the emit cannot move past it, so no fusion there
-    (the pick alone still would, but the add is its partner here only through the same place)."""
+    """The add moved before the emit and a read of out_tokens between them: the fused op would run at the add, moving
+    the emit's writes before that read, so nothing fuses."""
     program = prepared.copy()
     graph = program.graphs["verify"]
     add = _node(program, "verify", "verify_add")
