@@ -38,7 +38,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import is_free, written_inputs
+from lingc.passes.matchers import carried_meta, is_free, written_inputs
 
 REFILL_OPS = {OPS.gather_rows, OPS.step_positions, OPS.cache_locs, OPS.paged_refill, OPS.step_refill}
 INDEX_MATH = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}     # positions + i, counter + k
@@ -146,7 +146,7 @@ def _merge_sliced_refills(graph: fx.Graph) -> list[str]:
             rows = items[0] if 0 in items else graph.call_function(operator.getitem, (first, 0))
         with graph.inserting_after(rows):
             locs = items[1] if 1 in items else graph.call_function(operator.getitem, (first, 1))
-        meta = {k: first.meta[k] for k in ("lingc.scope", "lingc.stage") if k in first.meta}
+        meta = carried_meta(first)
         for n in (rows, locs):
             n.meta = {**meta, **n.meta}
         parts: set[fx.Node] = set()          # the slices of locs: readers of locs that stay
@@ -188,7 +188,7 @@ def _fuse_positions(graph: fx.Graph) -> list[str]:
         seq_lens, tokens = positions.args
         with graph.inserting_before(positions):
             step = graph.call_function(OPS.step_refill, (seq_lens, tokens, page_table, slots, page_size))
-        step.meta = {k: positions.meta[k] for k in ("lingc.scope", "lingc.stage") if k in positions.meta}
+        step.meta = carried_meta(positions)
         name = positions.name
         step._rename(name.replace("step_positions", "step_refill") if "step_positions" in name else f"{name}_refill")
         positions.target, positions.args, positions.kwargs = operator.getitem, (step, 0), {}   # same node, same name

@@ -49,7 +49,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import get_weight_node
+from lingc.passes.matchers import carried_meta, get_weight_node
 from lingc.steps import GREEDY_SUFFIX
 
 GRAPHS = ("draft", "extend", "draft" + GREEDY_SUFFIX, "extend" + GREEDY_SUFFIX)   # the MTP stages
@@ -191,7 +191,7 @@ class DraftVocab(Pass):
         with graph.inserting_after(token):
             view = graph.call_function(torch.ops.aten.view.default, (token, list(sample.meta["lingc.tensor"].shape)))
         for node, tag in ((token, "_map"), (view, "")):
-            node.meta = {k: sample.meta[k] for k in ("lingc.scope", "lingc.stage") if k in sample.meta}
+            node.meta = carried_meta(sample)
             node._rename(name + tag)
         for user in users:
             user.replace_input_with(sample, view)
@@ -202,7 +202,7 @@ class DraftVocab(Pass):
         users = list(dist.users)
         with graph.inserting_after(dist):
             full = graph.call_function(OPS.vocab_expand, (dist, inverse))
-        full.meta = {k: dist.meta[k] for k in ("lingc.scope", "lingc.stage") if k in dist.meta}
+        full.meta = carried_meta(dist)
         full._rename(dist.name + "_full")
         for user in users:
             user.replace_input_with(dist, full)

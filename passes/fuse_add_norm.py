@@ -27,9 +27,8 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls
+from lingc.passes.matchers import calls, carried_meta
 
-KEEP_META = ("lingc.scope", "lingc.stage")
 
 
 def _norm_of(add: fx.Node, order: dict[fx.Node, float]) -> fx.Node | None:
@@ -48,7 +47,7 @@ def _fuse(graph: fx.Graph, add: fx.Node, norm: fx.Node, order: dict[fx.Node, flo
         order[weight] = order[add] - 0.5
     with graph.inserting_before(add):
         fused = graph.call_function(OPS.add_rmsnorm, (residual, x, weight, eps))
-    fused.meta = {k: norm.meta[k] for k in KEEP_META if k in norm.meta}
+    fused.meta = carried_meta(norm)
     fused._rename(norm.name.replace("rmsnorm", "add_rmsnorm") if "rmsnorm" in norm.name else norm.name + "_add")
     norm.target, norm.args, norm.kwargs = operator.getitem, (fused, 0), {}             # normed
     if add.users:                                      # besides the norm, which reads fused now

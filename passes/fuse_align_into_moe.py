@@ -44,9 +44,8 @@ from lingc.modules import MOE_BLOCK_M
 from lingc.ops.moe import PAIR_GRID_PICKS, PAIR_GRID_TOKENS
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls, getitems, output_getitem
+from lingc.passes.matchers import KEEP_META, calls, carried_meta, getitems, output_getitem
 
-KEEP_META = ("lingc.scope", "lingc.stage")
 # Layers run on fewer tokens a call keep the aligned GEMMs. H200, Ling-3.0-tiny, one process (bench/device_step.py
 # --variant, bench/results/step-ab-h200-20261202.json): with every layer paired, verify 2.444 / 2.442 -> 2.390 /
 # 2.386 ms but the decode step 1.212 / 1.202 -> 1.232 / 1.235 (about 1 us a MoE layer at one token, where the align
@@ -96,7 +95,7 @@ def _router_topk(graph: fx.Graph, router: fx.Node) -> tuple[fx.Node, fx.Node]:
         with graph.inserting_before(router):
             # router_align(logits, bias, n_group, topk_group, k, scale, E, BM[, S]) -> router_topk(..., scale[, S])
             topk = graph.call_function(OPS.router_topk, (*router.args[:6], *router.args[8:]))
-        topk.meta = {k: router.meta[k] for k in KEEP_META if k in router.meta}
+        topk.meta = carried_meta(router)
         if isinstance(router.meta.get("lingc.tensor"), (list, tuple)):
             topk.meta["lingc.tensor"] = list(router.meta["lingc.tensor"][:2])      # weights, ids
         topk._rename(router.name.replace("router_align", "router_topk") if "router_align" in router.name
@@ -137,7 +136,7 @@ def unfuse(graph: fx.Graph, down: fx.Node, num_experts: int) -> fx.Node:
     with graph.inserting_before(up):
         align = graph.call_function(OPS.moe_align, (ids, num_experts, MOE_BLOCK_M))
         outs = [graph.call_function(operator.getitem, (align, i)) for i in range(3)]
-    align.meta = {k: up.meta[k] for k in KEEP_META if k in up.meta}
+    align.meta = carried_meta(up)
     align._rename(up.name.replace("moe_up_act", "moe_align") if "moe_up_act" in up.name else up.name + "_align")
     for o, field in zip(outs, ("sorted_pairs", "block_expert", "total")):
         o.meta = dict(align.meta)

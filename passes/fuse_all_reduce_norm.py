@@ -33,10 +33,9 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
-from lingc.passes.matchers import add_rmsnorm_reader, replace_add_rmsnorm
+from lingc.passes.matchers import add_rmsnorm_reader, carried_meta, replace_add_rmsnorm
 from lingc.program import Program
 
-KEEP_META = ("lingc.scope", "lingc.stage")
 VIEW = torch.ops.aten.view.default
 
 
@@ -47,7 +46,7 @@ def _fuse(graph: fx.Graph, ar: fx.Node, view: fx.Node | None, norm: fx.Node, res
         x = partial
         if view is not None:
             x = graph.call_function(VIEW, (partial, *view.args[1:]))
-            x.meta = {k: view.meta[k] for k in KEEP_META if k in view.meta}
+            x.meta = carried_meta(view)
             x._rename(view.name)
         fused = graph.call_function(OPS.all_reduce_add_rmsnorm, (residual, x, weight, eps, world_size))
     return replace_add_rmsnorm(graph, norm, fused, "all_reduce", view, ar)

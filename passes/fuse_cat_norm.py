@@ -25,8 +25,8 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
+from lingc.passes.matchers import KEEP_META_CAPTURE, carried_meta
 
-KEEP_META = ("lingc.scope", "lingc.stage", "lingc.capture")
 
 
 def _tensor(node: fx.Node) -> Any:
@@ -67,7 +67,7 @@ class FuseCatNorm(Pass):
                 a, b = norms
                 (x1, w1, eps), (x2, w2, _) = a.args, b.args
                 cat.target, cat.args, cat.kwargs = OPS.rmsnorm_cat, (x1, w1, x2, w2, eps), {}   # name and place kept
-                cat.meta = {k: cat.meta[k] for k in KEEP_META if k in cat.meta}
+                cat.meta = carried_meta(cat, KEEP_META_CAPTURE)
                 for norm in (a, b):
                     graph.erase_node(norm)
                 fused.append(f"{gname}:{cat.name}")

@@ -33,10 +33,9 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
-from lingc.passes.matchers import add_rmsnorm_reader, replace_add_rmsnorm
+from lingc.passes.matchers import add_rmsnorm_reader, carried_meta, replace_add_rmsnorm
 from lingc.program import Program
 
-KEEP_META = ("lingc.scope", "lingc.stage")
 VIEW = torch.ops.aten.view.default
 
 
@@ -63,7 +62,7 @@ def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:
         combine = graph.call_function(OPS.moe_combine, (expert_out, topk_weights))
         x = graph.call_function(VIEW, (combine, list(residual.meta["lingc.tensor"].shape)))
         norm = graph.call_function(OPS.add_rmsnorm, (residual, x, weight, eps))
-    meta = {k: fused.meta[k] for k in KEEP_META if k in fused.meta}
+    meta = carried_meta(fused)
     for node in (combine, x, norm):
         node.meta = dict(meta)
     res_meta = residual.meta["lingc.tensor"]

@@ -31,9 +31,8 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import base_buffer, calls, written_buffers
+from lingc.passes.matchers import KEEP_META_CAPTURE, base_buffer, calls, carried_meta, written_buffers
 
-KEEP_META = ("lingc.scope", "lingc.stage", "lingc.capture")
 
 
 def _int_vector(node: Any, like: fx.Node) -> bool:
@@ -103,7 +102,7 @@ class FuseEmit(Pass):
                     continue
                 with graph.inserting_before(first):
                     new = graph.call_function(OPS.emit_accepted, (out_tokens, out_len, slots, tokens, count, seq))
-                new.meta = {k: emit.meta[k] for k in KEEP_META if k in emit.meta}
+                new.meta = carried_meta(emit, KEEP_META_CAPTURE)
                 new._rename(emit.name.replace("emit_tokens", "emit_accepted"))
                 for k, old in enumerate((pick, add)):   # the old node becomes the getitem (same name, same place)
                     old.target, old.args, old.kwargs = operator.getitem, (new, k), {}

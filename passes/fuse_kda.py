@@ -87,14 +87,13 @@ from lingc.ops import OPS
 from lingc.ops.kda import COMMIT_MULTI_PAIRS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import base_buffer as _base, calls, is_free, written_buffers as _writes
+from lingc.passes.matchers import base_buffer as _base, calls, carried_meta, is_free, written_buffers as _writes
 
 # rewrite 4 (decode's kda_conv_qkv + kda_recurrent -> kda_fused_decode); LINGC_KDA_FUSED_DECODE=0 keeps the two
 # launches (an A/B knob for bench/device_step.py: the one launch measured slower alone on the H200, kernels/kda.py)
 FUSED_DECODE = os.environ.get("LINGC_KDA_FUSED_DECODE", "1") != "0"
 
 aten = torch.ops.aten
-KEEP_META = ("lingc.scope", "lingc.stage")
 HEAD_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 LAYER_COMMITS = 4                    # a KDA layer's commits: conv_q, conv_k, conv_v, recurrent
 
@@ -158,7 +157,7 @@ def _fuse_convs(graph: fx.Graph, rec: fx.Node) -> fx.Node | None:
     with graph.inserting_before(last):
         fused = graph.call_function(OPS.kda_conv_qkv, (*(c.args[0] for c in convs), *(c.args[1] for c in convs),
                                                        *(c.args[2] for c in convs), convs[0].args[3]))
-    fused.meta = {k: rec.meta[k] for k in KEEP_META if k in rec.meta}
+    fused.meta = carried_meta(rec)
     fused._rename(_renamed(rec, rec.target.name().split("::")[1], "kda_conv_qkv"))
     for i, conv in enumerate(convs):
         conv.target, conv.args, conv.kwargs = operator.getitem, (fused, i), {}
@@ -192,7 +191,7 @@ def _fuse_verify(graph: fx.Graph, rec: fx.Node) -> fx.Node | None:
             dt_bias, state_pool, slots, *(c.args[4] for c in convs), staging, lower_bound)
     with graph.inserting_before(rec):
         fused = graph.call_function(OPS.kda_fused_verify, args)
-    fused.meta = {k: rec.meta[k] for k in KEEP_META if k in rec.meta}
+    fused.meta = carried_meta(rec)
     rec.replace_all_uses_with(fused)
     graph.erase_node(rec)
     for n in views + convs:
@@ -236,7 +235,7 @@ def _fuse_commits(graph: fx.Graph, group: list[fx.Node]) -> fx.Node | None:
     with graph.inserting_before(last):
         fused = graph.call_function(OPS.kda_commit_multi, (slots, accept_len, [c.args[0] for c in group],
                                                            [c.args[2] for c in group]))
-    fused.meta = {k: group[0].meta[k] for k in KEEP_META if k in group[0].meta}
+    fused.meta = carried_meta(group[0])
     layer, prefix = _layer(group[0].args[0]), group[0].name.split("_kda_commit")[0]     # prefix: 'verify'
     name = f"{prefix}_L{layer.split('.')[1]}_kda_commit_multi" if isinstance(layer, str) \
         else _renamed(group[0], "kda_commit", "kda_commit_multi")
@@ -271,7 +270,7 @@ def _fuse_decode(graph: fx.Graph, rec: fx.Node) -> fx.Node | None:
     args = (*qkv.args[:3], f, b, *qkv.args[3:9], A_log, dt_bias, state_pool, slots, lower_bound)
     with graph.inserting_before(rec):
         fused = graph.call_function(OPS.kda_fused_decode, args)
-    fused.meta = {k: rec.meta[k] for k in KEEP_META if k in rec.meta}
+    fused.meta = carried_meta(rec)
     rec.replace_all_uses_with(fused)
     graph.erase_node(rec)
     for n in views + items + [qkv]:

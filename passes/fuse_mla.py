@@ -71,10 +71,9 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import base_buffer as _base, calls, written_buffers as _writes
+from lingc.passes.matchers import base_buffer as _base, calls, carried_meta, written_buffers as _writes
 
 aten = torch.ops.aten
-KEEP_META = ("lingc.scope", "lingc.stage")
 
 
 def _can_delay(order: dict[fx.Node, int], nodes: list[fx.Node], members: list[fx.Node], to: fx.Node) -> bool:
@@ -143,7 +142,7 @@ def _fuse_prep(graph: fx.Graph, write: fx.Node) -> fx.Node | None:
         return None                                   # an input made after the write, or one written in between
     with graph.inserting_before(write):
         fused = graph.call_function(OPS.mla_prep, found["args"])
-    fused.meta = {k: write.meta[k] for k in KEEP_META if k in write.meta}
+    fused.meta = carried_meta(write)
     found["rope_q"].replace_all_uses_with(fused)
     for role in ("write", "cat", "norm", "k_sq", "rope_k", "k_unsq", "rope_q"):
         graph.erase_node(found[role])

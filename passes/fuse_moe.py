@@ -35,9 +35,8 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls
+from lingc.passes.matchers import KEEP_META, calls, carried_meta
 
-KEEP_META = ("lingc.scope", "lingc.stage")
 
 
 def _group(combine: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -60,7 +59,7 @@ def _fuse(graph: fx.Graph, up: fx.Node, down: fx.Node, combine: fx.Node) -> fx.N
     args = (x, w13, down.args[1], weights, sorted_pairs, block_expert, total, top_k, block_m, limit)
     with graph.inserting_before(combine):
         fused = graph.call_function(OPS.moe_fused, args + ((shared,) if shared is not None else ()))
-    fused.meta = {k: combine.meta[k] for k in (*KEEP_META, "lingc.tensor") if k in combine.meta}
+    fused.meta = carried_meta(combine, (*KEEP_META, "lingc.tensor"))
     fused._rename(combine.name.replace("moe_combine", "moe_fused") if "moe_combine" in combine.name
                   else combine.name + "_fused")
     combine.replace_all_uses_with(fused)
@@ -73,7 +72,7 @@ def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:
     """moe_fused -> moe_up_act, moe_down, moe_combine at its place (the tp pass shards the separate ops); returns
     the combine, which takes over the fused node's readers."""
     x, w13, w2, weights, sorted_pairs, block_expert, total, top_k, block_m, limit, *shared = fused.args
-    meta = {k: fused.meta[k] for k in KEEP_META if k in fused.meta}
+    meta = carried_meta(fused)
     base = fused.name.replace("moe_fused", "") if "moe_fused" in fused.name else fused.name + "_"
     with graph.inserting_before(fused):
         up = graph.call_function(OPS.moe_up_act, (x, w13, sorted_pairs, block_expert, total, top_k, block_m, limit))

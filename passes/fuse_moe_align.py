@@ -29,9 +29,8 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls, getitems
+from lingc.passes.matchers import calls, carried_meta, getitems
 
-KEEP_META = ("lingc.scope", "lingc.stage")
 
 
 def _align_of(topk: fx.Node) -> fx.Node | None:
@@ -54,7 +53,7 @@ def _fuse(graph: fx.Graph, topk: fx.Node, align: fx.Node) -> fx.Node:
     with graph.inserting_before(topk):
         # router_topk's optional 7th argument (fused_shared) is router_align's 9th
         fused = graph.call_function(OPS.router_align, (*topk.args[:6], num_experts, block_m, *topk.args[6:]))
-    fused.meta = {k: topk.meta[k] for k in KEEP_META if k in topk.meta}
+    fused.meta = carried_meta(topk)
     fused._rename(topk.name.replace("router_topk", "router_align") if "router_topk" in topk.name
                   else topk.name + "_align")
     for index, reads in align_reads.items():          # sorted_pairs, block_expert, total -> outputs 2, 3, 4

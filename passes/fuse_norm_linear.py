@@ -68,10 +68,9 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls
+from lingc.passes.matchers import calls, carried_meta
 
 aten = torch.ops.aten
-KEEP_META = ("lingc.scope", "lingc.stage")
 MAX_WEIGHT_ELEMENTS = int(os.environ.get("LINGC_NORM_LINEAR_MAX_WEIGHT", 1 << 20))  # larger weights lose on the H200
 # (module docstring): they keep norm + linear. The environment variable is an A/B knob for bench/device_step.py.
 # KDA's gated o_norm -> o_proj (gated_rmsnorm_linear): off by default. On the H200 the GATED GEMV took 10.5 us against
@@ -129,7 +128,7 @@ def _fuse(graph: fx.Graph, norm: fx.Node, normed: fx.Node, lin: fx.Node, views: 
     if order[weight] > order[norm]:
         fused.prepend(weight)                        # a weight read is free to move up; the fused op needs it here
         order[weight] = order[norm] - 0.5
-    fused.meta = {k: norm.meta[k] for k in KEEP_META if k in norm.meta}
+    fused.meta = carried_meta(norm)
     if "lingc.dtype" in lin.meta:                    # bf16_router's mark belongs to the op that runs the GEMV now
         fused.meta["lingc.dtype"] = lin.meta.pop("lingc.dtype")
     fused._rename(norm.name + "_linear")
@@ -137,7 +136,7 @@ def _fuse(graph: fx.Graph, norm: fx.Node, normed: fx.Node, lin: fx.Node, views: 
     if views:                                        # the linear read a reshaped normed: reshape y the same way
         with graph.inserting_after(fused):
             y = graph.call_function(operator.getitem, (fused, 0))
-        y.meta = {k: lin.meta[k] for k in KEEP_META if k in lin.meta}
+        y.meta = carried_meta(lin)
         y._rename(lin.name + "_y")
         lin.target, lin.args, lin.kwargs = aten.view.default, (y, [*rows, -1]), {}
     else:
@@ -188,7 +187,7 @@ def _fuse_gated(graph: fx.Graph, norm: fx.Node, lin: fx.Node, view: fx.Node, ord
     if order[weight] > order[norm]:
         fused.prepend(weight)
         order[weight] = order[norm] - 0.5
-    fused.meta = {k: norm.meta[k] for k in KEEP_META if k in norm.meta}
+    fused.meta = carried_meta(norm)
     y_meta = lin.meta.get("lingc.tensor")
     if y_meta is not None:
         fused.meta["lingc.tensor"] = type(y_meta)((*x.meta["lingc.tensor"].shape[:-2], y_meta.shape[-1]), y_meta.dtype)

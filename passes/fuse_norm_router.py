@@ -48,11 +48,10 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.ops.norm_router import MAX_ROWS
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls
+from lingc.passes.matchers import calls, carried_meta
 from lingc.program import Program, TensorMeta
 
 VIEW = torch.ops.aten.view.default
-KEEP_META = ("lingc.scope", "lingc.stage")
 UP_GEMMS = ("moe_up_act", "moe_up_act_pairs")
 
 
@@ -105,7 +104,7 @@ def _fuse(graph: fx.Graph, router: fx.Node, lin: fx.Node, logits: fx.Node, view:
     with graph.inserting_before(lin):
         fused = graph.call_function(OPS.add_rmsnorm_router, (residual, x, norm_weight, eps, gate_weight, bias, n_group,
                                                              topk_group, top_k, scale, num_experts, block_m, shared))
-    fused.meta = {k: lin.meta[k] for k in KEEP_META if k in lin.meta}
+    fused.meta = carried_meta(lin)
     lin_meta, router_meta = lin.meta.get("lingc.tensor"), router.meta.get("lingc.tensor")
     if isinstance(lin_meta, (list, tuple)) and isinstance(router_meta, (list, tuple)):
         empty = [TensorMeta((0,), torch.int32)] * 3
@@ -156,7 +155,7 @@ def unfuse(graph: fx.Graph, fused: fx.Node) -> fx.Node:
         route = (view, bias, n_group, topk_group, top_k, scale)
         router = graph.call_function(OPS.router_align, (*route, num_experts, block_m, shared)) if block_m \
             else graph.call_function(OPS.router_topk, (*route, shared))
-    meta = {k: fused.meta[k] for k in KEEP_META if k in fused.meta}
+    meta = carried_meta(fused)
     for node in (lin, logits, view, router):
         node.meta = dict(meta)
     logits_meta = TensorMeta((*x_meta.shape[:-1], num_routed), torch.float32)

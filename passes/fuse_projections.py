@@ -38,7 +38,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls, drop_unused_weights, get_weight_node
+from lingc.passes.matchers import calls, carried_meta, drop_unused_weights, get_weight_node
 
 aten = torch.ops.aten
 
@@ -102,7 +102,7 @@ def _fuse(program: Program, graph: fx.Graph, group: list[fx.Node]) -> fx.Node:
         fused = graph.call_function(OPS.linear, (x, w_node) + ((out_dtype,) if out_dtype is not None else ()))
         split = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
     meta = {"lingc.scope": ".".join(fused_name.split(".")[:-2])}
-    meta |= {k: group[0].meta[k] for k in ("lingc.stage", "lingc.dtype") if k in group[0].meta}
+    meta |= carried_meta(group[0], ("lingc.stage", "lingc.dtype"))
     for node in (fused, split):
         node.meta = dict(meta)
     split.meta.pop("lingc.dtype", None)

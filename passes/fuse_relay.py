@@ -51,12 +51,11 @@ from lingc.ops import OPS
 from lingc.ops.meta import RELAY_MULTI_MAX
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import base_buffer, written_buffers
+from lingc.passes.matchers import KEEP_META_CAPTURE, base_buffer, carried_meta, written_buffers
 
 aten = torch.ops.aten
 ADD_OPS = {aten.add.Tensor: 1, aten.sub.Tensor: -1}
 INT_DTYPES = (torch.int32, torch.int64)
-KEEP_META = ("lingc.scope", "lingc.stage", "lingc.capture")
 
 
 class _Effects:
@@ -113,7 +112,7 @@ def _fuse_gathers(graph: fx.Graph, group: list[fx.Node]) -> fx.Node:
     first = group[0]
     with graph.inserting_before(first):
         fused = graph.call_function(OPS.gather_rows_multi, ([g.args[0] for g in group], first.args[1]))
-    fused.meta = {k: first.meta[k] for k in KEEP_META if k in first.meta} | {"lingc.scope": "relay"}
+    fused.meta = carried_meta(first, KEEP_META_CAPTURE) | {"lingc.scope": "relay"}
     stage = first.meta.get("lingc.stage")
     fused._rename(f"{stage}_gather_rows_multi" if stage else "gather_rows_multi")
     for i, gather in enumerate(group):                   # each gather becomes the fused op's output i, same name
@@ -221,7 +220,7 @@ def _fuse_scatters(graph: fx.Graph, group: list[_Write]) -> fx.Node:
     with graph.inserting_before(last):
         fused = graph.call_function(OPS.scatter_rows_multi, ([w.table for w in group], last.args[1],
                                                              [w.value for w in group], [w.add for w in group]))
-    fused.meta = {k: last.meta[k] for k in KEEP_META if k in last.meta} | {"lingc.scope": "relay"}
+    fused.meta = carried_meta(last, KEEP_META_CAPTURE) | {"lingc.scope": "relay"}
     stage = last.meta.get("lingc.stage")
     for w in group:
         graph.erase_node(w.node)

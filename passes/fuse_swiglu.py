@@ -22,7 +22,7 @@ import torch
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls, drop_unused_weights, get_weight_node
+from lingc.passes.matchers import calls, carried_meta, drop_unused_weights, get_weight_node
 
 LAYOUT = "gu_interleaved"
 
@@ -58,7 +58,7 @@ class FuseSwiglu(Pass):
                     fused = graph.call_function(OPS.moe_up_act, (x, w_node, sorted_pairs, block_expert, total,
                                                                  top_k, block_m, act.args[1]))
                 fused.meta = {"lingc.scope": up.meta.get("lingc.scope", ""), "lingc.layout": LAYOUT,
-                              **{k: up.meta[k] for k in ("lingc.stage",) if k in up.meta}}   # NEXTN stage kept
+                              **carried_meta(up, ("lingc.stage",))}   # NEXTN stage kept
                 fused._rename(up.name.replace("moe_up", "moe_up_act"))
                 act.replace_all_uses_with(fused)
                 graph.erase_node(act)

@@ -16,6 +16,10 @@ aten = torch.ops.aten
 VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.split_with_sizes.default,
             aten.split.Tensor, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int,
             aten.permute.default, aten.transpose.int, aten.expand.default}
+# the node.meta a rewrite carries from the node it replaces to the new one (docs/ir.md "node.meta keys"); the other
+# keys (shapes, dtypes, pdl chains, launch hints) are recomputed or re-derived by the passes that own them
+KEEP_META = ("lingc.scope", "lingc.stage")
+KEEP_META_CAPTURE = (*KEEP_META, "lingc.capture")   # also capture_metadata's group, for rewrites after that pass
 
 
 def is_free(node: fx.Node) -> bool:
@@ -66,7 +70,7 @@ def getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
 
 
 def output_getitem(graph: fx.Graph, node: fx.Node, index: int, name: str,
-                   keep: tuple[str, ...] = ("lingc.scope", "lingc.stage")) -> fx.Node:
+                   keep: tuple[str, ...] = KEEP_META) -> fx.Node:
     """A getitem of output `index` of multi-output `node`: the first existing one, else one made right after `node`,
     named `name` (made unique in the graph: auto getitem_N names clash on reload), with node's `keep` meta and, where
     node's lingc.tensor lists its outputs, that output's."""
@@ -75,7 +79,7 @@ def output_getitem(graph: fx.Graph, node: fx.Node, index: int, name: str,
         return found[0]
     with graph.inserting_after(node):
         item = graph.call_function(operator.getitem, (node, index))
-    item.meta = {k: node.meta[k] for k in keep if k in node.meta}
+    item.meta = carried_meta(node, keep)
     outputs = node.meta.get("lingc.tensor")
     if isinstance(outputs, (list, tuple)) and index < len(outputs):
         item.meta["lingc.tensor"] = outputs[index]
@@ -127,6 +131,11 @@ def drop_unused_weights(program: Program) -> list[str]:
     return dropped
 
 
+def carried_meta(node: fx.Node, keys: tuple[str, ...] = KEEP_META) -> dict:
+    """The entries of node.meta under `keys` (those it has): what a rewrite copies onto the node replacing it."""
+    return {k: node.meta[k] for k in keys if k in node.meta}
+
+
 def add_rmsnorm_reader(node: fx.Node) -> tuple[fx.Node | None, fx.Node, fx.Node] | None:
     """(view or None, add_rmsnorm, the add's other argument) when `node`'s only reader is an add_rmsnorm, directly or
     through one view that only the add_rmsnorm reads (either argument of the add: it is commutative bit for bit)."""
@@ -153,7 +162,7 @@ def replace_add_rmsnorm(graph: fx.Graph, norm: fx.Node, fused: fx.Node, tag: str
     """`fused` (inserted before the add_rmsnorm `norm`, returning its (normed, new residual)) takes its place: the
     norm's scope / stage meta, its name with add_rmsnorm -> <tag>_add_rmsnorm, its readers. Then `norm` and `gone`
     (what only the norm read: the fused producer, a view of it; None entries skipped) are erased, in that order."""
-    fused.meta = {k: norm.meta[k] for k in ("lingc.scope", "lingc.stage") if k in norm.meta}
+    fused.meta = carried_meta(norm)
     fused._rename(norm.name.replace("add_rmsnorm", f"{tag}_add_rmsnorm") if "add_rmsnorm" in norm.name
                   else f"{norm.name}_{tag}")
     norm.replace_all_uses_with(fused)

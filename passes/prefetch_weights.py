@@ -68,7 +68,7 @@ import torch.fx as fx
 
 from lingc.ops import OPS
 from lingc.passes.base import Pass
-from lingc.passes.matchers import is_free, output_getitem
+from lingc.passes.matchers import KEEP_META, carried_meta, is_free, output_getitem
 from lingc.program import Program
 
 ENABLED = True                 # False: the pass inserts nothing (a bench A/B switch)
@@ -93,7 +93,6 @@ DOWN_GEMMS = ("moe_down", "moe_down_pairs")
 # linear-family ops and the positional index of their weight
 WEIGHT_ARG = {"linear": 1, "rmsnorm_linear": 3, "add_rmsnorm_linear": 4, "gated_rmsnorm_linear": 4}
 STREAMS = ("moe_up", "moe_up_act", "moe_up_act_pairs", "moe_down", "moe_down_pairs", "moe_fused")
-KEEP_META = ("lingc.scope", "lingc.stage")
 
 
 def _short(node: fx.Node) -> str | None:
@@ -163,7 +162,7 @@ def insert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
         with graph.inserting_after(start):
             hint = graph.call_function(OPS.l2_prefetch, (w, 0, nbytes))
         hint.name = graph._graph_namespace.create_name(f"{node.name}_l2_prefetch", None)
-        hint.meta.update({k: node.meta[k] for k in KEEP_META if k in node.meta})
+        hint.meta.update(carried_meta(node))
         added.append({"node": hint.name, "weight": w.target, "after": start.name, "before": node.name,
                       "bytes": int(_bytes(w)) if nbytes < 0 else nbytes})
     return added
@@ -216,7 +215,7 @@ def insert_expert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
                 hint = graph.call_function(OPS.l2_prefetch_experts, (w, ids, -1))
             hint.name = graph._graph_namespace.create_name(f"{up.name}_{w.target.rsplit('.', 1)[-1]}_l2_prefetch",
                                                            None)
-            hint.meta.update({k: up.meta[k] for k in KEEP_META if k in up.meta})
+            hint.meta.update(carried_meta(up))
             added.append({"node": hint.name, "weight": w.target, "ids": ids.name, "before": up.name})
             anchor = hint
     return added

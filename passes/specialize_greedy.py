@@ -39,11 +39,10 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import calls
+from lingc.passes.matchers import calls, carried_meta
 from lingc.steps import GREEDY_SUFFIX
 
 SOURCES = ("step", "nextn")                 # the engine step graphs as traced (lingc.steps)
-KEEP_META = ("lingc.scope", "lingc.stage")
 GREEDY_ONLY_RELAYS = ("relay:draft_first_probs",)   # relays only sampled rows read
 
 
@@ -59,7 +58,7 @@ def _copy(graph: fx.Graph) -> fx.Graph:
 def _replace(graph: fx.Graph, old: fx.Node, op: Any, args: tuple, name: str) -> fx.Node:
     with graph.inserting_before(old):
         new = graph.call_function(op, args)
-    new.meta = {k: old.meta[k] for k in KEEP_META if k in old.meta}
+    new.meta = carried_meta(old)
     old.replace_all_uses_with(new)
     graph.erase_node(old)
     new._rename(name)

@@ -75,11 +75,10 @@ from lingc.passes.fuse_align_into_moe import unfuse as unfuse_pairs
 from lingc.passes.fuse_combine_norm import unfuse as unfuse_combine_norm
 from lingc.passes.fuse_norm_router import unfuse as unfuse_norm_router
 from lingc.passes.fuse_moe import unfuse
-from lingc.passes.matchers import calls, consumers, get_weight_node, output_getitem
+from lingc.passes.matchers import KEEP_META, calls, carried_meta, consumers, get_weight_node, output_getitem
 
 aten = torch.ops.aten
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-KEEP_META = ("lingc.scope", "lingc.stage")
 
 _RULES: list[tuple[str, str]] = [
     (r"\.attention\.(q|k|v|f|g|b|q_b|kv_b)_proj\.weight$", "rows"),
@@ -207,7 +206,7 @@ def shared_owner(weight: str, tp: int) -> int:
 def _meta_from(node: fx.Node, *sources: fx.Node) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for s in sources:
-        out.update({k: s.meta[k] for k in KEEP_META if k in s.meta})
+        out.update(carried_meta(s))
     return out
 
 
