@@ -236,7 +236,8 @@ def enable(group: Any = None, region_bytes: int = REGION_BYTES) -> Workspace | N
         handle = symm_mem.rendezvous(data, group)
         ws = Workspace(rank, world, device,
                        torch.tensor(_peer_addresses(data, handle, rank), dtype=torch.int64, device=device),
-                       torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                       torch.zeros(1, dtype=torch.int64, device=device),
+                       torch.zeros(1, dtype=torch.int32, device=device),
                        torch.zeros(1, dtype=torch.int32, device=device), region_bytes, (data, handle))
     except Exception as e:                                # noqa: BLE001 -- optional fast path, reported
         if os.environ.get(ENV, "").lower() != "nccl":

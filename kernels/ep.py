@@ -34,7 +34,8 @@ ep_combine(expert_out [NP, h], topk_weights fp32 [N, k], local_ids int32 [N, k],
     + shared_out in fp32 rounded once (None after fuse_shared_expert: the cast sum is the output)
   kernels/moe.py's moe_combine kernel itself (HAS_LOCAL), one program per (token, BLOCK_H columns): the product
   w * float(e) is rounded in fp32 (fp fusion off), another rank's pair contributes exactly +0.0 (the reference's
-  torch.where: its expert_out row is never written by the grouped GEMMs and is not even loaded here, so garbage there cannot leak), and the k
+  torch.where: its expert_out row is never written by the grouped GEMMs and is not even loaded here, so garbage there
+  cannot leak), and the k
   terms are summed in the order of the device's torch reduction (kernels/moe.py COMBINE_ORDER: sequential on CPU,
   4 interleaved accumulators on CUDA), which makes it bit-exact vs the reference where moe_combine is.
 

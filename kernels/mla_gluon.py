@@ -84,7 +84,8 @@ WARPS = 8                # two warpgroups, side by side on the MMAs' N
 HOPPER = 9
 SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
 # The split's unnormalised partial O in bf16 rather than fp32 (kernels/mla.py allocates part_o in this dtype where this
-# kernel runs; m and l stay fp32; FlashInfer's split-KV decode keeps its partial outputs in the output dtype too), stored
+# kernel runs; m and l stay fp32; FlashInfer's split-KV decode keeps its partial outputs
+# in the output dtype too), stored
 # a row a warp: half the bytes the split writes and the combine reads (2 MB -> 1 MB a query at 8192 rows). A numerics
 # change (the partials rounded to bf16 before the fp32 combine): max |diff| 7.8e-3 against fp32 partials on bf16
 # outputs of |out| ~ 1 (one bf16 ulp at 1-2), within the reference tolerance, row invariant, PDL on == off
@@ -165,7 +166,8 @@ if HAVE_GLUON:
                                 T, S, CAP, qk_scale,
                                 stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
                                 stride_pos_b, stride_pos_t,
-                                UNIT: gl.constexpr, PS: gl.constexpr, H: gl.constexpr, R: gl.constexpr, RR: gl.constexpr,
+                                UNIT: gl.constexpr, PS: gl.constexpr, H: gl.constexpr, R: gl.constexpr,
+                                RR: gl.constexpr,
                                 SPLIT_N: gl.constexpr, CW: gl.constexpr, QPP: gl.constexpr, PDL: gl.constexpr,
                                 NW: gl.constexpr):
         """Unnormalised softmax partials (m, l, O) of QPP consecutive queries of one request over split s of

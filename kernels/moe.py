@@ -850,7 +850,8 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out
     launch = {"launch_pdl": True} if pdl else {}
     block = min(COMBINE_BLOCK_H, triton.next_power_of_2(h))
     _moe_combine_kernel[(n, triton.cdiv(h, block))](
-        e2, topk_weights, topk_weights, s2, out, h, e2.stride(0), topk_weights.stride(0), 0, s2.stride(0), out.stride(0),
+        e2, topk_weights, topk_weights, s2, out, h, e2.stride(0), topk_weights.stride(0), 0, s2.stride(0),
+        out.stride(0),
         TOP_K=k, BLOCK_H=block, ORDER=order, HAS_SHARED=shared_out is not None, PDL=pdl,
         num_warps=COMBINE_NUM_WARPS, **FP_OPTIONS, **launch)
     return out

@@ -26,7 +26,8 @@ more launches back may be loaded (through L2, `.cg`: L1 is not coherent) before 
 just before writes must wait. Three kernels do it (H200 decode step, same bits): kda's fused decode / verify (state
 slice, pool windows, slot), the down-GEMM at decode's pair counts (its align's outputs and its whole weight tile,
 into registers) and MLA's q_absorb (q and its sum). (Weights need no such argument: the small "fma" linears, the
-router GEMV, load their whole slice into registers before the wait, kernels/linear.py FMA_PRELOAD.) Where the launch just before one of them writes or produces
+router GEMV, load their whole slice into registers before the wait, kernels/linear.py FMA_PRELOAD.) Where the launch
+just before one of them writes or produces
 those inputs, the pdl pass launches it without PDL (passes/pdl.py PREWAIT_INPUTS). What it does not buy: an L2
 prefetch of a static 31.5 MB weight during an idle window made the linear reading it only 9.5 -> 8.6 us (the linear
 reads L2 hardly faster than HBM here; bench/results/kernels-l2-prefetch-h200-20261201.json), and in the step the

@@ -412,7 +412,8 @@ def _row_picks(score, biased, eid, valid, g, n_group, topk_group, R_BLOCK: tl.co
 @triton.jit
 def _router_align_rows_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                               N, stride_row, n_group, topk_group, scale, max_padded, n_blocks,
-                              BM: tl.constexpr, GS: tl.constexpr, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
+                              BM: tl.constexpr, GS: tl.constexpr, R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
+                              C_BLOCK: tl.constexpr,
                               L_BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
                               K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     W: tl.constexpr = TOP_K + SHARED                                              # pairs per row

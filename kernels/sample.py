@@ -438,7 +438,8 @@ def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, offset, BLOCK: tl.constex
 
 
 def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, offset: int = 0, *, pdl: bool = False) -> torch.Tensor:
-    """n uniform fp32 in [0, 1) per request from (seed, counter + offset + i) (lingc.uniform): one launch, the reference's
+    """n uniform fp32 in [0, 1) per request from (seed, counter + offset + i) (lingc.uniform): one launch,
+    the reference's
     bits (splitmix64 on the same 64-bit patterns, top 24 bits scaled by 2^-24, exact in fp32)."""
     B = seed.shape[0]
     out = torch.empty((B, n), dtype=torch.float32, device=seed.device)

@@ -123,7 +123,8 @@ def print_report(report: BenchReport) -> None:
     run = Table(title=f"lingc bench {escape(c.base_url)}")
     run.add_column("run")
     run.add_column("value", justify="right")
-    rows = [("backend / max concurrency", f"{c.backend} / {conc}"), ("successful requests", str(m.completed)), ("failed requests", str(m.failed)),
+    rows = [("backend / max concurrency", f"{c.backend} / {conc}"), ("successful requests", str(m.completed)),
+            ("failed requests", str(m.failed)),
             ("warm-up requests (excluded)", f"{len(report.warmup_results)}"
              + (f" ({sum(not r.success for r in report.warmup_results)} failed)"
                 if any(not r.success for r in report.warmup_results) else "")),

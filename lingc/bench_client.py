@@ -87,7 +87,8 @@ class BenchConfig:
         if self.backend not in BACKENDS:
             raise BenchError(f"--backend {self.backend!r} is not supported; choose one of {', '.join(BACKENDS)}")
         if self.dataset_name not in DATASETS:
-            raise BenchError(f"--dataset-name {self.dataset_name!r} is not supported; choose one of {', '.join(DATASETS)}")
+            raise BenchError(f"--dataset-name {self.dataset_name!r} is not supported; "
+                             f"choose one of {', '.join(DATASETS)}")
         if not isinstance(self.extra_request_body, dict):
             raise BenchError("--extra-request-body must be a JSON object")
         if self.timeout_s <= 0:

@@ -39,7 +39,8 @@ def init(preset: str = typer.Option(..., help="ling-3.0-flash, ling-3.0-tiny, te
          mtp_layers: Optional[int] = typer.Option(None, help="override num_nextn_predict_layers (MTP)"),
          seed: int = typer.Option(0, help="same seed, same bytes"),
          device: str = typer.Option("cpu", help="where to draw the random numbers (cuda is much faster at real size)"),
-         shard_mb: Optional[int] = typer.Option(None, help="shard size in MiB (default: 512, or 4 shards for small models; 0 = one file)")) -> None:
+         shard_mb: Optional[int] = typer.Option(None, help="shard size in MiB (default: 512, or 4 shards for small "
+                                                "models; 0 = one file)")) -> None:
     """Write a deterministic random checkpoint in the published Ling-3.0 format (HF key names, sharded)."""
     from lingc.config import ConfigError
     from lingc.init import write_random_checkpoint
@@ -59,16 +60,20 @@ def init(preset: str = typer.Option(..., help="ling-3.0-flash, ling-3.0-tiny, te
         write_random_checkpoint(config, out, seed=seed, device=device, shard_bytes=shard, progress=True)
     except OSError as e:
         _fail(f"cannot write the checkpoint to {out}: {e}")
-    console.print(f"wrote {preset} (seed {seed}) to [bold]{escape(str(out))}[/bold] in {time.perf_counter() - t0:.1f} s")
+    console.print(f"wrote {preset} (seed {seed}) to [bold]{escape(str(out))}[/bold] in "
+                  f"{time.perf_counter() - t0:.1f} s")
 
 
 @app.command("compile")
 def compile_cmd(checkpoint: Path = typer.Argument(..., help="checkpoint directory (config.json + *.safetensors)"),
-                passes: str = typer.Option("", "--passes", "-p", help="comma-separated pass names, or 'all' (see `lingc passes`)"),
+                passes: str = typer.Option("", "--passes", "-p", help="comma-separated pass names, or 'all' "
+                                           "(see `lingc passes`)"),
                 out: Path = typer.Option(..., "--out", "-o", help="artifact directory to write"),
-                programs: str = typer.Option("", help="programs to trace (default: prefill,decode,step + mtp_prefill,mtp_decode,nextn with MTP)"),
+                programs: str = typer.Option("", help="programs to trace (default: prefill,decode,step + "
+                                             "mtp_prefill,mtp_decode,nextn with MTP)"),
                 dtype: str = typer.Option("bf16", help="activation / weight dtype: bf16 or fp32"),
-                verify: bool = typer.Option(False, "--verify", help="check every stage against the previous one on CPU"),
+                verify: bool = typer.Option(False, "--verify", help="check every stage against the previous "
+                                            "one on CPU"),
                 max_len: int = typer.Option(512, help="tokens per request, prompt + output (a multiple of 16)"),
                 prefill_tokens: int = typer.Option(32, help="tokens per prefill chunk"),
                 draft_tokens: int = typer.Option(6, help="verify width (NEXTN steps + 1)"),
@@ -160,11 +165,13 @@ def passes_cmd() -> None:
     for col in ("pass", "what it does", "numerics", "runs after"):
         table.add_column(col)
     for name, cls in PASSES.items():
-        numerics = f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics else "[green]unchanged[/green]"
+        numerics = (f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics
+                    else "[green]unchanged[/green]")
         after = ", ".join(a for a in (*cls.requires, *cls.after) if a in PASSES) or "-"
         table.add_row(name if cls.in_all else f"{name} (opt-in)", cls.summary, numerics, after)
     for name, cls in EXPLICIT_PASSES.items():        # not in `all`: each has its own flag
-        numerics = f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics else "[green]unchanged[/green]"
+        numerics = (f"[yellow]changed[/yellow] (tol {cls.tolerance})" if cls.changes_numerics
+                    else "[green]unchanged[/green]")
         after = getattr(cls, "runs_after", None)     # a stage that follows another explicit pass (tp's fusion)
         table.add_row(name if after else f"{name} (only via --{name} N)", cls.summary, numerics,
                       after or "every pass above")
@@ -196,7 +203,8 @@ def diff(artifact: Path = typer.Argument(..., help="artifact directory"),
             table.add_row(g, op, str(b), str(a))
     console.print(table if table.row_count else f"op counts unchanged by {pass_name}")
     r = d.record
-    console.print(f"{pass_name}: {r['matches']} match(es); numerics {'changed' if r['changes_numerics'] else 'unchanged'}")
+    console.print(f"{pass_name}: {r['matches']} match(es); "
+                  f"numerics {'changed' if r['changes_numerics'] else 'unchanged'}")
 
 
 @app.command()
@@ -221,23 +229,27 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
              prompt_ids: str = typer.Option("", help="prompt as comma-separated token ids, e.g. 11,22,33"),
              prompt: str = typer.Option("", help="prompt text (needs tokenizer.json in the checkpoint)"),
              max_new_tokens: int = typer.Option(64, help="tokens to generate"),
-             spec: str = typer.Option("nextn", help="nextn (MTP draft, NEXTN 5/6) or none (plain decode, the baseline)"),
+             spec: str = typer.Option("nextn", help="nextn (MTP draft, NEXTN 5/6) or none "
+                                      "(plain decode, the baseline)"),
              temperature: float = typer.Option(0.0, help="0 = greedy"),
              top_p: float = typer.Option(1.0, help="nucleus sampling mass (1 = off)"),
              top_k: int = typer.Option(0, help="keep the k most likely tokens (0 = off)"),
              seed: int = typer.Option(0, help="sampling seed (same seed, same tokens)"),
-             ignore_eos: bool = typer.Option(False, "--ignore-eos", help="decode exactly --max-new-tokens (benchmarks)"),
-             simulate_accept_len: float = typer.Option(0.0, help="benchmark knob: force this mean accept length (off by default)"),
+             ignore_eos: bool = typer.Option(False, "--ignore-eos", help="decode exactly --max-new-tokens "
+                                             "(benchmarks)"),
+             simulate_accept_len: float = typer.Option(0.0, help="benchmark knob: force this mean accept length "
+                                                       "(off by default)"),
              device: str = typer.Option("cpu", help="cpu or cuda"),
-             backend: str = typer.Option("auto", help="kernels: triton (Triton kernels where lingc has them), reference "
-                                         "(torch reference ops) or auto (triton on cuda, reference on cpu)"),
+             backend: str = typer.Option("auto", help="kernels: triton (Triton kernels where lingc has them), "
+                                         "reference (torch reference ops) or auto (triton on cuda, reference on cpu)"),
              cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                               help="on cuda: capture every program graph once and replay it"),
              pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="on cuda with triton: programmatic dependent "
                                       "launch on the chains the pdl pass annotated"),
              greedy_graphs: bool = typer.Option(True, "--greedy-graphs/--no-greedy-graphs",
                                                 help="at temperature 0: run the specialize_greedy copies of the step "
-                                                "graphs (argmax, no sampling distributions) where the artifact has them"),
+                                                "graphs (argmax, no sampling distributions) where the artifact "
+                                                "has them"),
              as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of text")) -> None:
     """Generate from an artifact: greedy or sampled, NEXTN speculative decoding by default."""
     import json
@@ -327,7 +339,8 @@ def demo(workdir: Path = typer.Option(Path(".lingc-demo"), help="where to put th
 def serve(artifact: Path = typer.Argument(..., help="artifact directory (lingc compile ... --passes all)"),
           tp: Optional[int] = typer.Option(None, "--tp", min=1, help="tensor-parallel ranks (default: the "
                                            "artifact's; N > 1 starts N ranks through lingc.runtime.tp)"),
-          host: str = typer.Option("127.0.0.1", help="address to bind: loopback by default; 0.0.0.0 exposes the server"),
+          host: str = typer.Option("127.0.0.1", help="address to bind: loopback by default; "
+                                   "0.0.0.0 exposes the server"),
           port: int = typer.Option(30000, min=1, max=65535, help="TCP port"),
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LINGC_API_KEY",
                                                 help="require 'Authorization: Bearer KEY' on every route but /health"),
@@ -375,7 +388,8 @@ def serve(artifact: Path = typer.Argument(..., help="artifact directory (lingc c
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]warning:[/yellow] serving on {escape(host)} without --api-key: anyone who can reach "
                   "this port can use the model")
-    console.print(f"serving [bold]{escape(name)}[/bold] ({escape(str(artifact))}, spec {spec}, {device}, tp {ranks}) on "
+    console.print(f"serving [bold]{escape(name)}[/bold] ({escape(str(artifact))}, "
+                  f"spec {spec}, {device}, tp {ranks}) on "
                   f"http://{escape(host)}:{port}  (max queue {max_queue}{', API key required' if api_key else ''})")
     try:
         run_server(session, ServerConfig(name, api_key, max_queue, max_body_bytes, tp=ranks, device=device),

@@ -90,7 +90,8 @@ class LingForCausalLM(nn.Module):
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         return self.step(input_ids, positions, self.new_state(B, T))[0]
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+             state: ModelState) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached forward of the target: (logits fp32 [B, T, V], normed hidden [B, T, h]); updates state."""
         hidden = self.model(input_ids, positions, state)
         return self.lm_head(hidden), hidden

@@ -22,7 +22,8 @@ pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-size:12px;line-height:1.
 def _diff_html(diff: str) -> str:
     out = []
     for line in diff.splitlines():
-        cls = "add" if line.startswith("+") else "del" if line.startswith("-") else "hunk" if line.startswith("@@") else ""
+        cls = ("add" if line.startswith("+") else "del" if line.startswith("-")
+               else "hunk" if line.startswith("@@") else "")
         esc = html.escape(line)
         out.append(f'<span class="{cls}">{esc}</span>' if cls else esc)
     return "<pre>" + "\n".join(out) + "</pre>"
@@ -40,7 +41,8 @@ def render(art: Artifact) -> str:
     """The whole report as one HTML string (no external assets)."""
     m = art.manifest
     cfg = m["config"]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>lingc report: {html.escape(str(art.path))}</title>"
+    parts = ["<!doctype html><html><head><meta charset='utf-8'>"
+             f"<title>lingc report: {html.escape(str(art.path))}</title>"
              f"<style>{STYLE}</style></head><body>",
              f"<h1>lingc artifact <code>{html.escape(str(art.path))}</code></h1>",
              f"<p>created {html.escape(m['created'])} from <code>{html.escape(m.get('source', ''))}</code>; "
@@ -51,7 +53,8 @@ def render(art: Artifact) -> str:
              "<h2>Passes</h2><table><tr><th>#</th><th>pass</th><th>numerics</th><th>matches</th><th>nodes +/-/~</th>"
              "<th>weights written</th><th>ms</th><th>verify</th></tr>"]
     for i, r in enumerate(m["passes"], start=1):
-        numerics = '<span class="chg">changed</span>' if r["changes_numerics"] else '<span class="same">unchanged</span>'
+        numerics = ('<span class="chg">changed</span>' if r["changes_numerics"]
+                    else '<span class="same">unchanged</span>')
         verify = "not run" if r.get("verify") is None else ("ok" if r["verify"]["ok"] else "FAILED")
         parts.append(f"<tr><td>{i}</td><td><a href='#p{i}'>{html.escape(r['name'])}</a></td><td>{numerics}</td>"
                      f"<td>{r['matches']}</td><td>+{len(r['nodes_added'])} / -{len(r['nodes_removed'])} / "
@@ -61,7 +64,9 @@ def render(art: Artifact) -> str:
     for i, r in enumerate(m["passes"], start=1):
         d = pass_diff(art, r["name"])
         parts.append(f"<h2 id='p{i}'>{i}. {html.escape(r['name'])}</h2>")
-        parts.append(f"<p>version {r['version']}; numerics {'changed, tolerance ' + str(r['tolerance']) if r['changes_numerics'] else 'unchanged (bit-exact)'}</p>")
+        parts.append(
+            f"<p>version {r['version']}; numerics "
+            f"{'changed, tolerance ' + str(r['tolerance']) if r['changes_numerics'] else 'unchanged (bit-exact)'}</p>")
         parts.append("<h3>Op counts</h3>" + _counts_html(d.op_counts))
         chains = r.get("details", {}).get("chains")
         if chains:
@@ -69,9 +74,11 @@ def render(art: Artifact) -> str:
                            f"<td>{html.escape(' -> '.join(c['nodes']))}</td></tr>" for c in chains)
             parts.append(f"<details><summary>PDL chains ({len(chains)})</summary><table><tr><th>program</th>"
                          f"<th>chain</th><th>kernels</th></tr>{rows}</table></details>")
-        parts.append(f"<details><summary>Graph diff ({d.diff.count(chr(10))} lines)</summary>{_diff_html(d.diff)}</details>")
+        parts.append(f"<details><summary>Graph diff ({d.diff.count(chr(10))} lines)</summary>"
+                     f"{_diff_html(d.diff)}</details>")
         record = {k: v for k, v in r.items() if k not in ("op_counts_before", "op_counts_after")}
-        parts.append(f"<details><summary>Record</summary><pre>{html.escape(json.dumps(record, indent=1))}</pre></details>")
+        parts.append("<details><summary>Record</summary>"
+                     f"<pre>{html.escape(json.dumps(record, indent=1))}</pre></details>")
     parts.append("</body></html>")
     return "\n".join(parts)
 

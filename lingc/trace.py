@@ -4,7 +4,8 @@ Host-fed programs (the prompt; the host gives ids and positions):
   prefill      target over a T-token chunk   (input_ids, positions, slots, page_table, state) -> (logits, hidden)
   decode       target, one token             same signature, T = 1
   mtp_prefill  MTP layer over T tokens with the target's hidden states
-                                             (next_ids, hidden, positions, slots, page_table, state) -> (logits, mtp_hidden)
+                                             (next_ids, hidden, positions, slots, page_table, state)
+                                             -> (logits, mtp_hidden)
   mtp_decode   the same, T = 1
 Device-fed engine steps (lingc.steps; the host gives only `slots`, everything else is in relay buffers):
   step         plain decode: sample in-graph, publish the token, advance

@@ -36,6 +36,7 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)
-EXPLICIT_PASSES: dict[str, type[Pass]] = {TensorParallel.name: TensorParallel, FuseAllReduceNorm.name: FuseAllReduceNorm}
+EXPLICIT_PASSES: dict[str, type[Pass]] = {TensorParallel.name: TensorParallel,
+                                          FuseAllReduceNorm.name: FuseAllReduceNorm}
 
 __all__ = ["EXPLICIT_PASSES", "PASSES", "Pass", "PassRecord"]

@@ -38,7 +38,8 @@ from lingc.passes.matchers import KEEP_META_CAPTURE, base_buffer, calls, carried
 def _int_vector(node: Any, like: fx.Node) -> bool:
     meta, want = getattr(node, "meta", {}).get("lingc.tensor"), like.meta.get("lingc.tensor")
     return (isinstance(node, fx.Node) and meta is not None and want is not None
-            and not meta.dtype.is_floating_point and meta.dtype != torch.bool and tuple(meta.shape) == tuple(want.shape))
+            and not meta.dtype.is_floating_point and meta.dtype != torch.bool
+            and tuple(meta.shape) == tuple(want.shape))
 
 
 def _pick_of(tokens: fx.Node, count: fx.Node) -> fx.Node | None:

@@ -85,7 +85,8 @@ def _fused_weight(program: Program, names: list[str]) -> str:
 
 
 def _node_prefix(weight: str) -> str:
-    """Node-name form of a weight's module: model.layers.0.attention.fused_qkvfbg.weight -> L0_attention_fused_qkvfbg."""
+    """Node-name form of a weight's module: model.layers.0.attention.fused_qkvfbg.weight ->
+    L0_attention_fused_qkvfbg."""
     return weight.removesuffix(".weight").replace("model.layers.", "L").replace(".", "_")
 
 

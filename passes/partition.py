@@ -41,7 +41,8 @@ def _mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
 
 class Partition(Pass):
     name = "partition"
-    summary = "split the NEXTN step into draft / verify / extend graphs with slot-indexed relay buffers; stage KDA in verify"
+    summary = ("split the NEXTN step into draft / verify / extend graphs with slot-indexed relay buffers; "
+               "stage KDA in verify")
     after = ("specialize_greedy",)
     changes_numerics = False
     # --verify runs the three in order against the whole (and the greedy copy's against nextn_greedy)

@@ -299,7 +299,8 @@ def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -
     elif src.target is OPS.router_align and all(u.args[1] < 2 for u in src.users):
         with graph.inserting_before(src):
             topk = graph.call_function(OPS.router_topk, (*src.args[:6], *src.args[8:]))    # + fused_shared
-        topk.meta = {**_meta_from(topk, src), **({"lingc.pdl": src.meta["lingc.pdl"]} if "lingc.pdl" in src.meta else {})}
+        topk.meta = {**_meta_from(topk, src),
+                     **({"lingc.pdl": src.meta["lingc.pdl"]} if "lingc.pdl" in src.meta else {})}
         for u in list(src.users):
             u.args = (topk, u.args[1])          # list(): re-pointing edits src.users
         name = src.name
@@ -329,7 +330,8 @@ def _fix_shapes(program: Program, graph: fx.Graph, tp: int) -> list[str]:
                 continue
             if node.op != "call_function":
                 continue
-            old_meta = node.args[0].meta.get("lingc.tensor") if node.args and isinstance(node.args[0], fx.Node) else None
+            old_meta = (node.args[0].meta.get("lingc.tensor") if node.args and isinstance(node.args[0], fx.Node)
+                        else None)
             if node.target in VIEW_OPS and old_meta is not None:
                 old_in = tuple(old_meta.shape)
                 new_in = tuple(env[node.args[0]].shape)

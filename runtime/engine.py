@@ -173,7 +173,8 @@ class Engine:
         self.opt = program.options
         self.relay = {k[len("relay_"):]: v for k, v in self.exe.buffers.tensors.items() if k.startswith("relay_")}
         page_table = self.exe.buffers.tensors["page_table"]
-        self.pages = PageAllocator(page_table, self.opt["request_slots"] * self.opt["max_len"] // self.opt["page_size"] + 1,
+        self.pages = PageAllocator(page_table,
+                                   self.opt["request_slots"] * self.opt["max_len"] // self.opt["page_size"] + 1,
                                    self.opt["page_size"])
         self.free_slots = list(range(self.opt["request_slots"]))
         self.slots = self.exe.buffers.tensors["slots"]

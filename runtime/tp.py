@@ -96,7 +96,8 @@ def _init_group(store: Any, rank: int, world: int, device: str, timeout_s: float
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s), device_id=torch.device(device))
         from lingc.kernels import allreduce
-        allreduce.enable()                                  # one-shot all-reduce over NVLink (LINGC_ALL_REDUCE=nccl: off)
+        allreduce.enable()                                  # one-shot all-reduce over NVLink
+                                                            # (LINGC_ALL_REDUCE=nccl: off)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))

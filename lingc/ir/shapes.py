@@ -83,7 +83,8 @@ def propagate(program: Program) -> None:
             for node in graph.nodes:
                 if node.op == "placeholder":
                     m: TensorMeta = node.meta["lingc.tensor"]
-                    env.values[node] = torch.empty(m.shape, dtype=m.dtype, device=device)   # inputs live with the weights
+                    env.values[node] = torch.empty(m.shape, dtype=m.dtype,
+                                                   device=device)   # inputs live with the weights
                     env.metas[node] = m
                 elif node.op == "get_attr":
                     if node.target not in fake_weights:

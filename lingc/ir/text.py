@@ -38,7 +38,8 @@ def annotations(node: fx.Node) -> str:
     notes = []
     pdl = node.meta.get("lingc.pdl")
     if pdl:
-        notes.append(f"pdl={pdl['chain']} {pdl['index'] + 1}/{pdl['length']}" + (" early" if pdl["early_launch"] else ""))
+        notes.append(f"pdl={pdl['chain']} {pdl['index'] + 1}/{pdl['length']}"
+                     + (" early" if pdl["early_launch"] else ""))
     if "lingc.dtype" in node.meta:
         notes.append(f"dtype={node.meta['lingc.dtype']}")
     if "lingc.capture" in node.meta:

@@ -171,7 +171,8 @@ def _prepare(q, k, v, f, b, A_log, dt_bias, lower_bound):
     return t(qf), t(kf), t(v.float()), t(g), t(beta)
 
 
-def _recurrence(qf, kf, vf, g, beta, S: torch.Tensor, staging: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _recurrence(qf, kf, vf, g, beta, S: torch.Tensor,
+                staging: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token: S = diag(exp(g_t)) S; S += k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t."""
     outs = []
     for t in range(qf.shape[2]):

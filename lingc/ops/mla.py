@@ -1,6 +1,7 @@
 """Gated-MLA ops: interleaved RoPE, the compact latent cache write, attention over that cache, and fused forms.
 
-Letters: B batch, T new tokens, NP pages of PS rows, MP pages per request, H heads, R = kv_lora_rank (512), Rr = rope dim (64),
+Letters: B batch, T new tokens, NP pages of PS rows, MP pages per request, H heads, R = kv_lora_rank (512),
+Rr = rope dim (64),
 L = R + Rr latent values cached per token (576), N nope dim (128), Vd value dim (128).
 The cache row of a token is [rmsnorm(c_kv) (R) | rope(k_rope) (Rr)]. Attention expands K/V from the
 latent with kv_b_proj in the reference; kernels may absorb it instead.

@@ -74,7 +74,8 @@ def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, in
 
 
 @torch.library.custom_op("lingc::moe_align", mutates_args=())
-def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(expert_ids: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the NP pairs by expert in blocks of BM rows.
 
     Returns sorted_pairs int32 [NP + E*(BM-1)] (pair indices by expert, stable, each expert padded to a

@@ -134,7 +134,8 @@ register("vocab_expand")
 
 @torch.library.custom_op("lingc::chain_accept", mutates_args=())
 def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                 target_logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 target_logits: torch.Tensor, temperature: torch.Tensor,
+                 u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a topk=1 draft chain; returns (accept_len int32 [B], tokens int64 [B, K+1]).
 
     draft_ids [B, K] proposed after the root; draft_probs [B, K, V] the drafter's distributions;
