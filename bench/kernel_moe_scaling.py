@@ -13,13 +13,17 @@ each call with its own set S; times are CUDA-graph replay medians of the calls, 
 
 `--linear` adds the dense skinny GEMM (kernels/linear.py, lingc.linear) over the same bytes, the first d experts' w13
 rows as one [d * 2I, h] weight at 6 rows: the same streaming without the pair grid's ids prologue, its fixed cost the
-yardstick for the MoE's. `--exits` times instead 8 experts at 1-16 tokens: the same bytes on a grid of 16 x (8 x tokens) programs, of which
-all but the 128 whose pair is its expert's first exit after the ids prologue; time growing with the tokens is what
-the exiting programs cost. `--up-configs` adds the up-GEMM's series under other tilings (block_n, block_k, warps, stages, swap_ab; the default
-is kernels/moe.py's UP_PAIRS_CONFIG), each with its own fit: which part of a launch a tiling moves. Timing only (a
-tiling with another block_k sums in another order).
+yardstick for the MoE's. `--exits` times instead 8 experts at 1-16 tokens: the same bytes on a grid of 16 x (8 x
+tokens) programs, of which all but the 128 whose pair is its expert's first exit after the ids prologue; time growing
+with the tokens is what the exiting programs cost. `--up-configs` adds the up-GEMM's series under other tilings
+(block_n, block_k, warps, stages, swap_ab; the default is kernels/moe.py's UP_PAIRS_CONFIG), each with its own fit:
+which part of a launch a tiling moves. Timing only (a tiling with another block_k sums in another order). `--probe`
+adds bench/moe_up_probe.py's three series (the production tile on working programs only: with the expert id loaded,
+without it, and without the SwiGLU epilogue), each with its own fit: which part of the launch the ~2 us over the
+dense GEMV is.
 
-    python3 bench/kernel_moe_scaling.py [--json OUT] [--linear] [--exits] [--up-configs 64,128,4,4,1;128,128,8,3,1]
+    python3 bench/kernel_moe_scaling.py [--json OUT] [--linear] [--probe] [--exits]
+                                        [--up-configs 64,128,4,4,1;128,128,8,3,1]
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def parse_configs(spec: str) -> list[tuple[int, int, int, int, bool]]:
 
 
 def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (), dense: bool = False,
-        points: list[tuple[int, int]] = POINTS) -> dict:
+        points: list[tuple[int, int]] = POINTS, probe: bool = False) -> dict:
     from lingc.kernels.linear import linear
     from lingc.kernels.moe import GemmConfig, interleave_w13, moe_down_pairs, moe_up_act_pairs
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -94,6 +98,8 @@ def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (
                 lambda c=c: linear(x[c][:6], w13[c % COPIES].view(E * 2 * INTER, H)[:d * 2 * INTER], pdl=True)
                 for c in range(CALLS)])
             row["linear_mb"] = row["up_mb"]
+        if probe:                 # the production tile on working programs only (bench/moe_up_probe.py)
+            row.update(probe_series(x, w13, d, g, dev, row["up_mb"]))
         for cfg in up_configs:
             key = "up_" + "_".join(str(int(v)) for v in cfg)
             config = GemmConfig(*cfg)
@@ -118,12 +124,31 @@ def run(dev: torch.device, up_configs: list[tuple[int, int, int, int, bool]] = (
     return {"rows": rows, "fits": fits}
 
 
+def probe_series(x: list[torch.Tensor], w13: list[torch.Tensor], d: int, g: torch.Generator, dev: torch.device,
+                 mb: float) -> dict:
+    """probe_ids / probe / probe_plain times for d experts: a contiguous set base .. base + d - 1 a call (base drawn
+    per call), the copies rotated as for the production series."""
+    from moe_up_probe import up_probe
+    bases = [int(torch.randint(0, E - d + 1, (1,), generator=g)) for _ in range(CALLS)]
+    experts = [torch.arange(b, b + d, dtype=torch.int32, device=dev) for b in bases]
+    out = {}
+    for key, ids, swiglu in (("probe_ids", True, True), ("probe", False, True), ("probe_plain", False, False)):
+        out[f"{key}_us"] = graph_time_or_none([
+            lambda c=c: up_probe(x[c], w13[c % COPIES], experts[c], bases[c], ids=ids, swiglu=swiglu, pdl=True)
+            for c in range(CALLS)])
+        out[f"{key}_mb"] = mb
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--up-configs", default="", help="other up-GEMM tilings: bn,bk,warps,stages,swap;...")
     ap.add_argument("--linear", action="store_true", help="also the dense skinny GEMM over the same bytes")
-    ap.add_argument("--exits", action="store_true", help="8 experts at 1-16 tokens instead (what exiting programs cost)")
+    ap.add_argument("--exits", action="store_true",
+                    help="8 experts at 1-16 tokens instead (what exiting programs cost)")
+    ap.add_argument("--probe", action="store_true",
+                    help="also the production tile without the ids prologue / the id load / the SwiGLU epilogue")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
@@ -131,7 +156,7 @@ def main() -> None:
                   ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
               "command": "python3 bench/kernel_moe_scaling.py " + " ".join(sys.argv[1:]),
               "hbm_bandwidth_gbps": hbm_bandwidth_gbps(), **run(dev, parse_configs(args.up_configs), args.linear,
-                                                        EXIT_POINTS if args.exits else POINTS)}
+                                                        EXIT_POINTS if args.exits else POINTS, args.probe)}
     print(json.dumps({"fits": result["fits"], "hbm_bandwidth_gbps": result["hbm_bandwidth_gbps"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -37,3 +37,4 @@ def test_parse_configs() -> None:
 def test_exit_points_read_eight_experts(T: int, d: int) -> None:
     ids = scaling.routing(T, d, torch.Generator().manual_seed(T), torch.device("cpu"))
     assert int(torch.unique(ids).numel()) == scaling.TOP_K == d
+
