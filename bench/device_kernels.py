@@ -27,6 +27,27 @@ def _time_us(fn, iters: int = 200) -> float:
     return events_ms(fn, repeats=iters, warmup=10) * 1e3
 
 
+def _embedding_norm_row(M: int, N: int, x: torch.Tensor, w: torch.Tensor, dev: torch.device) -> dict:
+    """fuse_embed_norm's kernels on the GPU: embedding_rmsnorm / embedding_rmsnorm_cat against the embedding + norm
+    kernels they replace, bit for bit (PDL on and off), and the times of the one launch and the two."""
+    from lingc.kernels.meta import embedding
+    from lingc.kernels.rmsnorm import embedding_rmsnorm, embedding_rmsnorm_cat, rmsnorm, rmsnorm_cat
+    table = torch.randn(4096, N, device=dev, dtype=torch.bfloat16)
+    ids = torch.randint(0, 4096, (1, M), device=dev)
+    rows = embedding(ids, table)
+    out, row = embedding_rmsnorm(ids, table, w, 1e-6)
+    out_pdl, _ = embedding_rmsnorm(ids, table, w, 1e-6, pdl=True)
+    hidden = x.view(1, M, N)
+    cat = embedding_rmsnorm_cat(ids, table, w, hidden, w, 1e-6)
+    return {"embedding_rmsnorm_bit_exact_vs_pair": bool(torch.equal(out, rmsnorm(rows, w, 1e-6))
+                                                       and torch.equal(row, rows)),
+            "embedding_rmsnorm_pdl_on_equals_off": bool(torch.equal(out, out_pdl)),
+            "embedding_rmsnorm_cat_bit_exact_vs_pair": bool(torch.equal(
+                cat, rmsnorm_cat(rows, w, hidden, w, 1e-6))),
+            "embedding_rmsnorm_us": _time_us(lambda: embedding_rmsnorm(ids, table, w, 1e-6)),
+            "embedding_then_rmsnorm_us": _time_us(lambda: rmsnorm(embedding(ids, table), w, 1e-6))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default="kernels.json")
@@ -57,6 +78,7 @@ def main() -> None:
             "rmsnorm_reference_us": _time_us(lambda: rmsnorm_ref(x, w, 1e-6)),
             "add_rmsnorm_triton_us": _time_us(lambda: add_rmsnorm(r, x, w, 1e-6)),
             "add_rmsnorm_reference_us": _time_us(lambda: add_rmsnorm_ref(r, x, w, 1e-6)),
+            **_embedding_norm_row(M, N, x, w, dev),
         })
     from lingc.kernels.moe_align import moe_align, moe_align_ref
     align_rows = []

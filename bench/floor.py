@@ -59,9 +59,10 @@ def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Cou
         block_m = args[-1] if op == "moe_down" else args[-2] if op == "moe_up" else args[-3]
         counts["experts"] += _distinct_experts(block_expert, total, block_m) * _size(stack[0])
         return counts
-    if op == "embedding":
-        ids, table = args
+    if op in ("embedding", "embedding_rmsnorm", "embedding_rmsnorm_cat"):   # the rows looked up, the norms' weights
+        ids, table = args[:2]
         counts["weights"] += ids.numel() * table.shape[1] * table.element_size()
+        counts["weights"] += sum(_size(a) for a in tensors[2:] if id(a) in weight_ids)
         return counts
     for a in tensors:
         if id(a) in weight_ids:

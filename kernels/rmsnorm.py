@@ -8,6 +8,8 @@ rounded once to the activation dtype, bit-identical to torch's `residual + x`) a
 Bytes per row of N elements, activation size s, weight size w:
     rmsnorm      reads N*s (x) + N*w (weight, L2-resident after the first row), writes N*s (out)
     rmsnorm_cat  two rmsnorm rows (x1 with weight1, x2 with weight2) into the halves of one [2N] row, one launch
+    embedding_rmsnorm[_cat]  the same kernels reading x (x1) from the embedding table at row ids[row] (GATHER);
+                 embedding_rmsnorm also writes the gathered row (N*s): the embedding launch they replace
     add_rmsnorm  reads 2*N*s (residual, x) + N*w, writes 2*N*s (new residual, out)
 
 PDL placement (shared/docs/kernels.md section 1.5): with the constexpr PDL on, the weight (written by no
@@ -50,8 +52,11 @@ def _rmsnorm_row(x, w, N, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
-                    BLOCK_N: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps, ids_ptr, x_out_ptr, stride_x_out,
+                    BLOCK_N: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr, GATHER: tl.constexpr):
+    """Program row: out[row] = rmsnorm(x[row]). GATHER (embedding_rmsnorm): x is the embedding table and the row read
+    is table[ids[row]], also copied to x_out[row] (the residual stream's start); the same loads, layout and
+    arithmetic, so the same bits as the embedding's exact copy followed by this kernel."""
     if PDL:
         if ENTRY_TRIGGER:   # the next launch reads only weights before its wait (kernels/pdl.py)
             pdl_launch_next()
@@ -61,19 +66,23 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if PDL:
         pdl_wait()
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x_row = tl.load(ids_ptr + row).to(tl.int64) if GATHER else row
+    x = tl.load(x_ptr + x_row * stride_x + cols, mask=mask, other=0.0)
     if PDL:
         pdl_trigger()
+    if GATHER:
+        tl.store(x_out_ptr + row * stride_x_out + cols, x, mask=mask)
     out = _rmsnorm_row(x, w, N, eps).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 @triton.jit
-def _rmsnorm_cat_kernel(x1_ptr, x2_ptr, w1_ptr, w2_ptr, out_ptr, stride_x1, stride_x2, stride_out, N, eps,
-                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+def _rmsnorm_cat_kernel(x1_ptr, x2_ptr, w1_ptr, w2_ptr, out_ptr, stride_x1, stride_x2, stride_out, N, eps, ids_ptr,
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr, GATHER: tl.constexpr):
     """Program (row, j): the rmsnorm kernel's code on row `row` of x_j with w_j, stored in half j of the output
     row. Both halves' loads are issued with a mask that keeps only half j's (the other moves no bytes), and
-    tl.where picks half j's values exactly, so each half has the rmsnorm kernel's layout and bits."""
+    tl.where picks half j's values exactly, so each half has the rmsnorm kernel's layout and bits.
+    GATHER (embedding_rmsnorm_cat): x1 is the embedding table and half 0 reads its row ids[row]."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     cols = tl.arange(0, BLOCK_N)
@@ -82,7 +91,8 @@ def _rmsnorm_cat_kernel(x1_ptr, x2_ptr, w1_ptr, w2_ptr, out_ptr, stride_x1, stri
                  tl.load(w2_ptr + cols, mask=mask & (j == 1), other=0.0))
     if PDL:
         pdl_wait()
-    x = tl.where(j == 0, tl.load(x1_ptr + row * stride_x1 + cols, mask=mask & (j == 0), other=0.0),
+    x1_row = tl.load(ids_ptr + row, mask=j == 0, other=0).to(tl.int64) if GATHER else row
+    x = tl.where(j == 0, tl.load(x1_ptr + x1_row * stride_x1 + cols, mask=mask & (j == 0), other=0.0),
                  tl.load(x2_ptr + row * stride_x2 + cols, mask=mask & (j == 1), other=0.0))
     if PDL:
         pdl_trigger()
@@ -171,10 +181,43 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
     pdl = pdl and pdl_supported(x.device)
     block_n = triton.next_power_of_2(n)
     launch = {"launch_pdl": True} if pdl else {}
-    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out2, x2.stride(0), out2.stride(0), n, eps,
-                                     BLOCK_N=block_n, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
+    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out2, x2.stride(0), out2.stride(0), n, eps, out2, out2, 0,
+                                     BLOCK_N=block_n, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger, GATHER=False,
                                      num_warps=_num_warps(block_n), **launch)
     return out
+
+
+def _gather_ids(input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+    """input_ids [B, T] flattened to a unit-stride [B*T] vector for the GATHER kernels, or None where they do not
+    apply (then the launcher runs the op's reference: the embedding, then the norm)."""
+    if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.dtype == torch.bool \
+            or table.dim() != 2 or table.stride(1) != 1:
+        return None
+    ids = input_ids.reshape(-1)
+    return ids if ids.stride(0) == 1 else ids.contiguous()
+
+
+def embedding_rmsnorm(input_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                      pdl: bool = False, entry_trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(table[input_ids]), table[input_ids]) in one launch (lingc.embedding_rmsnorm): the rmsnorm kernel
+    reading row input_ids[b, t] of the table and copying it out, bit for bit the embedding + rmsnorm pair. Ids are
+    not range-checked on the device (as the embedding kernel's)."""
+    ids = _gather_ids(input_ids, table)
+    if ids is None:
+        return torch.ops.lingc.embedding_rmsnorm(input_ids, table, weight, eps)
+    n = _check(table, weight)
+    x = torch.empty((*input_ids.shape, n), dtype=table.dtype, device=table.device)
+    out = torch.empty_like(x)
+    if ids.numel() == 0:
+        return out, x
+    out2, x2 = out.view(-1, n), x.view(-1, n)
+    pdl = pdl and pdl_supported(table.device)
+    block_n = triton.next_power_of_2(n)
+    launch = {"launch_pdl": True} if pdl else {}
+    _rmsnorm_kernel[(ids.numel(),)](table, weight, out2, table.stride(0), out2.stride(0), n, eps, ids, x2,
+                                    x2.stride(0), BLOCK_N=block_n, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
+                                    GATHER=True, num_warps=_num_warps(block_n), **launch)
+    return out, x
 
 
 def rmsnorm_cat(x1: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor, eps: float,
@@ -195,7 +238,33 @@ def rmsnorm_cat(x1: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor, weigh
     block_n = triton.next_power_of_2(n)
     launch = {"launch_pdl": True} if pdl else {}
     _rmsnorm_cat_kernel[(a.shape[0], 2)](a, b, weight1, weight2, out2, a.stride(0), b.stride(0), out2.stride(0), n,
-                                         eps, BLOCK_N=block_n, PDL=pdl, num_warps=_num_warps(block_n), **launch)
+                                         eps, out2, BLOCK_N=block_n, PDL=pdl, GATHER=False,
+                                         num_warps=_num_warps(block_n), **launch)
+    return out
+
+
+def embedding_rmsnorm_cat(input_ids: torch.Tensor, table: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor,
+                          weight2: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+    """rmsnorm_cat(table[input_ids], weight1, x2, weight2) in one launch (lingc.embedding_rmsnorm_cat): half 0 of
+    each row reads the table row its id names, with the rmsnorm kernel's code, bit for bit the embedding +
+    rmsnorm_cat pair. x2 [B, T, N]."""
+    ids = _gather_ids(input_ids, table)
+    n = table.shape[-1] if table.dim() == 2 else -1
+    if ids is None or tuple(x2.shape) != (*input_ids.shape, n) or x2.dtype != table.dtype:
+        return torch.ops.lingc.embedding_rmsnorm_cat(input_ids, table, weight1, x2, weight2, eps)
+    _check(table, weight1)
+    _check(x2, weight2)
+    out = torch.empty((*x2.shape[:-1], 2 * n), dtype=x2.dtype, device=x2.device)
+    b = _rows(x2, "x2", n)                         # [R, N]
+    out2 = out.view(-1, 2 * n)                     # [R, 2N]
+    if b.shape[0] == 0:
+        return out
+    pdl = pdl and pdl_supported(x2.device)
+    block_n = triton.next_power_of_2(n)
+    launch = {"launch_pdl": True} if pdl else {}
+    _rmsnorm_cat_kernel[(b.shape[0], 2)](table, b, weight1, weight2, out2, table.stride(0), b.stride(0),
+                                         out2.stride(0), n, eps, ids, BLOCK_N=block_n, PDL=pdl, GATHER=True,
+                                         num_warps=_num_warps(block_n), **launch)
     return out
 
 
@@ -242,4 +311,17 @@ def rmsnorm_cat_ref(x1: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor, w
     return torch.ops.lingc.rmsnorm_cat(x1, weight1, x2, weight2, eps)
 
 
-LOWERINGS = {"rmsnorm": rmsnorm, "add_rmsnorm": add_rmsnorm, "rmsnorm_cat": rmsnorm_cat}
+def embedding_rmsnorm_ref(input_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """lingc's reference: the embedding, then the norm."""
+    return torch.ops.lingc.embedding_rmsnorm(input_ids, table, weight, eps)
+
+
+def embedding_rmsnorm_cat_ref(input_ids: torch.Tensor, table: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor,
+                              weight2: torch.Tensor, eps: float) -> torch.Tensor:
+    """lingc's reference: the embedding, then rmsnorm_cat."""
+    return torch.ops.lingc.embedding_rmsnorm_cat(input_ids, table, weight1, x2, weight2, eps)
+
+
+LOWERINGS = {"rmsnorm": rmsnorm, "add_rmsnorm": add_rmsnorm, "rmsnorm_cat": rmsnorm_cat,
+             "embedding_rmsnorm": embedding_rmsnorm, "embedding_rmsnorm_cat": embedding_rmsnorm_cat}

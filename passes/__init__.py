@@ -9,6 +9,7 @@ from lingc.passes.fuse_cat_norm import FuseCatNorm
 from lingc.passes.fuse_align_into_moe import FuseAlignIntoMoe
 from lingc.passes.fuse_all_reduce_norm import FuseAllReduceNorm
 from lingc.passes.fuse_combine_norm import FuseCombineNorm
+from lingc.passes.fuse_embed_norm import FuseEmbedNorm
 from lingc.passes.fuse_emit import FuseEmit
 from lingc.passes.fuse_index_chains import FuseIndexChains
 from lingc.passes.fuse_kda import FuseKda
@@ -31,7 +32,7 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition
                                                      CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
                                                      FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
                                                      FuseCombineNorm, FuseMla, FuseRelay, FuseEmit, FuseCatNorm,
-                                                     FuseAlignIntoMoe,
+                                                     FuseEmbedNorm, FuseAlignIntoMoe,
                                                      DraftVocab, FuseNormRouter, Pdl, PrefetchWeights)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it

@@ -165,7 +165,8 @@ def drop_unsafe_prewait(graph: fx.Graph) -> list[str]:
 # before the 31.5 MB KDA projection, a Triton linear that reads nothing early). The ops of ENTRY_TRIGGER_ROWS have
 # their own, higher limit (below).
 ENTRY_TRIGGER = True
-ENTRY_TRIGGER_OPS = ("rmsnorm", "add_rmsnorm", "gated_rmsnorm", "combine_add_rmsnorm", "mla_attention")
+ENTRY_TRIGGER_OPS = ("rmsnorm", "add_rmsnorm", "gated_rmsnorm", "combine_add_rmsnorm", "mla_attention",
+                     "embedding_rmsnorm")
 WEIGHTS_ONLY_PREWAIT = ("linear", "rmsnorm_linear", "add_rmsnorm_linear", "gated_rmsnorm_linear")
 ENTRY_TRIGGER_MAX_ROWS = 1
 # Per-op row limits over ENTRY_TRIGGER_MAX_ROWS: the KDA o_norm and MLA attention precede o_proj / the MLA dense,

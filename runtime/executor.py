@@ -78,7 +78,8 @@ LAUNCH_HINTS = {"moe_up_act": {"shared_last": bool}, "moe_up_act_pairs": {"share
                 # the pdl pass's entry triggers: passes/pdl.py ENTRY_TRIGGER_OPS (tests/kernels/test_entry_trigger.py
                 # keeps the two lists equal; the runtime does not import passes)
                 **{op: {"entry_trigger": bool} for op in ("rmsnorm", "add_rmsnorm", "gated_rmsnorm",
-                                                          "combine_add_rmsnorm", "mla_attention")},
+                                                          "combine_add_rmsnorm", "mla_attention",
+                                                          "embedding_rmsnorm")},
                 "linear": {"launched_early": bool}}
 
 

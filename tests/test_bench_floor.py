@@ -91,6 +91,26 @@ def test_fused_norm_linear_ops_count_the_same_weight_bytes(tiny_program_bf16) ->
     assert want["step"] > 0 and got == want
 
 
+def test_fused_embedding_norms_count_the_same_weight_bytes(tiny_program_bf16) -> None:
+    """fuse_embed_norm's embedding_rmsnorm[_cat] read the rows the embedding looked up (not the table) and the norms'
+    weights: the same weight bytes per graph as the embedding and the norm they replace."""
+    from lingc.ops import OPS
+    from lingc.passes.fuse_embed_norm import FuseEmbedNorm
+    from lingc.passes.manager import PassManager
+
+    def weight_bytes(program) -> dict[str, int]:
+        exe = Executor(program, "cpu")
+        exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
+        return {g: step_bytes(exe, g)["weights"] for g in ("step", "draft", "verify", "extend")}
+
+    parted = PassManager(["partition", "fuse_cat_norm"]).run(tiny_program_bf16).program
+    fused, record = FuseEmbedNorm().run(parted)
+    targets = {n.target for g in fused.graphs.values() for n in g.nodes}
+    assert {OPS.embedding_rmsnorm, OPS.embedding_rmsnorm_cat} <= targets and record.matches > 0
+    want, got = weight_bytes(parted), weight_bytes(fused)
+    assert want["step"] > 0 and got == want
+
+
 def test_pair_grid_moe_ops_count_the_same_expert_bytes(tiny_program_bf16) -> None:
     """fuse_align_into_moe's moe_up_act_pairs / moe_down_pairs read the experts the router chose, as the aligned
     GEMMs do: the same expert bytes per graph (verify and extend are paired; the step and draft are not)."""

@@ -1,4 +1,5 @@
-"""Norm and gate ops: rmsnorm, add_rmsnorm, gated_rmsnorm (KDA o_norm), sigmoid_gate (MLA head gate), l2norm helper.
+"""Norm and gate ops: rmsnorm, add_rmsnorm, rmsnorm_cat, embedding_rmsnorm[_cat], gated_rmsnorm (KDA o_norm),
+sigmoid_gate (MLA head gate), l2norm helper.
 
 All compute in fp32 and round once to the input dtype, Llama style: normalise, cast back, then scale
 by the weight (shared/docs/architecture.md section 3).
@@ -63,6 +64,41 @@ def _(x1, weight1, x2, weight2, eps):
 
 
 register("rmsnorm_cat")
+
+
+@torch.library.custom_op("lingc::embedding_rmsnorm", mutates_args=())
+def embedding_rmsnorm(input_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token gather and the first norm that reads it in one op (fuse_embed_norm; layer 0's input norm):
+    (rmsnorm(embedding(input_ids, table), weight, eps), embedding(input_ids, table)). input_ids [B, T] int,
+    table [V, N], weight [N] -> two [B, T, N]; the second is the residual stream's start."""
+    x = torch.ops.lingc.embedding(input_ids, table)
+    return rmsnorm(x, weight, eps), x
+
+
+@embedding_rmsnorm.register_fake
+def _(input_ids, table, weight, eps):
+    shape = (*input_ids.shape, table.shape[-1])
+    return table.new_empty(shape), table.new_empty(shape)
+
+
+register("embedding_rmsnorm")
+
+
+@torch.library.custom_op("lingc::embedding_rmsnorm_cat", mutates_args=())
+def embedding_rmsnorm_cat(input_ids: torch.Tensor, table: torch.Tensor, weight1: torch.Tensor, x2: torch.Tensor,
+                          weight2: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm_cat with its first input gathered from the table (fuse_embed_norm; the MTP layer's
+    [enorm(embed(ids)); hnorm(h)]): rmsnorm_cat(embedding(input_ids, table), weight1, x2, weight2, eps)."""
+    return rmsnorm_cat(torch.ops.lingc.embedding(input_ids, table), weight1, x2, weight2, eps)
+
+
+@embedding_rmsnorm_cat.register_fake
+def _(input_ids, table, weight1, x2, weight2, eps):
+    return x2.new_empty((*x2.shape[:-1], 2 * x2.shape[-1]))
+
+
+register("embedding_rmsnorm_cat")
 
 
 @torch.library.custom_op("lingc::gated_rmsnorm", mutates_args=())

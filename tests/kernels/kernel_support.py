@@ -57,3 +57,31 @@ class BrokenGluonKernel:
         def launch(*args, **kwargs):
             raise AttributeError(f"module 'gluon' has no attribute '{self.missing}'")
         return launch
+
+
+# PTX comparisons of kernels compiled offline for sm_90 (the *_sm90 tests): the float arithmetic and shuffles of a
+# row reduction, which decide its bits on the GPU
+PTX_REDUCTION_OPS = ("mul.f32", "fma.rn.f32", "add.f32", "shfl.sync.bfly.b32", "div.full.f32", "rsqrt.approx.ftz.f32")
+
+
+def ptx_reduction(lines: list[str]) -> list[str]:
+    """From the first square (mul.f32 r, x, x) to the rsqrt: the arithmetic and shuffles, registers renamed in order of
+    appearance (so two kernels' sequences compare as dataflow)."""
+    start = next(i for i, l in enumerate(lines)
+                 if l.startswith("mul.f32") and len(set(l.rstrip(";").replace(",", " ").split()[2:])) == 1)
+    end = next(i for i, l in enumerate(lines) if l.startswith("rsqrt"))
+    names: dict[str, str] = {}
+    out = []
+    for line in lines[start:end + 1]:
+        op, _, rest = line.partition(" ")
+        if op in PTX_REDUCTION_OPS:
+            regs = [names.setdefault(r, f"v{len(names)}") if r.startswith("%") else r
+                    for r in rest.rstrip(";").replace(",", " ").split()]
+            out.append(" ".join([op, *regs]))
+    return out
+
+
+def ptx_op(line: str) -> str:
+    """The opcode of a PTX line, past a predicate guard (`@%p1 ld.global...`)."""
+    words = line.split()
+    return words[1] if words[0].startswith("@") else words[0]

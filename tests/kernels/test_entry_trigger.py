@@ -20,7 +20,8 @@ EPS = 1e-6
 
 def test_every_entry_trigger_op_takes_the_hint():
     launchers = {"rmsnorm": rmsnorm.rmsnorm, "add_rmsnorm": rmsnorm.add_rmsnorm, "gated_rmsnorm": kda.gated_rmsnorm,
-                 "combine_add_rmsnorm": moe.combine_add_rmsnorm, "mla_attention": mla.mla_attention}
+                 "combine_add_rmsnorm": moe.combine_add_rmsnorm, "mla_attention": mla.mla_attention,
+                 "embedding_rmsnorm": rmsnorm.embedding_rmsnorm}
     assert set(ENTRY_TRIGGER_OPS) == set(launchers)
     for op, fn in launchers.items():
         assert LAUNCH_HINTS[op] == {"entry_trigger": bool}, op
@@ -43,4 +44,8 @@ def test_norms_give_the_same_bits_with_the_hint():
         tw = torch.rand(2, 3, generator=g)
         for a, b in zip(moe.combine_add_rmsnorm(res, e, tw, w, EPS, entry_trigger=True),
                         moe.combine_add_rmsnorm(res, e, tw, w, EPS)):
+            assert torch.equal(a, b)
+        ids = torch.tensor([[3, 0, 3]])
+        for a, b in zip(rmsnorm.embedding_rmsnorm(ids, e, w, EPS, entry_trigger=True),
+                        rmsnorm.embedding_rmsnorm(ids, e, w, EPS)):
             assert torch.equal(a, b)

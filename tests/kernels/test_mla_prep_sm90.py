@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kernel_support import ptx_op as _op, ptx_reduction as _reduction  # tests/kernels is on sys.path
+
 _PROBE = """
 import json, re
 import triton
@@ -29,8 +31,10 @@ def ptx(fn, sig, const, div16, warps):
 
 i32, f32, bf16 = "i32", "fp32", "*bf16"
 # Ling-3.0-tiny decode: R = 512 (2 warps), c_kv a view of the fused q_a / kv_a / g projection (row stride 848)
-norm = ptx(RN._rmsnorm_kernel, dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, stride_x=i32, stride_out=i32, N=i32, eps=f32),
-           dict(BLOCK_N=512, PDL=True), ["x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_out", "N"], 2)
+norm = ptx(RN._rmsnorm_kernel, dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, stride_x=i32, stride_out=i32, N=i32, eps=f32,
+                                    ids_ptr=bf16, x_out_ptr=bf16, stride_x_out=i32),
+           dict(BLOCK_N=512, PDL=True, ENTRY_TRIGGER=False, GATHER=False),
+           ["x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_out", "N"], 2)
 prep = ptx(K._mla_prep_kernel,
            dict(q_ptr=bf16, c_ptr=bf16, k_ptr=bf16, w_ptr=bf16, kv_ptr=bf16, locs_ptr="*i64", pos_ptr="*i64", qout_ptr=bf16,
                 T=i32, NH=i32, HALF=i32, R=i32, ln_theta_hi=f32, ln_theta_lo=f32, eps=f32, stride_qb=i32, stride_qt=i32,
@@ -41,32 +45,6 @@ prep = ptx(K._mla_prep_kernel,
             "stride_qb", "stride_qt", "stride_qh", "stride_c", "stride_k", "stride_row"], 2)
 print(json.dumps({"norm": norm, "prep": prep}))
 """
-
-REDUCTION_OPS = ("mul.f32", "fma.rn.f32", "add.f32", "shfl.sync.bfly.b32", "div.full.f32", "rsqrt.approx.ftz.f32")
-
-
-def _reduction(lines: list[str]) -> list[str]:
-    """From the first square (mul.f32 r, x, x) to the rsqrt: the arithmetic and shuffles, registers renamed in order of
-    appearance (so two kernels' sequences compare as dataflow)."""
-    start = next(i for i, l in enumerate(lines)
-                 if l.startswith("mul.f32") and len(set(l.rstrip(";").replace(",", " ").split()[2:])) == 1)
-    end = next(i for i, l in enumerate(lines) if l.startswith("rsqrt"))
-    names: dict[str, str] = {}
-    out = []
-    for line in lines[start:end + 1]:
-        op, _, rest = line.partition(" ")
-        if op in REDUCTION_OPS:
-            regs = [names.setdefault(r, f"v{len(names)}") if r.startswith("%") else r
-                    for r in rest.rstrip(";").replace(",", " ").split()]
-            out.append(" ".join([op, *regs]))
-    return out
-
-
-def _op(line: str) -> str:
-    """The opcode of a PTX line, past a predicate guard (`@%p1 ld.global...`)."""
-    words = line.split()
-    return words[1] if words[0].startswith("@") else words[0]
-
 
 def test_prep_norm_is_the_rmsnorm_kernels_reduction_and_its_rope_products_stay_rounded() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
