@@ -15,8 +15,12 @@ is one or more torch kernels. docs/tp.md's "Launch audit" table is this script's
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import operator
+import os
+import platform
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -91,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             other = ", ".join(f"{k} {v}" for k, v in row["other"].items()) or "none"
             print(f"  {name:14s} triton {row['triton']:4d}  outside Triton: {other}")
     if args.json:
-        args.json.write_text(json.dumps({f"tp{tp}": rows for tp, rows in report.items()}, indent=1) + "\n")
+        meta = {"machine": f"cpu ({platform.machine()}, {os.cpu_count()} cores), no GPU: launch counts only",
+                "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+                "commit": os.environ.get("LINGC_COMMIT") or subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
+                "command": "python3 bench/launch_audit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "config": "Ling-3.0-tiny with num_experts 16, vocab_size 2048, 1 MTP layer (structure_config)"}
+        args.json.write_text(json.dumps({**meta, **{f"tp{tp}": rows for tp, rows in report.items()}}, indent=1)
+                             + "\n")
     return 0
 
 

@@ -24,6 +24,13 @@ def _size(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _weight_bytes(program) -> dict[str, int]:
+    """Weight bytes the step and the NEXTN graphs must read, counted on one run each (reference backend)."""
+    exe = Executor(program, "cpu")
+    exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
+    return {g: step_bytes(exe, g)["weights"] for g in ("step", "draft", "verify", "extend")}
+
+
 def test_step_bytes_on_test_tiny(tiny_program_bf16) -> None:
     program, c = tiny_program_bf16, tiny_program_bf16.config
     exe = Executor(program, "cpu")
@@ -78,16 +85,11 @@ def test_fused_norm_linear_ops_count_the_same_weight_bytes(tiny_program_bf16) ->
     from lingc.passes.fuse_norm_linear import FuseNormLinear
     from lingc.passes.manager import PassManager
 
-    def weight_bytes(program) -> dict[str, int]:
-        exe = Executor(program, "cpu")
-        exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
-        return {g: step_bytes(exe, g)["weights"] for g in ("step", "draft", "verify", "extend")}
-
     parted = PassManager(["partition", "fuse_add_norm"]).run(tiny_program_bf16).program
     fused, record = FuseNormLinear().run(parted)
     targets = {n.target for g in fused.graphs.values() for n in g.nodes}
     assert {OPS.rmsnorm_linear, OPS.add_rmsnorm_linear} <= targets and record.matches > 0
-    want, got = weight_bytes(parted), weight_bytes(fused)
+    want, got = _weight_bytes(parted), _weight_bytes(fused)
     assert want["step"] > 0 and got == want
 
 
@@ -98,16 +100,11 @@ def test_fused_embedding_norms_count_the_same_weight_bytes(tiny_program_bf16) ->
     from lingc.passes.fuse_embed_norm import FuseEmbedNorm
     from lingc.passes.manager import PassManager
 
-    def weight_bytes(program) -> dict[str, int]:
-        exe = Executor(program, "cpu")
-        exe.buffers.tensors["relay_seq_len"][0] = SEQ_LEN
-        return {g: step_bytes(exe, g)["weights"] for g in ("step", "draft", "verify", "extend")}
-
     parted = PassManager(["partition", "fuse_cat_norm"]).run(tiny_program_bf16).program
     fused, record = FuseEmbedNorm().run(parted)
     targets = {n.target for g in fused.graphs.values() for n in g.nodes}
     assert {OPS.embedding_rmsnorm, OPS.embedding_rmsnorm_cat} <= targets and record.matches > 0
-    want, got = weight_bytes(parted), weight_bytes(fused)
+    want, got = _weight_bytes(parted), _weight_bytes(fused)
     assert want["step"] > 0 and got == want
 
 

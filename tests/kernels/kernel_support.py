@@ -61,6 +61,23 @@ class BrokenGluonKernel:
 
 # PTX comparisons of kernels compiled offline for sm_90 (the *_sm90 tests): the float arithmetic and shuffles of a
 # row reduction, which decide its bits on the GPU
+
+
+def sm90_ptx(fn, sig: dict, const: dict, div16: list[str], warps: int) -> list[str]:
+    """The PTX instruction lines of Triton kernel `fn` compiled for sm_90 (no GPU needed) with argument types `sig`,
+    constexprs `const`, the arguments in `div16` specialised as divisible by 16 (as a launch with aligned tensors and
+    strides is). Run it in a process without TRITON_INTERPRET (the *_sm90 tests' subprocesses)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}), constexprs=const, attrs=attrs)
+    text = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    return [l.strip() for l in text.splitlines() if re.match(r"\s+[a-z@]", l) and not l.strip().startswith(".")]
+
 PTX_REDUCTION_OPS = ("mul.f32", "fma.rn.f32", "add.f32", "shfl.sync.bfly.b32", "div.full.f32", "rsqrt.approx.ftz.f32")
 
 

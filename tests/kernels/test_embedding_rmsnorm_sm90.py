@@ -11,22 +11,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from kernel_support import ptx_op, ptx_reduction  # tests/kernels is on sys.path
 
 _PROBE = """
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 import lingc.kernels.rmsnorm as RN
-
-def ptx(fn, sig, const, div16, warps):
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    sig = dict(sig, **{k: "constexpr" for k in const})
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    text = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    return [l.strip() for l in text.splitlines() if re.match(r"\\s+[a-z@]", l) and not l.strip().startswith(".")]
+from kernel_support import sm90_ptx as ptx
 
 i32, f32, bf16 = "i32", "fp32", "*bf16"
 out = {}
@@ -49,7 +41,8 @@ print(json.dumps(out))
 
 def _ptx() -> dict[str, list[str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parent)                     # kernel_support importable
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

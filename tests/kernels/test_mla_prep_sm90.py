@@ -15,19 +15,10 @@ from pathlib import Path
 from kernel_support import ptx_op as _op, ptx_reduction as _reduction  # tests/kernels is on sys.path
 
 _PROBE = """
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import lingc.kernels.mla as K
+import json
 import lingc.kernels.rmsnorm as RN
-
-def ptx(fn, sig, const, div16, warps):
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    sig = dict(sig, **{k: "constexpr" for k in const})
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    text = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    return [l.strip() for l in text.splitlines() if re.match(r"\\s+[a-z@]", l) and not l.strip().startswith(".")]
+import lingc.kernels.mla as K
+from kernel_support import sm90_ptx as ptx
 
 i32, f32, bf16 = "i32", "fp32", "*bf16"
 # Ling-3.0-tiny decode: R = 512 (2 warps), c_kv a view of the fused q_a / kv_a / g projection (row stride 848)
