@@ -51,7 +51,8 @@ def _embedding_norm_row(M: int, N: int, x: torch.Tensor, w: torch.Tensor, dev: t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default="kernels.json")
-    ap.add_argument("--families", default="", help="comma-separated bench/kernel_<family>.py to run (default all)")
+    ap.add_argument("--families", default="",
+                    help="comma-separated bench/kernel_<family>.py to run (default all; none: only the rows above them)")
     ap.add_argument("--family-timeout", type=int, default=0, help="seconds per family before it is cut off (0: none)")
     args = ap.parse_args()
     import lingc  # noqa: F401  (registers the reference ops)
@@ -121,6 +122,8 @@ def run_families(only: str, timeout_s: int = 0) -> dict:
     from pathlib import Path
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
+    if only == "none":
+        return {}
     wanted = set(filter(None, only.split(",")))
     known = {path.stem[len("kernel_"):] for path in here.glob("kernel_*.py")}
     if wanted - known:

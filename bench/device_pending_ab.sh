@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call (one GPU; ~8 minutes on a cold machine) for what the sixteenth session (no GPU) left ready:
+# 1. bench/device_kernels.py --families none (OUT_DIR/kernels.json): the rmsnorm rows, now with fuse_embed_norm's
+#    embedding_rmsnorm / embedding_rmsnorm_cat bits against the embedding + norm kernels (PDL on == off) and their times
+# 2. bench/kernel_moe_scaling.py --linear --probe (OUT_DIR/moe-scaling-probe.json): the pair up-GEMM's fixed cost split
+#    into the ids prologue, the expert id's round trip and the SwiGLU epilogue (bench/moe_up_probe.py)
+# 3. the step A/B (OUT_DIR/ab.json): device_step.py --only all with its greedy parity (NEXTN == plain decoding, PDL on
+#    == off, greedy copies == general graphs, fuse_embed_norm now in all), rows base / noembed
+#    (passes/fuse_embed_norm.py FuseEmbedNorm.in_all False) / base2 / noembed2 / base3
+#
+#   LINGC_COMMIT=<hash> bash bench/device_pending_ab.sh OUT_DIR
+#
+# Each step has its own time limit, so one that hangs leaves the others' files. Run from the repository root.
+set -u
+OUT=${1:?usage: LINGC_COMMIT=<hash> bash bench/device_pending_ab.sh OUT_DIR}
+source bench/device_site.sh
+echo "== kernels (rmsnorm family rows)"
+timeout 60 python3 bench/device_kernels.py --families none --json "$OUT/kernels.json" 2>&1 | grep -v Warning \
+  | grep -v '"pairs"' | tail -6
+echo "== MoE scaling probe"
+timeout 150 python3 bench/kernel_moe_scaling.py --linear --probe --json "$OUT/moe-scaling-probe.json" 2>&1 \
+  | grep -v Warning | tail -3
+E=lingc.passes.fuse_embed_norm.FuseEmbedNorm.in_all=False
+echo "== A/B"
+timeout 330 python3 bench/device_step.py --only all --variant 'base:' --variant "noembed:$E" --variant 'base2:' \
+  --variant "noembed2:$E" --variant 'base3:' --json "$OUT/ab.json" 2>&1 | grep -v Warning | tail -30
