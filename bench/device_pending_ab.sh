@@ -5,8 +5,9 @@
 # 2. bench/kernel_moe_scaling.py --linear --probe (OUT_DIR/moe-scaling-probe.json): the pair up-GEMM's fixed cost split
 #    into the ids prologue, the expert id's round trip and the SwiGLU epilogue (bench/moe_up_probe.py)
 # 3. the step A/B (OUT_DIR/ab.json): device_step.py --only all with its greedy parity (NEXTN == plain decoding, PDL on
-#    == off, greedy copies == general graphs, fuse_embed_norm now in all), rows base / noembed
-#    (passes/fuse_embed_norm.py FuseEmbedNorm.in_all False) / base2 / noembed2 / base3
+#    == off, greedy copies == general graphs, fuse_embed_norm and fuse_simulate_accept now in all), rows base /
+#    noembed (passes/fuse_embed_norm.py FuseEmbedNorm.in_all False) / nosim (fuse_simulate_accept off) / base2 /
+#    noembed2 / nosim2 / base3
 #
 #   LINGC_COMMIT=<hash> bash bench/device_pending_ab.sh OUT_DIR
 #
@@ -21,6 +22,8 @@ echo "== MoE scaling probe"
 timeout 150 python3 bench/kernel_moe_scaling.py --linear --probe --json "$OUT/moe-scaling-probe.json" 2>&1 \
   | grep -v Warning | tail -3
 E=lingc.passes.fuse_embed_norm.FuseEmbedNorm.in_all=False
+S=lingc.passes.fuse_simulate_accept.FuseSimulateAccept.in_all=False
 echo "== A/B"
-timeout 330 python3 bench/device_step.py --only all --variant 'base:' --variant "noembed:$E" --variant 'base2:' \
-  --variant "noembed2:$E" --variant 'base3:' --json "$OUT/ab.json" 2>&1 | grep -v Warning | tail -30
+timeout 360 python3 bench/device_step.py --only all --variant 'base:' --variant "noembed:$E" --variant "nosim:$S" \
+  --variant 'base2:' --variant "noembed2:$E" --variant "nosim2:$S" --variant 'base3:' --json "$OUT/ab.json" 2>&1 \
+  | grep -v Warning | tail -30

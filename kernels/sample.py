@@ -166,15 +166,26 @@ def _chain_partials_kernel(logits_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, val_ptr
 
 @triton.jit
 def _chain_final_kernel(draft_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, u_ptr, val_ptr, id_ptr, sum_ptr,
-                        len_ptr, tok_ptr, V, n_chunks, K: tl.constexpr, KP1_BLOCK: tl.constexpr,
+                        len_ptr, tok_ptr, V, n_chunks, mean_ptr, sim_u_ptr, s_sim_u, seed_ptr, counter_ptr, sim_offset,
+                        K: tl.constexpr, KP1_BLOCK: tl.constexpr,
                         C_BLOCK: tl.constexpr, CHUNK: tl.constexpr, NO_ID: tl.constexpr, PDL: tl.constexpr,
-                        ALL_GREEDY: tl.constexpr = False):
+                        ALL_GREEDY: tl.constexpr = False, SIMULATE: tl.constexpr = 0, MAX_ACCEPT: tl.constexpr = 1):
+    """Stage 2 of chain_accept / greedy_accept (module docstring), program b. SIMULATE (fuse_simulate_accept): the
+    accept_len stored is simulate_accept's of it, with mean[b] and the uniform sim_u[b * s_sim_u] (1) or the one
+    at (seed[b], counter[b] + sim_offset) (2), in simulate_accept's / uniform's kernels' arithmetic."""
     b = tl.program_id(0)
     cc = tl.arange(0, C_BLOCK)
     cm = cc < n_chunks
     kk = tl.arange(0, KP1_BLOCK)
     if PDL:
         pdl_wait()
+    if SIMULATE == 1:
+        sim_mean = tl.load(mean_ptr + b).to(tl.float32)
+        sim_u = tl.load(sim_u_ptr + b * s_sim_u).to(tl.float32)
+    elif SIMULATE == 2:
+        sim_mean = tl.load(mean_ptr + b).to(tl.float32)
+        sim_u = _uniform_value(tl.load(seed_ptr + b).to(tl.int64),
+                               tl.load(counter_ptr + b).to(tl.int64) + sim_offset)
     if ALL_GREEDY:               # greedy_accept: no temperature, no distributions (their pointers are never read)
         temp = 0.0
     else:
@@ -220,7 +231,10 @@ def _chain_final_kernel(draft_ptr, tprobs_ptr, dprobs_ptr, temp_ptr, u_ptr, val_
                             V, accepted < K, residual, CHUNK, NO_ID).to(tl.int64)
     if PDL:
         pdl_trigger()
-    tl.store(len_ptr + b, (accepted + 1).to(tl.int32))
+    accept_len = (accepted + 1).to(tl.int32)
+    if SIMULATE > 0:
+        accept_len = _simulated(accept_len, sim_mean, sim_u, MAX_ACCEPT)
+    tl.store(len_ptr + b, accept_len)
     tokens = tl.where(kk == accepted, stop, drafts)                              # position K: 0 unless the stop
     tl.store(tok_ptr + b * (K + 1) + kk, tokens, mask=kk < K + 1)
 
@@ -294,10 +308,35 @@ def greedy_sample(logits: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     return out
 
 
+def _no_simulate(dev: torch.device) -> dict:
+    """_chain_final_kernel's SIMULATE arguments, off (the pointers are never read)."""
+    dummy = torch.empty(1, dtype=torch.int64, device=dev)
+    return dict(mean_ptr=dummy, sim_u_ptr=dummy, s_sim_u=0, seed_ptr=dummy, counter_ptr=dummy, sim_offset=0,
+                SIMULATE=0, MAX_ACCEPT=1)
+
+
+def _simulate_args(B: int, mean: torch.Tensor, max_accept: int, u_sim: torch.Tensor | None = None,
+                   seed: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+                   offset: int = 0) -> dict | None:
+    """_chain_final_kernel's SIMULATE arguments (1: u_sim read, 2: the uniform at (seed, counter + offset)), or None
+    where the shapes are not the [B] vectors the kernel reads (the caller then runs the reference op)."""
+    vectors = [mean] + ([u_sim] if u_sim is not None else [seed, counter])
+    if any(t.dim() != 1 or t.shape[0] != B for t in vectors) or not mean.is_floating_point() or max_accept < 1:
+        return None
+    if u_sim is not None:
+        return dict(mean_ptr=mean.contiguous(), sim_u_ptr=u_sim, s_sim_u=u_sim.stride(0), seed_ptr=mean,
+                    counter_ptr=mean, sim_offset=0, SIMULATE=1, MAX_ACCEPT=max_accept)
+    if seed.is_floating_point() or counter.is_floating_point():
+        return None
+    return dict(mean_ptr=mean.contiguous(), sim_u_ptr=mean, s_sim_u=0, seed_ptr=seed.contiguous(),
+                counter_ptr=counter.contiguous(), sim_offset=int(offset), SIMULATE=2, MAX_ACCEPT=max_accept)
+
+
 def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                  target_logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, *, pdl: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accept_len int32 [B], tokens int64 [B, K+1]) as torch.ops.lingc.chain_accept, two launches."""
+                 _simulate: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accept_len int32 [B], tokens int64 [B, K+1]) as torch.ops.lingc.chain_accept, two launches. _simulate:
+    chain_accept_simulated's stage-2 arguments (_simulate_args)."""
     if draft_ids.dim() != 2 or draft_ids.dtype.is_floating_point or draft_ids.dtype == torch.bool:
         raise ValueError(f"chain_accept: draft_ids must be an integer [B, K] tensor, got {list(draft_ids.shape)} "
                          f"{draft_ids.dtype}")
@@ -329,15 +368,30 @@ def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
         K=K, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, num_warps=NUM_WARPS, **launch)
     _chain_final_kernel[(B,)](
         draft_ids, target_probs, draft_probs, temperature, u, vals, ids, sums, accept_len, tokens, V, n_chunks,
-        K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl,
-        num_warps=NUM_WARPS, **launch)
+        **(_simulate or _no_simulate(dev)), K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block,
+        CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, num_warps=NUM_WARPS, **launch)
     return accept_len, tokens
 
 
+def chain_accept_simulated(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                           target_logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                           mean: torch.Tensor, u_sim: torch.Tensor, max_accept: int, *, pdl: bool = False,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ops.lingc.chain_accept_simulated in chain_accept's two launches: its stage 2 stores simulate_accept's
+    accept_len (the simulate_accept kernel's arithmetic on the same values: the same integers)."""
+    sim = _simulate_args(draft_ids.shape[0], mean, max_accept, u_sim=u_sim) if draft_ids.dim() == 2 else None
+    if sim is None:
+        return torch.ops.lingc.chain_accept_simulated(draft_ids, draft_probs, target_probs, target_logits,
+                                                      temperature, u, mean, u_sim, max_accept)
+    return chain_accept(draft_ids, draft_probs, target_probs, target_logits, temperature, u, pdl=pdl,
+                        _simulate=sim)
+
+
 def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor, *, pdl: bool = False,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  _simulate: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accept_len int32 [B], tokens int64 [B, K+1]) as torch.ops.lingc.greedy_accept, two launches: the argmax
-    partials of greedy_sample over the B*(K+1) rows, then chain_accept's final kernel on its greedy branch only."""
+    partials of greedy_sample over the B*(K+1) rows, then chain_accept's final kernel on its greedy branch only.
+    _simulate: greedy_accept_simulated's stage-2 arguments (_simulate_args)."""
     if draft_ids.dim() != 2 or draft_ids.dtype.is_floating_point or draft_ids.dtype == torch.bool:
         raise ValueError(f"greedy_accept: draft_ids must be an integer [B, K] tensor, got {list(draft_ids.shape)} "
                          f"{draft_ids.dtype}")
@@ -362,9 +416,23 @@ def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor, *, pdl: 
                                                      num_warps=NUM_WARPS, **launch)
     _chain_final_kernel[(B,)](
         draft_ids, logits, logits, logits, logits, vals, ids, vals, accept_len, tokens, V, n_chunks,
-        K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl,
-        ALL_GREEDY=True, num_warps=NUM_WARPS, **launch)
+        **(_simulate or _no_simulate(dev)), K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block,
+        CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, ALL_GREEDY=True, num_warps=NUM_WARPS, **launch)
     return accept_len, tokens
+
+
+def greedy_accept_simulated(draft_ids: torch.Tensor, target_logits: torch.Tensor, mean: torch.Tensor,
+                            seed: torch.Tensor, counter: torch.Tensor, offset: int, max_accept: int, *,
+                            pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ops.lingc.greedy_accept_simulated in greedy_accept's two launches: its stage 2 also draws the uniform
+    (the uniform kernel's hash) and stores simulate_accept's accept_len (its kernel's arithmetic): the same integers
+    as the three ops, two launches fewer."""
+    sim = _simulate_args(draft_ids.shape[0], mean, max_accept, seed=seed, counter=counter, offset=offset) \
+        if draft_ids.dim() == 2 else None
+    if sim is None:
+        return torch.ops.lingc.greedy_accept_simulated(draft_ids, target_logits, mean, seed, counter, offset,
+                                                       max_accept)
+    return greedy_accept(draft_ids, target_logits, pdl=pdl, _simulate=sim)
 
 
 def sample_tokens(probs: torch.Tensor, u: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
@@ -422,19 +490,24 @@ def _splitmix64(x):
 
 
 @triton.jit
+def _uniform_value(seed, index):
+    """The uniform of (seed, counter index), both int64, as lingc.uniform: splitmix64 of the 64-bit patterns, the
+    top 24 bits scaled by 2^-24 (exact in fp32). Shared by the uniform kernel and chain_accept's SIMULATE."""
+    bits = _splitmix64(_splitmix64(seed.to(tl.uint64, bitcast=True)) ^ index.to(tl.uint64, bitcast=True))
+    return (bits >> 40).to(tl.int64).to(tl.float32) * (1.0 / (1 << 24))
+
+
+@triton.jit
 def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, offset, BLOCK: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     if PDL:
         pdl_wait()
-    seed = tl.load(seed_ptr + b).to(tl.int64).to(tl.uint64, bitcast=True)
+    seed = tl.load(seed_ptr + b).to(tl.int64)
     counter = tl.load(counter_ptr + b).to(tl.int64) + offset
     if PDL:
         pdl_trigger()
-    idx = (counter + i).to(tl.uint64, bitcast=True)
-    bits = _splitmix64(_splitmix64(seed) ^ idx)
-    value = (bits >> 40).to(tl.int64).to(tl.float32) * (1.0 / (1 << 24))
-    tl.store(out_ptr + b * N + i, value, mask=i < N)
+    tl.store(out_ptr + b * N + i, _uniform_value(seed, counter + i), mask=i < N)
 
 
 def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, offset: int = 0, *, pdl: bool = False) -> torch.Tensor:
@@ -463,10 +536,17 @@ def _simulate_accept_kernel(accept_ptr, mean_ptr, u_ptr, out_ptr, B, s_u, MAX_AC
     u = tl.load(u_ptr + b * s_u, mask=m, other=0.0).to(tl.float32)
     if PDL:
         pdl_trigger()
+    tl.store(out_ptr + b, _simulated(accept.to(out_ptr.dtype.element_ty), mean, u, MAX_ACCEPT), mask=m)
+
+
+@triton.jit
+def _simulated(accept, mean, u, MAX_ACCEPT: tl.constexpr):
+    """simulate_accept's value: where mean > 0, floor(mean) + (u < frac(mean)) clamped to [1, MAX_ACCEPT] (fp32, the
+    reference's ops), else accept; in accept's dtype. Shared by its kernel and chain_accept's SIMULATE."""
     base = tl.floor(mean)
     sim = base + tl.where(u < mean - base, 1.0, 0.0)
     sim = tl.minimum(tl.maximum(sim, 1.0), MAX_ACCEPT)
-    tl.store(out_ptr + b, tl.where(mean > 0, sim.to(out_ptr.dtype.element_ty), accept), mask=m)
+    return tl.where(mean > 0, sim.to(accept.dtype), accept)
 
 
 def simulate_accept(accept_len: torch.Tensor, mean: torch.Tensor, u: torch.Tensor, max_accept: int, *,
@@ -529,5 +609,6 @@ def vocab_expand_ref(probs: torch.Tensor, inverse_map: torch.Tensor) -> torch.Te
 
 
 LOWERINGS = {"greedy_sample": greedy_sample, "chain_accept": chain_accept, "greedy_accept": greedy_accept,
+             "chain_accept_simulated": chain_accept_simulated, "greedy_accept_simulated": greedy_accept_simulated,
              "sample_tokens": sample_tokens,
              "uniform": uniform, "simulate_accept": simulate_accept, "vocab_expand": vocab_expand}

@@ -221,3 +221,43 @@ def _(accept_len, mean, u, max_accept):
 
 
 register("simulate_accept")
+
+
+@torch.library.custom_op("lingc::greedy_accept_simulated", mutates_args=())
+def greedy_accept_simulated(draft_ids: torch.Tensor, target_logits: torch.Tensor, mean: torch.Tensor,
+                            seed: torch.Tensor, counter: torch.Tensor, offset: int,
+                            max_accept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy copies' verify tail in one op (fuse_simulate_accept): greedy_accept, then its accept_len through
+    simulate_accept with the uniform at (seed, counter + offset), which nothing else reads. (accept_len, tokens)."""
+    accept_len, tokens = greedy_accept(draft_ids, target_logits)
+    u = uniform(seed, counter, 1, offset)[:, 0]
+    return simulate_accept(accept_len, mean, u, max_accept), tokens
+
+
+@greedy_accept_simulated.register_fake
+def _(draft_ids, target_logits, mean, seed, counter, offset, max_accept):
+    B, K = draft_ids.shape
+    return draft_ids.new_empty((B,), dtype=torch.int32), draft_ids.new_empty((B, K + 1), dtype=torch.int64)
+
+
+register("greedy_accept_simulated")
+
+
+@torch.library.custom_op("lingc::chain_accept_simulated", mutates_args=())
+def chain_accept_simulated(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                           target_logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                           mean: torch.Tensor, u_sim: torch.Tensor,
+                           max_accept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The general verify tail in one op (fuse_simulate_accept): chain_accept, then its accept_len through
+    simulate_accept(accept_len, mean, u_sim, max_accept). (accept_len, tokens)."""
+    accept_len, tokens = chain_accept(draft_ids, draft_probs, target_probs, target_logits, temperature, u)
+    return simulate_accept(accept_len, mean, u_sim, max_accept), tokens
+
+
+@chain_accept_simulated.register_fake
+def _(draft_ids, draft_probs, target_probs, target_logits, temperature, u, mean, u_sim, max_accept):
+    B, K = draft_ids.shape
+    return draft_ids.new_empty((B,), dtype=torch.int32), draft_ids.new_empty((B, K + 1), dtype=torch.int64)
+
+
+register("chain_accept_simulated")
