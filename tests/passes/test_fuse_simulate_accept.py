@@ -1,11 +1,11 @@
 """fuse_simulate_accept: verify's greedy_accept / chain_accept + simulate_accept (+ the greedy copy's uniform) -> one
 op, bit for bit.
 
-On test-tiny after specialize_greedy, partition and fuse_relay (without it, the near miss it reports): op and launch counts in both verify graphs and no match elsewhere,
-the old nodes kept as getitems under their names (the knob's output, the tokens), the uniform's offset carried into
-the greedy op, bit-exact programs (reference backend), the CPU engine's tokens and accept lengths unchanged with the
-knob on (greedy and sampled requests) and off, what must not match, and a second run that finds nothing. The kernels
-are tested in tests/kernels/test_accept_simulated.py.
+On test-tiny after specialize_greedy, partition and fuse_relay (without it, the near miss it reports): op and launch
+counts in both verify graphs and no match elsewhere, the old nodes kept as getitems under their names (the knob's
+output, the tokens), the uniform's offset carried into the greedy op, bit-exact programs (reference backend), the CPU
+engine's tokens and accept lengths unchanged with the knob on (greedy and sampled requests) and off, what must not
+match, and a second run that finds nothing. The kernels are tested in tests/kernels/test_accept_simulated.py.
 """
 
 from __future__ import annotations
