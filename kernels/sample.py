@@ -308,9 +308,9 @@ def greedy_sample(logits: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     return out
 
 
-def _no_simulate(dev: torch.device) -> dict:
-    """_chain_final_kernel's SIMULATE arguments, off (the pointers are never read)."""
-    dummy = torch.empty(1, dtype=torch.int64, device=dev)
+def _no_simulate(dummy: torch.Tensor) -> dict:
+    """_chain_final_kernel's SIMULATE arguments, off: `dummy` (any tensor of the launch) stands for the pointers,
+    which are never read."""
     return dict(mean_ptr=dummy, sim_u_ptr=dummy, s_sim_u=0, seed_ptr=dummy, counter_ptr=dummy, sim_offset=0,
                 SIMULATE=0, MAX_ACCEPT=1)
 
@@ -368,7 +368,7 @@ def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
         K=K, CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, num_warps=NUM_WARPS, **launch)
     _chain_final_kernel[(B,)](
         draft_ids, target_probs, draft_probs, temperature, u, vals, ids, sums, accept_len, tokens, V, n_chunks,
-        **(_simulate or _no_simulate(dev)), K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block,
+        **(_simulate or _no_simulate(draft_ids)), K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block,
         CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, num_warps=NUM_WARPS, **launch)
     return accept_len, tokens
 
@@ -416,7 +416,7 @@ def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor, *, pdl: 
                                                      num_warps=NUM_WARPS, **launch)
     _chain_final_kernel[(B,)](
         draft_ids, logits, logits, logits, logits, vals, ids, vals, accept_len, tokens, V, n_chunks,
-        **(_simulate or _no_simulate(dev)), K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block,
+        **(_simulate or _no_simulate(draft_ids)), K=K, KP1_BLOCK=triton.next_power_of_2(K + 1), C_BLOCK=c_block,
         CHUNK=CHUNK, NO_ID=_NO_ID, PDL=pdl, ALL_GREEDY=True, num_warps=NUM_WARPS, **launch)
     return accept_len, tokens
 
@@ -511,9 +511,8 @@ def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, offset, BLOCK: tl.constex
 
 
 def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, offset: int = 0, *, pdl: bool = False) -> torch.Tensor:
-    """n uniform fp32 in [0, 1) per request from (seed, counter + offset + i) (lingc.uniform): one launch,
-    the reference's
-    bits (splitmix64 on the same 64-bit patterns, top 24 bits scaled by 2^-24, exact in fp32)."""
+    """n uniform fp32 in [0, 1) per request from (seed, counter + offset + i) (lingc.uniform): one launch, the
+    reference's bits (splitmix64 on the same 64-bit patterns, top 24 bits scaled by 2^-24, exact in fp32)."""
     B = seed.shape[0]
     out = torch.empty((B, n), dtype=torch.float32, device=seed.device)
     if B == 0 or n == 0:

@@ -4,6 +4,12 @@ the reference ops, with the knob off (mean 0), whole and fractional means, and s
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 import lingc.kernels.sample as sample
@@ -54,3 +60,33 @@ def test_shapes_the_kernel_does_not_take_run_the_reference() -> None:
     got = sample.greedy_accept_simulated(draft_ids, logits, mean, seed, counter, 3, K + 1)   # mean [1, 2]
     want = torch.ops.lingc.greedy_accept_simulated(draft_ids, logits, mean, seed, counter, 3, K + 1)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+_SM90 = """
+import json
+import lingc.kernels.sample as S
+from kernel_support import sm90_ptx
+out = {}
+for sim, greedy in ((0, True), (1, False), (2, True)):
+    sig = dict(draft_ptr="*i64", tprobs_ptr="*fp32", dprobs_ptr="*fp32", temp_ptr="*fp32", u_ptr="*fp32",
+               val_ptr="*fp32", id_ptr="*i32", sum_ptr="*fp32", len_ptr="*i32", tok_ptr="*i64", V="i32",
+               n_chunks="i32", mean_ptr="*fp32", sim_u_ptr="*fp32", s_sim_u="i32", seed_ptr="*i64", counter_ptr="*i64",
+               sim_offset="i32")
+    const = dict(K=5, KP1_BLOCK=8, C_BLOCK=128, CHUNK=2048, NO_ID=1 << 30, PDL=True, ALL_GREEDY=greedy,
+                 SIMULATE=sim, MAX_ACCEPT=6)
+    out[sim] = sm90_ptx(S._chain_final_kernel, sig, const, [], 4)
+print(json.dumps(out))
+"""
+
+
+def test_the_simulated_stage_two_builds_for_sm90_with_its_loads_after_the_wait() -> None:
+    """Compiled offline as the GPU runs it (PDL on): every SIMULATE mode builds, and no global load (the relay's mean,
+    seed and counter, the uniforms) comes before griddepcontrol.wait."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for mode, lines in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+        assert len(wait) == 1 and loads and min(loads) > wait[0], mode
