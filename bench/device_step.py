@@ -69,7 +69,7 @@ STEP_KEYS = ("step", "nextn", "step" + GREEDY_SUFFIX, "nextn" + GREEDY_SUFFIX, "
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
             "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_combine_norm",
             "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe", "fuse_embed_norm",
-            "fuse_simulate_accept")
+            "fuse_simulate_accept", "fuse_relay_cat")
 # "all" adds fuse_index_chains; then two A/B rows (with --ab-rows): "all:pdl-chains" (the pdl pass annotating its
 # chains only, as before 2026-11-30's second session) and "all+fuse_moe" (the opt-in pass)
 AB_ROWS = ("all:pdl-chains", "all+fuse_moe")

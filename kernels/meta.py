@@ -385,14 +385,42 @@ def _foldable_add(value: torch.Tensor, add: int) -> bool:
     return info.min <= add <= info.max
 
 
+def _disjoint(tables: list[torch.Tensor]) -> bool:
+    """No element of one table is an element of another. Tables in distinct storages are; tables sharing one (the
+    column slices fuse_relay_cat writes) must have the same row stride and dtype and start in the same row, and
+    their rows' element spans (at their offsets within that row) must stay inside the row and not overlap.
+    Anything else counts as overlapping."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in tables:
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for group in by_storage.values():
+        if len(group) == 1:
+            continue
+        s0, dtype = group[0].stride(0), group[0].dtype
+        if s0 <= 0 or any(t.stride(0) != s0 or t.dtype != dtype or min(t.stride()) < 0 for t in group):
+            return False
+        spans = []
+        for t in group:
+            row, col = divmod(t.storage_offset(), s0)
+            end = col + 1 + sum(max(size - 1, 0) * stride for size, stride in zip(t.shape[1:], t.stride()[1:]))
+            if row != group[0].storage_offset() // s0 or end > s0:
+                return False
+            spans.append((col, end))
+        spans.sort()
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return False
+    return True
+
+
 def scatter_rows_multi(tables: list[torch.Tensor], slots: torch.Tensor, values: list[torch.Tensor], adds: list[int],
                        *, pdl: bool = False) -> None:
     """table[slots] = value + add for each table (lingc.scatter_rows_multi): one launch per RELAY_MULTI_MAX tables.
-    Tables sharing memory (one launch would write them in no order), rows that are not contiguous and adds the
-    kernel does not fold run the torch reference (no host reads either way)."""
+    Tables that overlap (one launch would write them in no order; column slices of one table do not, `_disjoint`),
+    rows that are not contiguous and adds the kernel does not fold run the torch reference (no host reads either
+    way)."""
     check_relay_multi("scatter_rows_multi", tables, slots, values, adds)
     B = slots.shape[0]
-    if (len({t.untyped_storage().data_ptr() for t in tables}) != len(tables)
+    if (not _disjoint(tables)
             or not all(_rows_contiguous(t, 1) and _rows_contiguous(v, 1) and _foldable_add(v, a)
                        for t, v, a in zip(tables, values, adds))):
         torch.ops.lingc.scatter_rows_multi(tables, slots, values, adds)

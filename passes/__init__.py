@@ -20,6 +20,7 @@ from lingc.passes.fuse_norm_linear import FuseNormLinear
 from lingc.passes.fuse_norm_router import FuseNormRouter
 from lingc.passes.fuse_projections import FuseProjections
 from lingc.passes.fuse_relay import FuseRelay
+from lingc.passes.fuse_relay_cat import FuseRelayCat
 from lingc.passes.fuse_shared_expert import FuseSharedExpert
 from lingc.passes.fuse_simulate_accept import FuseSimulateAccept
 from lingc.passes.fuse_swiglu import FuseSwiglu
@@ -32,7 +33,7 @@ from lingc.passes.tp import TensorParallel
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition, FuseSwiglu, FuseIndexChains,
                                                      CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
                                                      FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
-                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseEmit,
+                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseRelayCat, FuseEmit,
                                                      FuseSimulateAccept, FuseCatNorm, FuseEmbedNorm, FuseAlignIntoMoe,
                                                      DraftVocab, FuseNormRouter, Pdl, PrefetchWeights)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs

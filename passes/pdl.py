@@ -270,7 +270,7 @@ class Pdl(Pass):
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
              "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab", "fuse_align_into_moe",
-             "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept")
+             "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "fuse_relay_cat")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:

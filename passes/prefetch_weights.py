@@ -227,7 +227,7 @@ class PrefetchWeights(Pass):
     after = ("partition", "specialize_greedy", "fuse_swiglu", "fuse_index_chains", "capture_metadata", "bf16_router",
              "fuse_projections", "fuse_add_norm", "fuse_moe_align", "fuse_shared_expert", "fuse_moe", "fuse_kda",
              "fuse_norm_linear", "fuse_combine_norm", "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe",
-             "draft_vocab", "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "pdl")
+             "draft_vocab", "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "fuse_relay_cat", "pdl")
     changes_numerics = False
     # opt-in (`--passes all,prefetch_weights` or LINGC_PREFETCH_WEIGHTS=1): every form measured slower (docstring)
     in_all = os.environ.get("LINGC_PREFETCH_WEIGHTS", "0") == "1"

@@ -226,8 +226,9 @@ def scatter_rows_multi(tables: list[torch.Tensor], slots: torch.Tensor, values: 
                        adds: list[int]) -> None:
     """scatter_rows(t, slots, v + a) for each (t, v, a) (scatter_rows(t, slots, v) where a = 0): several relay
     writes by the same slots in one op, with the integer `+ a` of a counter folded in (fuse_relay). The add runs in
-    the value's dtype, as aten.add(v, a) does, then scatter_rows casts to the table's dtype. The tables must be
-    distinct buffers (one launch writes them in no order)."""
+    the value's dtype, as aten.add(v, a) does, then scatter_rows casts to the table's dtype. The tables must not
+    share an element (one launch writes them in no order): distinct buffers, or column slices of one relay table
+    (fuse_relay_cat)."""
     check_relay_multi("scatter_rows_multi", tables, slots, values, adds)
     for t, v, a in zip(tables, values, adds):
         scatter_rows(t, slots, v + a if a != 0 else v)

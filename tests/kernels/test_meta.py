@@ -315,6 +315,50 @@ def test_scatter_rows_multi_falls_back(launches: dict[str, int]) -> None:
     assert launches["scatter"] == 0
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_scatter_rows_multi_into_column_slices(B: int, launches: dict[str, int]) -> None:
+    """fuse_relay_cat's form: a chain table [S, 6] and a probs table [S, 5, V] written column by column (views of
+    one buffer that share no element) with another table, in one launch per RELAY_MULTI_MAX tables; every other
+    element of the tables keeps its value."""
+    g = torch.Generator().manual_seed(17 + B)
+    slots = _slots(B)
+
+    def make() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        chain, probs, seq = _rand((S, 6), torch.int64, torch.Generator().manual_seed(1)), \
+            _rand((S, 5, 1500), torch.float32, torch.Generator().manual_seed(2)), torch.zeros(S, dtype=torch.int64)
+        cols = [chain[:, i:i + 1] for i in range(6)] + [probs[:, i:i + 1] for i in range(5)]
+        return [seq, chain, probs], [seq, *cols]
+
+    values = [_rand((B,), torch.int64, g)] + [_rand((B, 1), torch.int64, g) for _ in range(6)] \
+        + [_rand((B, 1, 1500), torch.float32, g) for _ in range(5)]
+    adds = [1] + [0] * 11
+    (got_bufs, got), (want_bufs, want) = make(), make()
+    assert meta._disjoint(got)
+    meta.scatter_rows_multi(got, slots, values, adds)
+    torch.ops.lingc.scatter_rows_multi(want, slots, values, adds)
+    assert launches["scatter"] == -(-len(got) // RELAY_MULTI_MAX)
+    for x, y in zip(got_bufs, want_bufs):
+        _same(x, y)
+    cat = torch.cat(values[1:7], dim=1)                                 # what the cat + one scatter wrote
+    _same(want_bufs[1][slots.long()], cat)
+    _same(want_bufs[2][slots.long()], torch.cat(values[7:], dim=1))
+
+
+def test_disjoint_tables() -> None:
+    """The launcher's overlap test: column slices of one table are disjoint; overlapping slices, a slice and its
+    table, slices that start in different rows or cross a row's end, and different dtypes of one buffer are not."""
+    t = torch.zeros(S, 8, dtype=torch.int64)
+    p = torch.zeros(S, 4, 3)
+    assert meta._disjoint([t[:, 0:1], t[:, 1:4], t[:, 4:8], p[:, 0:1], p[:, 3:4], torch.zeros(S)])
+    assert meta._disjoint([p[:, 1:2], p[:, 0:1]])                      # any order
+    assert not meta._disjoint([t[:, 0:3], t[:, 2:4]])
+    assert not meta._disjoint([t, t[:, 5:6]])
+    assert not meta._disjoint([t[:, 0:2], t[1:, 2:4]])                  # a different first row
+    assert not meta._disjoint([t.view(S * 2, 4)[:, 0:2], t.view(S * 2, 4)[:, 2:4], t[:, 0:1]])   # row strides differ
+    assert not meta._disjoint([t[:, 0:1], t.view(torch.float64)[:, 1:2]])
+    assert not meta._disjoint([t.t()[0:1], t.t()[1:2]])                # [8, S] views: rows of stride 1
+
+
 def test_gather_rows_multi_of_a_strided_table_falls_back(launches: dict[str, int]) -> None:
     strided = torch.arange(40, dtype=torch.int64).view(S, 10)[:, ::2]
     tables, slots = [strided, torch.arange(S, dtype=torch.float32)], _slots(2)
