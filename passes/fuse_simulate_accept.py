@@ -78,7 +78,8 @@ def _match(sim: fx.Node, skipped: list[str] | None = None) -> tuple[fx.Node, fx.
 def _fuse(graph: fx.Graph, sim: fx.Node, acc: fx.Node, accept_len: fx.Node, u_sel: fx.Node,
           uniform: fx.Node) -> fx.Node:
     _, mean, _, max_accept = sim.args
-    if acc.target is OPS.greedy_accept:
+    greedy = acc.target is OPS.greedy_accept
+    if greedy:
         seed, counter, n, offset = (*uniform.args, uniform.kwargs.get("offset", 0))[:4]
         col = u_sel.args[2] if u_sel.args[2] >= 0 else u_sel.args[2] + n
         target, args = OPS.greedy_accept_simulated, (*acc.args, mean, seed, counter, offset + col, max_accept)
@@ -95,7 +96,7 @@ def _fuse(graph: fx.Graph, sim: fx.Node, acc: fx.Node, accept_len: fx.Node, u_se
             fused.append(item)                                 # after it (their readers all come after the knob)
     graph.erase_node(accept_len)
     graph.erase_node(acc)
-    if acc.target is OPS.greedy_accept:
+    if greedy:                                                  # the uniform only the knob read goes too
         graph.erase_node(u_sel)
         graph.erase_node(uniform)
     return fused
