@@ -94,7 +94,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels import mla_gluon
+from lingc.kernels import mla_gluon, workspace
 from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
 from lingc.kernels.rmsnorm import MAX_BLOCK_N as MAX_NORM_BLOCK, _num_warps as _norm_warps, _rmsnorm_row
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
@@ -152,6 +152,12 @@ CB_BLOCK_R = 64
 # 'one:lingc.kernels.mla.COMBINE_ONE_STEP=True'): greedy decode 1.1255 vs 1.1318 / 1.1287 ms, greedy verify 2.1318 vs
 # 2.1248 / 2.1267: inside the run-to-run spread, so off by default; LINGC_MLA_COMBINE_ONE_STEP=1 turns it on
 COMBINE_ONE_STEP = os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "0") == "1"
+# the combine and v_absorb in one launch (_combine_absorb_kernel: each combine program multiplies its latent block
+# by its W_uv slice, the last of a (query, head)'s R / CB_BLOCK_R programs sums the partials): one launch fewer a
+# layer, a numerics change of the output (a split sum over R where v_absorb sums R at once). Off by default until
+# the H200 A/B; LINGC_MLA_COMBINE_ABSORB=1 turns it on. Needs M * H <= CA_COUNTERS (else the two launches run)
+COMBINE_ABSORB = os.environ.get("LINGC_MLA_COMBINE_ABSORB", "0") == "1"
+CA_COUNTERS = 1 << 12    # ticket counters, one per (query, head): 16 KiB a device (kernels/workspace.py)
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
@@ -372,24 +378,19 @@ def _combine_loads(part_o_ptr, part_ml_ptr, rows, s0, n_splits, offs_r, mask_r, 
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos_b, stride_pos_t,
-                    H: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, S_POW2: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PDL: tl.constexpr, EARLY_POS: tl.constexpr = False, ONE_STEP: tl.constexpr = False):
-    """o_lat[m, h, rblock] from the query's visible splits 0 .. pos // SPLIT (in that order, fixed blocks)."""
-    mh = tl.program_id(0)
-    m, h = mh // H, mh % H
-    b, t = m // T, m % T
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    if PDL and EARLY_POS:   # as in the split: the positions are written many launches back
-        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t, cache_modifier=".cg").to(tl.int32)
-    if PDL:
-        pdl_wait()
-    if not (PDL and EARLY_POS):
-        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
-    n_splits = tl.minimum(pos // SPLIT + 1, S)
-    rows = (m * S).to(tl.int64) * H + h                      # partial row of split 0; split s adds s * H
+def _combine_pos(pos_ptr, b, t, stride_pos_b, stride_pos_t, EARLY: tl.constexpr):
+    """A query's position; EARLY (under PDL, before the wait) through the L2 (`.cg`): it is written many launches
+    back, as in the split."""
+    if EARLY:
+        return tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t, cache_modifier=".cg").to(tl.int32)
+    return tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.int32)
+
+
+@triton.jit
+def _combine_sums(part_o_ptr, part_ml_ptr, rows, n_splits, offs_r, mask_r, H: tl.constexpr, R: tl.constexpr,
+                  S_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, ONE_STEP: tl.constexpr):
+    """(o_sum [BLOCK_R], l_sum [BLOCK_S]) of a (query, head)'s visible splits 0 .. n_splits - 1, whose split 0 is
+    partial row `rows`: o_lat = o_sum / sum(l_sum). Fixed blocks in a fixed order."""
     l_sum = tl.zeros([BLOCK_S], tl.float32)
     o_sum = tl.zeros([BLOCK_R], tl.float32)
     if ONE_STEP and S_POW2 <= BLOCK_S:
@@ -411,10 +412,93 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos
             w = tl.exp2(m_s - m_max)                                                   # 0 on masked splits
             l_sum += w * l_s
             o_sum += tl.sum(w[:, None] * o_s, axis=0)
+    return o_sum, l_sum
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_ml_ptr, pos_ptr, olat_ptr, T, S, stride_pos_b, stride_pos_t,
+                    H: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, S_POW2: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PDL: tl.constexpr, EARLY_POS: tl.constexpr = False, ONE_STEP: tl.constexpr = False):
+    """o_lat[m, h, rblock] from the query's visible splits 0 .. pos // SPLIT (in that order, fixed blocks)."""
+    mh = tl.program_id(0)
+    m, h = mh // H, mh % H
+    b, t = m // T, m % T
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    if PDL and EARLY_POS:   # as in the split: the positions are written many launches back
+        pos = _combine_pos(pos_ptr, b, t, stride_pos_b, stride_pos_t, True)
+    if PDL:
+        pdl_wait()
+    if not (PDL and EARLY_POS):
+        pos = _combine_pos(pos_ptr, b, t, stride_pos_b, stride_pos_t, False)
+    n_splits = tl.minimum(pos // SPLIT + 1, S)
+    rows = (m * S).to(tl.int64) * H + h                      # partial row of split 0; split s adds s * H
+    o_sum, l_sum = _combine_sums(part_o_ptr, part_ml_ptr, rows, n_splits, offs_r, mask_r, H, R, S_POW2, BLOCK_S,
+                                 BLOCK_R, ONE_STEP)
     if PDL:
         pdl_trigger()
     out = o_sum / tl.sum(l_sum, axis=0)
     tl.store(olat_ptr + mh.to(tl.int64) * R + offs_r, out, mask=mask_r)
+
+
+@triton.jit
+def _combine_absorb_kernel(part_o_ptr, part_ml_ptr, pos_ptr, w_ptr, pv_ptr, count_ptr, out_ptr, g_ptr, T, S,
+                           stride_pos_b, stride_pos_t, stride_w, stride_gb, stride_gt, stride_gh,
+                           H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, VD: tl.constexpr,
+                           HEAD_ROWS: tl.constexpr, SPLIT: tl.constexpr, S_POW2: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_VD: tl.constexpr,
+                           GATE: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr,
+                           EARLY_POS: tl.constexpr = False, ONE_STEP: tl.constexpr = False):
+    """COMBINE_ABSORB: the combine and v_absorb of a (query, head) in one launch, grid (M*H, R/BLOCK_R). A program
+    combines its latent block as _combine_kernel does (the same o_lat bits), multiplies it by its [VD, BLOCK_R]
+    slice of W_uv (loaded before the PDL wait) and publishes the fp32 partial [VD]; the program that draws the last
+    ticket of the (query, head)'s counter sums the R/BLOCK_R partials in block order, applies the gate as v_absorb
+    does and stores the output (and zeroes the counter for the next launch). No float atomics: the same bits
+    whichever program comes last; other bits than _v_absorb_kernel's one sum over R (a split sum)."""
+    if PDL:
+        if ENTRY_TRIGGER:   # the next launch (the dense projection) reads only weights before its wait (kernels/pdl.py)
+            pdl_launch_next()
+    mh = tl.program_id(0)
+    m, h = mh // H, mh % H
+    b, t = m // T, m % T
+    rb = tl.program_id(1)
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_v = tl.arange(0, BLOCK_VD)
+    mask_r, mask_v = offs_r < R, offs_v < VD
+    w_rows = (h * HEAD_ROWS + N + offs_v).to(tl.int64)
+    w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
+                mask=mask_v[:, None] & mask_r[None, :], other=0.0)                     # [BLOCK_VD, BLOCK_R]
+    if PDL and EARLY_POS:
+        pos = _combine_pos(pos_ptr, b, t, stride_pos_b, stride_pos_t, True)
+    if PDL:
+        pdl_wait()
+    if not (PDL and EARLY_POS):
+        pos = _combine_pos(pos_ptr, b, t, stride_pos_b, stride_pos_t, False)
+    if GATE:
+        g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh).to(tl.float32)
+    n_splits = tl.minimum(pos // SPLIT + 1, S)
+    rows = (m * S).to(tl.int64) * H + h
+    o_sum, l_sum = _combine_sums(part_o_ptr, part_ml_ptr, rows, n_splits, offs_r, mask_r, H, R, S_POW2, BLOCK_S,
+                                 BLOCK_R, ONE_STEP)
+    if PDL and not ENTRY_TRIGGER:
+        pdl_trigger()
+    o_lat = o_sum / tl.sum(l_sum, axis=0)                                              # _combine_kernel's bits
+    pv = tl.sum(w.to(tl.float32) * o_lat[None, :], axis=1)                            # [BLOCK_VD]
+    n_rb = tl.num_programs(1)
+    pv_row = pv_ptr + mh.to(tl.int64) * n_rb * VD
+    tl.store(pv_row + rb * VD + offs_v, pv, mask=mask_v)
+    tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+    ticket = tl.atomic_add(count_ptr + mh, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_rb - 1:
+        out = tl.zeros([BLOCK_VD], tl.float32)
+        for i in range(0, n_rb):                                                       # fixed order 0 .. R/BLOCK_R
+            out += tl.load(pv_row + i * VD + offs_v, mask=mask_v, other=0.0, cache_modifier=".cg")
+        if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
+            ty = out_ptr.dtype.element_ty
+            out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)
+        tl.store(out_ptr + mh.to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+        tl.store(count_ptr + mh, 0)                                                   # ready for the next launch
 
 
 @triton.jit
@@ -709,7 +793,8 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
                    gate: torch.Tensor | None = None, *, pdl: bool = False,
                    split_rows: int | None = None, block_n: int | None = None, split_warps: int | None = None,
                    split_stages: int | None = None, combine_block_s: int | None = None,
-                   combine_block_r: int | None = None, entry_trigger: bool = False) -> torch.Tensor:
+                   combine_block_r: int | None = None, entry_trigger: bool = False,
+                   combine_absorb: bool | None = None) -> torch.Tensor:
     """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them). A tunable
     left None is the module's value at call time (bench/device_step.py --variant overrides those)."""
     split_rows = SPLIT_ROWS if split_rows is None else split_rows
@@ -740,7 +825,6 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     q_lat = torch.empty((M, H, R), dtype=kv_pages.dtype, device=dev)                   # [M, H, R]
     part_o = torch.empty((M, S, H, R), dtype=part_dtype, device=dev)                   # [M, S, H, R]
     part_ml = torch.empty((M, S, H, 2), dtype=torch.float32, device=dev)               # [M, S, H, (m, l)]
-    o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
     pdl, launch = _launch_opts(pdl, dev)
     head_rows = N + Vd
     _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), M)](
@@ -761,11 +845,23 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
             BLOCK_N=block_n, IEEE=fp32, PDL=pdl, PREFETCH=pdl and SPLIT_PREFETCH, NUM_PAGES=kv_pages.shape[0],
             L_LINES=_pow2(triton.cdiv(R + Rr, PREFETCH_LINE.value)), CHUNKS=_split_chunks(block_r),
             EARLY_POS=EARLY_POS, QPP=qpp, num_warps=split_warps, num_stages=split_stages, **launch)
+    g, g_strides = (gate, gate.stride()) if gate is not None else (out, (0, 0, 0))   # out: a never-read stand-in
+    if (COMBINE_ABSORB if combine_absorb is None else combine_absorb) and M * H <= CA_COUNTERS:
+        blocks = triton.cdiv(R, combine_block_r)
+        partials = torch.empty((M * H, blocks, Vd), dtype=torch.float32, device=dev)
+        _combine_absorb_kernel[(M * H, blocks)](
+            part_o, part_ml, positions, kv_b, partials, workspace.counters(dev, "mla_combine_absorb", CA_COUNTERS),
+            out, g, T, S, positions.stride(0), positions.stride(1), kv_b.stride(0), *g_strides,
+            H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT),
+            BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, BLOCK_VD=_pow2(Vd), GATE=gate is not None, PDL=pdl,
+            ENTRY_TRIGGER=pdl and entry_trigger, EARLY_POS=EARLY_POS, ONE_STEP=COMBINE_ONE_STEP,
+            num_warps=GEMV_WARPS, **launch)
+        return out
+    o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
         EARLY_POS=EARLY_POS, ONE_STEP=COMBINE_ONE_STEP, num_warps=GEMV_WARPS, **launch)
-    g, g_strides = (gate, gate.stride()) if gate is not None else (out, (0, 0, 0))   # out: a never-read stand-in
     _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
         o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
         BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
