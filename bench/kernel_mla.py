@@ -20,6 +20,7 @@ launches they replace (mla_prep; mla_attention with its gate; ok = bit-exact) cl
     python3 bench/kernel_mla.py [--json $OUT/mla.json]
     python3 bench/kernel_mla.py --tiles [--json ...]   # the split at SPLIT_TILE_ROWS 16 and 64 only
     python3 bench/kernel_mla.py --gluon [--json ...]   # the Gluon split (kernels/mla_gluon.py) against the Triton one
+    python3 bench/kernel_mla.py --combine-absorb [--json ...]   # COMBINE_ABSORB on and off (kernels/mla.py)
 """
 
 from __future__ import annotations
@@ -360,6 +361,35 @@ def gluon_rows() -> list[dict]:
     return rows
 
 
+def combine_absorb_rows() -> list[dict]:
+    """mla_attention with COMBINE_ABSORB (kernels/mla.py: the combine and v_absorb in one launch) on and off, 1 and 6
+    queries at context 8192: the attention row's checks (reference tolerance, row invariance, PDL on == off,
+    determinism) and time for each, and the on row's largest difference from the off row's output."""
+    import lingc.kernels.mla as K
+
+    saved = K.COMBINE_ABSORB
+    rows = []
+    try:
+        for T, ctx in CASES[:2]:
+            c = _case(T, ctx, 1, seed=13 + T)
+            outs = {}
+            for name, on in (("combine-absorb", True), ("two-launches", False)):
+                K.COMBINE_ABSORB = on
+                r = _attention_rows(T, ctx, sweep=[])[0]
+                outs[name] = K.mla_attention(c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"],
+                                             c["positions"], SCALE)
+                keep = {k: r[k] for k in ("shape", "time_us", "time_us_nopdl", "rel_err", "row_invariant",
+                                          "pdl_equal", "deterministic", "ok")}
+                keep.update(kernel=f"mla_attention[{name}]", T=T, ctx=ctx)
+                rows.append(keep)
+            rows[-2]["max_diff_two_launches"] = (outs["combine-absorb"].float()
+                                                 - outs["two-launches"].float()).abs().max().item()
+            del c
+    finally:
+        K.COMBINE_ABSORB = saved
+    return rows
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the rows to this file")
@@ -367,8 +397,13 @@ if __name__ == "__main__":
                     help="only the split at SPLIT_TILE_ROWS 16 and 64 (time, checks, bits against 16)")
     ap.add_argument("--gluon", action="store_true",
                     help="only mla_attention with the Gluon split against the Triton split (checks, time, bits)")
+    ap.add_argument("--combine-absorb", action="store_true",
+                    help="only mla_attention with COMBINE_ABSORB on and off (checks, time, bits)")
     args = ap.parse_args()
-    if args.gluon:
+    if args.combine_absorb:
+        import lingc  # noqa: F401  (registers the reference ops)
+        all_rows = combine_absorb_rows()
+    elif args.gluon:
         import lingc  # noqa: F401  (registers the reference ops)
         all_rows = gluon_rows()
     elif args.tiles:
