@@ -30,6 +30,11 @@ q_lat, so computing it there would re-read W_uk once per split. Separate GEMV ke
 128 programs per query (a verify chain's queries re-read the slice from L2; one query per program replaced a loop
 over the queries, which cost 6.5 / 5.3 us at 6 queries) and, under PDL, load their weight slice before the wait.
 The combine is separate so that it is a plain elementwise-parallel pass over R (no re-reading of partials).
+COMBINE_ABSORB (off by default) runs 3 and 4 as one launch, grid (M*H, R/CB_BLOCK_R): each program combines its
+latent block, multiplies it by its [Vd, CB_BLOCK_R] slice of W_uv (loaded before the PDL wait) and publishes the
+fp32 partial; the last of a (query, head)'s programs by an int32 ticket (kernels/workspace.py counters, left zero)
+sums the partials in block order and gates. Row invariant and deterministic the same way; other bits than 4's one
+sum over R.
 
 Row invariance (a verify chain of T queries gives each query the bits of a T=1 decode step): every query is
 computed with the same instruction sequence whatever T and B are. The absorptions and the combine give each query
