@@ -13,23 +13,35 @@
 #    into the ids prologue, the expert id's round trip and the SwiGLU epilogue (bench/moe_up_probe.py), in the time
 #    left
 #
-#   LINGC_COMMIT=<hash> bash bench/device_pending_ab.sh OUT_DIR
+#   LINGC_COMMIT=<hash> bash bench/device_pending_ab.sh OUT_DIR [quick]
+#
+# `quick` (~6 minutes; for a session with little device time left): 2 and 3 only, with the rows base / noembed / nosim /
+# nocat / cabs / base2 / cabs2 / base3.
 #
 # Each step has its own time limit, so one that hangs leaves the others' files. Run from the repository root.
 set -u
-OUT=${1:?usage: LINGC_COMMIT=<hash> bash bench/device_pending_ab.sh OUT_DIR}
+OUT=${1:?usage: LINGC_COMMIT=<hash> bash bench/device_pending_ab.sh OUT_DIR [quick]}
+QUICK=${2:-}
 source bench/device_site.sh
-echo "== kernels (rmsnorm family rows)"
-timeout 60 python3 bench/device_kernels.py --families none --json "$OUT/kernels.json" 2>&1 | grep -v Warning \
-  | grep -v '"pairs"' | tail -6
+if [ -z "$QUICK" ]; then
+  echo "== kernels (rmsnorm family rows)"
+  timeout 60 python3 bench/device_kernels.py --families none --json "$OUT/kernels.json" 2>&1 | grep -v Warning \
+    | grep -v '"pairs"' | tail -6
+fi
 echo "== MLA combine + v_absorb in one launch"
-timeout 120 python3 bench/kernel_mla.py --combine-absorb --json "$OUT/mla-combine-absorb.json" 2>&1 \
+timeout 100 python3 bench/kernel_mla.py --combine-absorb --json "$OUT/mla-combine-absorb.json" 2>&1 \
   | grep -v Warning | tail -4 | cut -c1-400
 E=lingc.passes.fuse_embed_norm.FuseEmbedNorm.in_all=False
 S=lingc.passes.fuse_simulate_accept.FuseSimulateAccept.in_all=False
 C=lingc.passes.fuse_relay_cat.FuseRelayCat.in_all=False
 A=lingc.kernels.mla.COMBINE_ABSORB=True
 echo "== A/B"
+if [ -n "$QUICK" ]; then
+  timeout 300 python3 bench/device_step.py --only all --variant 'base:' --variant "noembed:$E" --variant "nosim:$S" \
+    --variant "nocat:$C" --variant "cabs:$A" --variant 'base2:' --variant "cabs2:$A" --variant 'base3:' \
+    --json "$OUT/ab.json" 2>&1 | grep -v Warning | tail -30
+  exit 0
+fi
 timeout 400 python3 bench/device_step.py --only all --variant 'base:' --variant "noembed:$E" --variant "nosim:$S" \
   --variant "nocat:$C" --variant "cabs:$A" --variant 'base2:' --variant "noembed2:$E" --variant "nosim2:$S" \
   --variant "nocat2:$C" --variant "cabs2:$A" --variant 'base3:' --json "$OUT/ab.json" 2>&1 | grep -v Warning \
