@@ -30,11 +30,11 @@ q_lat, so computing it there would re-read W_uk once per split. Separate GEMV ke
 128 programs per query (a verify chain's queries re-read the slice from L2; one query per program replaced a loop
 over the queries, which cost 6.5 / 5.3 us at 6 queries) and, under PDL, load their weight slice before the wait.
 The combine is separate so that it is a plain elementwise-parallel pass over R (no re-reading of partials).
-COMBINE_ABSORB (off by default) runs 3 and 4 as one launch, grid (M*H, R/CB_BLOCK_R): each program combines its
-latent block, multiplies it by its [Vd, CB_BLOCK_R] slice of W_uv (loaded before the PDL wait) and publishes the
-fp32 partial; the last of a (query, head)'s programs by an int32 ticket (kernels/workspace.py counters, left zero)
-sums the partials in block order and gates. Row invariant and deterministic the same way; other bits than 4's one
-sum over R.
+COMBINE_ABSORB (off: slower at verify on the H100) runs 3 and 4 as one launch, grid (M*H, R/CB_BLOCK_R): each
+program combines its latent block, multiplies it by its [Vd, CB_BLOCK_R] slice of W_uv (loaded before the PDL wait)
+and publishes the fp32 partial; the last of a (query, head)'s programs by an int32 ticket (kernels/workspace.py
+counters, left zero) sums the partials in block order and gates. Row invariant and deterministic the same way;
+other bits than 4's one sum over R.
 
 Row invariance (a verify chain of T queries gives each query the bits of a T=1 decode step): every query is
 computed with the same instruction sequence whatever T and B are. The absorptions and the combine give each query
@@ -159,8 +159,13 @@ CB_BLOCK_R = 64
 COMBINE_ONE_STEP = os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "0") == "1"
 # the combine and v_absorb in one launch (_combine_absorb_kernel: each combine program multiplies its latent block
 # by its W_uv slice, the last of a (query, head)'s R / CB_BLOCK_R programs sums the partials): one launch fewer a
-# layer, a numerics change of the output (a split sum over R where v_absorb sums R at once). Off by default until
-# the H200 A/B; LINGC_MLA_COMBINE_ABSORB=1 turns it on. Needs M * H <= CA_COUNTERS (else the two launches run)
+# layer, a numerics change of the output (a split sum over R where v_absorb sums R at once). H100 (2026-12-06,
+# 8428b6d; no H200 was lent): mla_attention alone 11.8 vs 14.9 us at one query, 23.2 vs 23.1 at six
+# (bench/results/kernels-mla-combine-absorb-h100-20261206.json); in the step (step-ab-h100-20261206.json, two rows
+# against three baselines) greedy decode 1.3102 / 1.3108 vs 1.3119-1.3128 ms but greedy verify 2.5999 / 2.5983 vs
+# 2.5869-2.5888 and NEXTN 3.772 / 3.770 vs 3.762: a loss on verify, so off. It cannot follow T: a verify query must
+# keep a decode step's bits (row invariance, the greedy parity). LINGC_MLA_COMBINE_ABSORB=1 turns it on. Needs
+# M * H <= CA_COUNTERS (else the two launches run)
 COMBINE_ABSORB = os.environ.get("LINGC_MLA_COMBINE_ABSORB", "0") == "1"
 CA_COUNTERS = 1 << 12    # ticket counters, one per (query, head): 16 KiB a device (kernels/workspace.py)
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
