@@ -88,7 +88,9 @@ def _fuse(graph: fx.Graph, scatter: fx.Node) -> list[str]:
     for table, value, add in zip(tables, values, adds):
         pieces = _pieces(nodes, scatter, table, value, add)
         if pieces is None:
-            new_tables.append(table), new_values.append(value), new_adds.append(add)
+            new_tables.append(table)
+            new_values.append(value)
+            new_adds.append(add)
             continue
         col = 0
         for i, piece in enumerate(pieces):
@@ -97,7 +99,9 @@ def _fuse(graph: fx.Graph, scatter: fx.Node) -> list[str]:
                 part = graph.call_function(aten.slice.Tensor, (table, 1, col, col + width))
             part.meta = carried_meta(scatter, KEEP_META)
             part._rename(f"{table.name}_col{i}")
-            new_tables.append(part), new_values.append(piece), new_adds.append(0)
+            new_tables.append(part)
+            new_values.append(piece)
+            new_adds.append(0)
             col += width
         cats.append(value)
     if not cats:
