@@ -16,11 +16,16 @@ and load what they may, while its predecessor runs), so a kernel's duration is n
 charged its exposed time instead, end_i - end_(i-1) (the first kernel its duration): how much later the chain ends
 because of it. The exposed times sum to the busy span, so the table shows where the PDL step's time goes.
 
+--sampled runs every graph for device_step.py's sampled request (SAMPLED: temperature 0.8, top-p 0.95) instead of a
+greedy one: the general graphs' sampling kernels (filtered_probs' threshold rounds, sample_tokens, chain_accept's
+sampled branch) then do their work instead of exiting at once, so the table says where a sampled NEXTN step's time
+over a greedy one goes (use the general graphs: draft, verify, extend; the *_greedy copies are greedy-only).
+
 Hint kernels (prefetch_weights' l2_prefetch / l2_prefetch_experts, HINT_KERNELS) run on a side stream beside the
 chain: they are taken out of both kernel sequences before the match and reported apart (`side_stream`: kernels a
 replay and their summed duration), so the table stays the chain's.
 
-    python3 bench/device_launches.py --json $OUT/launches.json [--passes all] [--graphs step,verify] [--pdl]
+    python3 bench/device_launches.py --json $OUT/launches.json [--passes all] [--graphs step,verify] [--pdl] [--sampled]
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_profile import busy_us  # noqa: E402
-from device_step import (CONTEXT, DRAFT_TOKENS, GREEDY_SUFFIX, NEXTN_GRAPHS, fill_context, reset_request,  # noqa: E402
-                         time_graphs)
+from device_step import (CONTEXT, DRAFT_TOKENS, GREEDY_SUFFIX, NEXTN_GRAPHS, SAMPLED, fill_context,  # noqa: E402
+                         reset_request, time_graphs)
 from floor import launch_bytes  # noqa: E402
 from timing import hbm_bandwidth_gbps  # noqa: E402
 
 LAYER = re.compile(r"layers\.\d+\.")
 HINT_KERNELS = ("_l2_prefetch_kernel", "_l2_prefetch_experts_kernel")   # side-stream hints (kernels/l2_prefetch.py)
+SAMPLING: dict | None = None     # --sampled: device_step.SAMPLED, the request every run and replay is reset to
 
 
 def _is_hint(kernel: dict) -> bool:
@@ -114,10 +120,11 @@ def _prepare(exe, config, name: str) -> None:
     """The state graph `name` runs from in the benchmark: the filled context (and, for verify / extend, the
     NEXTN graphs before it)."""
     fill_context(exe, config)
+    reset_request(exe, sampling=SAMPLING)
     if name in NEXTN_GRAPHS:
         for g in NEXTN_GRAPHS[:NEXTN_GRAPHS.index(name)]:
             exe.run(g)
-    reset_request(exe)
+    reset_request(exe, sampling=SAMPLING)
 
 
 def _first_difference(a: list[str], b: list[str]) -> int:
@@ -127,7 +134,7 @@ def _first_difference(a: list[str], b: list[str]) -> int:
 def graph_kernels(graphs, exe, name: str, replays: int) -> tuple[list[list[dict]], list[list[dict]]]:
     """The chain's kernels of each replay, in start order, and the side stream's hint kernels of each replay."""
     from torch.profiler import ProfilerActivity, profile
-    reset_request(exe)
+    reset_request(exe, sampling=SAMPLING)
     for _ in range(3):
         graphs.run(name)
     torch.cuda.synchronize()
@@ -212,7 +219,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (debugging)")
     ap.add_argument("--pdl", action="store_true",
                     help="capture with PDL launches on and charge each kernel its exposed time (module docstring)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="a sampled request (device_step.SAMPLED) instead of a greedy one (module docstring)")
     args = ap.parse_args()
+    global SAMPLING
+    SAMPLING = SAMPLED if args.sampled else None
     import lingc  # noqa: F401
     from lingc.init import random_model
     from lingc.passes.manager import PassManager
@@ -247,10 +258,12 @@ def main() -> None:
     fill_context(exe, config)
     replay = {}
     for names in sets:
+        reset_request(exe, sampling=SAMPLING)
         replay |= time_graphs(graphs, names)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "python": platform.python_version(), "commit": os.environ.get("LINGC_COMMIT", "unknown"),
                     "command": " ".join(sys.argv), "passes": passes, "context": CONTEXT, "pdl_launches": args.pdl,
+                    "request": SAMPLING or "greedy",
                     "hbm_bandwidth_gbps": bandwidth, "graphs": {}}
     for name in wanted:
         launches, names, owner = eager[name]
