@@ -180,3 +180,18 @@ def test_bad_shapes_and_dtypes() -> None:
         filtered_probs(logits, temp, k.float(), p)
     with pytest.raises(ValueError, match="powers of two"):
         filtered_probs(logits, temp, k, p, config=FilteredProbsConfig(chunk=100))
+
+
+@pytest.mark.parametrize("config", [SMALL, FilteredProbsConfig()], ids=["small", "default"])
+def test_unrolled_loops_keep_the_bits(config: FilteredProbsConfig) -> None:
+    """FilteredProbsConfig.unroll (several tile loads in flight a loop step; on by default) gives the bits of one
+    load a step: the binning, the partial sums, the exact finish's gather and pairwise scores add in the same
+    order. Flat and peaked rows, top-k then top-p, so every loop runs several steps."""
+    from dataclasses import replace
+    temp, k, p = _params([1.0, 0.8, 0.8, 1.2], [0, 0, 50, 7], [0.9, 0.9, 0.9, 0.6])
+    logits = _logits(4, 2, 5000, torch.float32, seed=17)
+    logits[1:3] *= 3                                                                   # peaked rows
+    on = filtered_probs(logits, temp, k, p, config=config)
+    off = filtered_probs(logits, temp, k, p, config=replace(config, unroll=False))
+    assert config.unroll and torch.equal(on, off)
+    assert (on[0] > 0).sum(-1).min() > 1000 and ((on > 0).sum(-1) < 5000).all()      # flat rows: long brackets
