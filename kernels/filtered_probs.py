@@ -30,13 +30,16 @@ per bin. The bin j0 holding the crossing becomes the next bracket; the row is re
 token (kept: the score strictly ahead of it is S(hi) < target) or all bracket tokens are equal. Exact
 finish: once the chosen bin holds <= `exact` tokens (default 512), the deciding program gathers them from
 the slices, gives each the score of the gathered tokens strictly greater than it (pairwise) plus S(hi), and
-keeps exactly those whose score ahead stays below the target. Kept set: {x >= lo}, normaliser
+keeps exactly those whose score ahead stays below the target. The gather scans every slice's compacted
+bracket tokens, so before the phase's last round it runs only where no slice compacted more than `scan_max`
+(64) this round; else the bin is binned once more (in a phase's first round every slice compacted its whole
+chunk: top-k 50's bin of ~40 tokens took a 2048-token scan a slice, ~500 us a call on the H200). Kept set: {x >= lo}, normaliser
 Z_final = mass(x >= lo), both in the row state. Top-p starts from the top-k threshold, so the kept set is
 top-k, then top-p. Each program first compacts its bracket tokens into its own slice of the output row
 (scratch until the write kernel), so the NB-wide one-hot work after the first round of a phase scales with
 the bracket, not the slice. The first round of a phase uses few bins (it sees every token), later ones many.
-Default rounds: top-k (32, 256), top-p (32, 256, 256) bins. Top-k 50 or LM-like top-p resolve in round 1
-(the crossing bin near the max holds <= 512 tokens); flat rows (top-p 0.9 keeping ~60% of a 157k
+Default rounds: top-k (32, 256), top-p (32, 256, 256) bins. Top-k 50 or LM-like top-p resolve in round 2
+(the crossing bin near the max holds <= 512 tokens, finished next round); flat rows (top-p 0.9 keeping ~60% of a 157k
 vocabulary, top-k in the bulk) in round 2 (the bracket shrinks ~20x, then ~250x, then is finished exactly);
 the third top-p round only serves a bulk much narrower than the row's range (e.g. one far outlier).
 Cross-program step: each program stores its per-bin partials, then takes a ticket (an acq_rel atomic after a
@@ -109,7 +112,10 @@ class FilteredProbsConfig:
     chunk: elements per program (power of two). bins_k / bins_p: bins per top-k / top-p round (powers of two;
     the first round of a phase sees every token, so keep it small). cell: one-hot tile size (elements).
     exact: largest bracket (tokens) finished exactly by the deciding program (power of two).
-    unroll: several tile loads in flight a loop step (BIN_LOADS and the *_UNROLL constants; the same bits)."""
+    unroll: several tile loads in flight a loop step (BIN_LOADS and the *_UNROLL constants; the same bits).
+    scan_max: the exact finish gathers its tokens by scanning every slice's compacted bracket, one program alone:
+    before the phase's last round it runs only where no slice compacted more than scan_max tokens this round,
+    else the chosen bin is binned again next round (module docstring, "Exact finish")."""
     chunk: int = 2048
     num_warps: int = 4
     bins_k: tuple[int, ...] = (32, 256)
@@ -117,6 +123,7 @@ class FilteredProbsConfig:
     cell: int = 2048
     exact: int = 512
     unroll: bool = True       # False: one tile load a loop step (the kernel before the unrolling; same bits)
+    scan_max: int = 64        # an exact finish before the phase's last round only if no slice holds more bracket tokens
 
     def check(self) -> None:
         bins = self.bins_k + self.bins_p
@@ -266,10 +273,12 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
 def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
             PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, NB_MAX: tl.constexpr,
             CB: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr,
-            GB: tl.constexpr, GJ: tl.constexpr, UD: tl.constexpr, UG: tl.constexpr, UJ: tl.constexpr):
+            GB: tl.constexpr, GJ: tl.constexpr, UD: tl.constexpr, UG: tl.constexpr, UJ: tl.constexpr,
+            LAST: tl.constexpr, SCAN_MAX: tl.constexpr):
     """Last program of the row: sum the slices' bin partials in slice order, pick the bin holding the
     crossing of the target and store the row's next bracket (module docstring); a bracket of <= EXACT
-    tokens is finished exactly instead (`_exact`)."""
+    tokens is finished exactly instead (`_exact`), where its gather is short (no slice compacted more than
+    SCAN_MAX bracket tokens this round) or no round of the phase is left (LAST)."""
     PSTRIDE: tl.constexpr = 2 * NB_MAX + 3
     r = tl.arange(0, NB)
     desc = NB - 1 - r                                             # position r holds bin NB-1-r (descending)
@@ -323,7 +332,9 @@ def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step
         resolved = resolved | keep_all
     mass_lo = new_mass_hi + tl.where(keep_all, tl.sum(mass, axis=0), _pick(mass, r, r0))
     cnt_lo = new_cnt_hi + n
-    if (n <= EXACT) & (resolved == 0):
+    ns_max = tl.max(tl.load(parts_ptr + (row * NCHUNK + cs) * PSTRIDE + PSTRIDE - 1, mask=cs < NCHUNK, other=0.0,
+                            cache_modifier=".cg"), axis=0)          # the gather's longest slice
+    if (n <= EXACT) & (resolved == 0) & (LAST | (ns_max <= SCAN_MAX)):
         new_lo, mass_lo, cnt_lo = _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, new_lo, new_hi, n, m,
                                          new_cnt_hi, new_mass_hi, target, PHASE, PSTRIDE, CHUNK, EXACT,
                                          NCHUNK_PAD, GB, GJ, UG, UJ)
@@ -344,7 +355,8 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
                   PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr,
                   NB_MAX: tl.constexpr, SUB: tl.constexpr, CB: tl.constexpr, CHUNK: tl.constexpr,
                   EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr, GB: tl.constexpr, GJ: tl.constexpr,
-                  UB: tl.constexpr, UD: tl.constexpr, UG: tl.constexpr, UJ: tl.constexpr, PDL: tl.constexpr):
+                  UB: tl.constexpr, UD: tl.constexpr, UG: tl.constexpr, UJ: tl.constexpr, LAST: tl.constexpr,
+                  SCAN_MAX: tl.constexpr, PDL: tl.constexpr):
     """One bisection round (NB bins) of phase PHASE (0 top-k, 1 top-p) for every row that is searching."""
     PSTRIDE: tl.constexpr = 2 * NB_MAX + 3
     c = tl.program_id(0)
@@ -422,7 +434,7 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
         ticket = tl.atomic_add(ticket_ptr + row * ROUNDS + ROUND, 1, sem="acq_rel", scope="gpu")
         if ticket == NCHUNK - 1:
             _decide(parts_ptr, row_scratch, stage_ptr, st, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
-                    PHASE, FIRST, NB, NB_MAX, CB, CHUNK, EXACT, NCHUNK_PAD, GB, GJ, UD, UG, UJ)
+                    PHASE, FIRST, NB, NB_MAX, CB, CHUNK, EXACT, NCHUNK_PAD, GB, GJ, UD, UG, UJ, LAST, SCAN_MAX)
 
 
 @triton.jit
@@ -493,9 +505,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     temperature, top_k, top_p = temperature.contiguous(), top_k.contiguous(), top_p.contiguous()
     nchunk = triton.cdiv(V, cfg.chunk)
     nchunk_pad = triton.next_power_of_2(nchunk)
-    schedule = [(0, i == 0, nb) for i, nb in enumerate(cfg.bins_k)] + \
-               [(1, i == 0, nb) for i, nb in enumerate(cfg.bins_p)]    # (phase, first of phase, bins)
-    nb_max = max(nb for _, _, nb in schedule)
+    schedule = [(0, i == 0, nb, i == len(cfg.bins_k) - 1) for i, nb in enumerate(cfg.bins_k)] + \
+               [(1, i == 0, nb, i == len(cfg.bins_p) - 1) for i, nb in enumerate(cfg.bins_p)]
+    nb_max = max(nb for _, _, nb, _ in schedule)        # (phase, first of phase, bins, last of phase)
     rounds = len(schedule)
     stats = torch.empty((rows, nchunk, 4), dtype=torch.float32, device=dev)           # max, sumexp, argmax, min
     parts = torch.empty((rows, nchunk, 2 * nb_max + 3), dtype=torch.float32, device=dev)  # bins, min, max, n
@@ -509,7 +521,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     _stats_kernel[grid](logits, temperature, stats, tickets, T, V, *strides, nchunk, rounds,
                         ROUNDS_PAD=triton.next_power_of_2(rounds), **common)
     unroll = (DECIDE_UNROLL, GATHER_UNROLL, PAIR_UNROLL) if cfg.unroll else (1, 1, 1)
-    for i, (phase, first, nb) in enumerate(schedule):
+    for i, (phase, first, nb, last) in enumerate(schedule):
         sub = cfg.cell // nb
         _round_kernel[grid](logits, temperature, top_k, top_p, out, stats, parts, stage, state, tickets,
                             T, V, *strides, nchunk, rounds, i,
@@ -517,7 +529,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                             SUB=sub, CB=sub, EXACT=cfg.exact, NCHUNK_PAD=nchunk_pad,
                             GB=max(1, min(cfg.exact, GATHER_TILE // nchunk_pad)), GJ=max(1, PAIR_TILE // cfg.exact),
                             UB=max(1, min(MAX_UNROLL, BIN_LOADS // sub)) if cfg.unroll else 1,
-                            UD=unroll[0] if nchunk_pad // sub > 2 else 1, UG=unroll[1], UJ=unroll[2], **common)
+                            UD=unroll[0] if nchunk_pad // sub > 2 else 1, UG=unroll[1], UJ=unroll[2],
+                            LAST=last, SCAN_MAX=cfg.scan_max, **common)
     _write_kernel[grid](logits, temperature, top_k, top_p, out, stats, state, T, V, *strides, nchunk,
                         NCHUNK_PAD=nchunk_pad, **common)
     return out
