@@ -15,7 +15,7 @@ OUT=${1:?usage: bash bench/device_sampling_ab.sh OUT_DIR COMMIT}
 export LINGC_COMMIT=${2:?usage: bash bench/device_sampling_ab.sh OUT_DIR COMMIT}
 source bench/device_site.sh
 fp() {  # $1 label, $2 the config's replaced fields (a Python dict literal)
-  timeout 100 python3 -c "
+  timeout 100 python3 -P -c "
 import dataclasses, runpy, sys
 import lingc.kernels.filtered_probs as F
 F.DEFAULT_CONFIG = dataclasses.replace(F.DEFAULT_CONFIG, **$2)
@@ -31,5 +31,5 @@ fp new "{}"
 fp old "{'unroll': False, 'scan_max': 1 << 30}"
 fp new2 "{}"
 timeout 330 python3 bench/device_step.py --only all --no-parity --variant 'base:' \
-  --variant 'old:lingc.kernels.filtered_probs.DEFAULT_CONFIG={"unroll": false, "scan_max": 1073741824}' \
+  --variant 'old:lingc.kernels.filtered_probs.DEFAULT_CONFIG={"unroll": False, "scan_max": 1073741824}' \
   --variant 'base2:' --json "$OUT/ab.json" 2>&1 | grep -v Warning | grep "^all"
