@@ -31,16 +31,19 @@ token (kept: the score strictly ahead of it is S(hi) < target) or all bracket to
 finish: once the chosen bin holds <= `exact` tokens (default 512), the deciding program gathers them from
 the slices, gives each the score of the gathered tokens strictly greater than it (pairwise) plus S(hi), and
 keeps exactly those whose score ahead stays below the target. The gather scans every slice's compacted
-bracket tokens, so before the phase's last round it runs only where no slice compacted more than `scan_max`
-(64) this round; else the bin is binned once more (in a phase's first round every slice compacted its whole
-chunk: top-k 50's bin of ~40 tokens took a 2048-token scan a slice, ~500 us a call on the H200). Kept set: {x >= lo}, normaliser
+bracket tokens, one program alone, so before the phase's last round it runs only where no slice compacted
+more than `scan_max` (512) this round; else the bin is binned once more. In a phase's first round every slice
+compacts its whole chunk: without the gate top-k 50's first-round bin of ~40 tokens cost a 2048-token scan a
+slice (H200, 2026-12-06: top-k 50 + top-p 0.9 531 us a call against 171 with the gate at 64 and unrolled loops,
+since removed as slower; the gate at 512 alone is untimed; bench/results/kernel-filtered-probs-h200-20261206-ab.json). Kept set: {x >= lo}, normaliser
 Z_final = mass(x >= lo), both in the row state. Top-p starts from the top-k threshold, so the kept set is
 top-k, then top-p. Each program first compacts its bracket tokens into its own slice of the output row
 (scratch until the write kernel), so the NB-wide one-hot work after the first round of a phase scales with
 the bracket, not the slice. The first round of a phase uses few bins (it sees every token), later ones many.
-Default rounds: top-k (32, 256), top-p (32, 256, 256) bins. Top-k 50 or LM-like top-p resolve in round 2
-(the crossing bin near the max holds <= 512 tokens, finished next round); flat rows (top-p 0.9 keeping ~60% of a 157k
-vocabulary, top-k in the bulk) in round 2 (the bracket shrinks ~20x, then ~250x, then is finished exactly);
+Default rounds: top-k (32, 256), top-p (32, 256, 256) bins. Top-k 50 resolves in round 2 (the crossing bin
+near the max holds <= 512 tokens; its gather waits a round), LM-like top-p in round 1 or 2; flat rows (top-p
+0.9 keeping ~60% of a 157k vocabulary, top-k in the bulk) in round 2 (the bracket shrinks ~20x, then ~250x,
+then is finished exactly);
 the third top-p round only serves a bulk much narrower than the row's range (e.g. one far outlier).
 Cross-program step: each program stores its per-bin partials, then takes a ticket (an acq_rel atomic after a
 CTA barrier, as in kernels/linear.py); the program that draws the last one sums the partials in slice order
@@ -71,7 +74,6 @@ load and `gdc_launch_dependents()` after its last load of the logits. With PDL o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -87,23 +89,6 @@ STATE_FIELDS = tl.constexpr(8)      # per row and phase: lo, hi, cnt_hi, mass_hi
 TINY = tl.constexpr(1e-30)          # smallest top-p target: top_p <= 0 keeps the top token
 GATHER_TILE = 1024                  # exact finish: [slices, GB] gather tile, then [exact, GJ] pairwise tile
 PAIR_TILE = 2048                    # (small tiles keep the round kernel at <= ~160 registers, no spills)
-# Loads in flight per loop step (FilteredProbsConfig.unroll). Each of the round kernel's four loops (the binning
-# of a slice's compacted bracket, the deciding program's sum of the slices' bin partials, the exact finish's gather
-# and its pairwise scores) re-reads L2 a tile at a time, and a step waited for its load before the next was issued:
-# on the H200 a sampled row's call took 187 us (top-p 0.9, flat logits; 127 peaked, 532 with top-k 50), ~190 us a
-# call in a sampled NEXTN step (bench/results/launches-sampled-h200-20261206.json: 777 of the draft's 1535 us).
-# Unrolled, a step issues U independent tile loads first, then runs the U tiles' arithmetic in the original order,
-# so every sum is added in the same order as before: the same bits (tests/kernels/test_filtered_probs.py compares
-# unroll on and off). U: the binning loads BIN_LOADS elements a step (at most MAX_UNROLL tiles), the decide loop
-# DECIDE_UNROLL blocks where it has more than two steps (its [CB, NB] blocks are the big ones), the gather
-# GATHER_UNROLL tiles, the pairwise scores PAIR_UNROLL chunks. ptxas for sm_90 (bench/kernel_resources.py's
-# compile, the default config): the round kernel takes 199 registers at 32 bins and 225 at 256, no spills (146 / 157
-# with one load a step); 512 binning loads a step or gather tiles of 16 columns reach 255 and spill.
-BIN_LOADS = 256
-MAX_UNROLL = 16
-DECIDE_UNROLL = 2
-GATHER_UNROLL = 2
-PAIR_UNROLL = 4
 
 
 @dataclass(frozen=True)
@@ -112,18 +97,16 @@ class FilteredProbsConfig:
     chunk: elements per program (power of two). bins_k / bins_p: bins per top-k / top-p round (powers of two;
     the first round of a phase sees every token, so keep it small). cell: one-hot tile size (elements).
     exact: largest bracket (tokens) finished exactly by the deciding program (power of two).
-    unroll: several tile loads in flight a loop step (BIN_LOADS and the *_UNROLL constants; the same bits).
-    scan_max: the exact finish gathers its tokens by scanning every slice's compacted bracket, one program alone:
-    before the phase's last round it runs only where no slice compacted more than scan_max tokens this round,
-    else the chosen bin is binned again next round (module docstring, "Exact finish")."""
+    scan_max: the exact finish's gather scans every slice's compacted bracket in one program, so before the
+    phase's last round it runs only where no slice compacted more than scan_max tokens this round (module
+    docstring, "Exact finish")."""
     chunk: int = 2048
     num_warps: int = 4
     bins_k: tuple[int, ...] = (32, 256)
     bins_p: tuple[int, ...] = (32, 256, 256)
     cell: int = 2048
     exact: int = 512
-    unroll: bool = True       # False: one tile load a loop step (the kernel before the unrolling; same bits)
-    scan_max: int = 64        # an exact finish before the phase's last round only if no slice holds more bracket tokens
+    scan_max: int = 512       # an exact finish before the phase's last round only if no slice holds more bracket tokens
 
     def check(self) -> None:
         bins = self.bins_k + self.bins_p
@@ -134,7 +117,7 @@ class FilteredProbsConfig:
             raise ValueError(f"filtered_probs: cell {self.cell} is smaller than the largest bin count")
 
 
-DEFAULT_CONFIG = FilteredProbsConfig(unroll=os.environ.get("LINGC_FILTERED_PROBS_UNROLL", "1") == "1")
+DEFAULT_CONFIG = FilteredProbsConfig()
 
 
 @triton.jit
@@ -210,7 +193,7 @@ def _pick(vec, idx, at):
 @triton.jit
 def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt_hi, mass_hi, target,
            PHASE: tl.constexpr, PSTRIDE: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr,
-           NCHUNK_PAD: tl.constexpr, GB: tl.constexpr, GJ: tl.constexpr, UG: tl.constexpr, UJ: tl.constexpr):
+           NCHUNK_PAD: tl.constexpr, GB: tl.constexpr, GJ: tl.constexpr):
     """Exact finish of the chosen bin [lo, hi) holding n <= EXACT tokens: gather them from every slice's
     compacted bracket tokens (in the output row's scratch) into one list, give each the score of the listed
     tokens strictly greater than it (pairwise, GJ at a time) plus the score above hi, and keep those whose
@@ -224,40 +207,28 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
     first = tl.cumsum(nb, axis=0) - nb                                # each slice's place in the gathered list
     stage = stage_ptr + row * EXACT
     seen = tl.zeros([NCHUNK_PAD], tl.int32)
-    for i0 in range(0, tl.max(ns, axis=0), GB * UG):       # UG tiles' loads first, then each tile in order
-        tiles = ()
-        for u in tl.static_range(UG):
-            ii = i0 + u * GB + tl.arange(0, GB)
-            ok = (ii[None, :] < ns[:, None]) & cm[:, None]
-            tiles = tiles + (tl.load(scratch_ptr + cs[:, None] * CHUNK + ii[None, :], mask=ok, other=0.0,
-                                     cache_modifier=".cg"),)
-        for u in tl.static_range(UG):
-            ii = i0 + u * GB + tl.arange(0, GB)
-            ok = (ii[None, :] < ns[:, None]) & cm[:, None]
-            vals = tiles[u]
-            inbin = ok & (vals >= lo) & (vals < hi)
-            rank = seen[:, None] + tl.cumsum(inbin.to(tl.int32), axis=1) - 1
-            tl.store(stage + first[:, None] + rank, vals, mask=inbin & (rank < nb[:, None]))
-            seen += tl.sum(inbin.to(tl.int32), axis=1)
+    for i0 in range(0, tl.max(ns, axis=0), GB):
+        ii = i0 + tl.arange(0, GB)
+        ok = (ii[None, :] < ns[:, None]) & cm[:, None]
+        vals = tl.load(scratch_ptr + cs[:, None] * CHUNK + ii[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        inbin = ok & (vals >= lo) & (vals < hi)
+        rank = seen[:, None] + tl.cumsum(inbin.to(tl.int32), axis=1) - 1
+        tl.store(stage + first[:, None] + rank, vals, mask=inbin & (rank < nb[:, None]))
+        seen += tl.sum(inbin.to(tl.int32), axis=1)
     tl.debug_barrier()
     pos = tl.arange(0, EXACT)
     live = pos < n
     xa = tl.load(stage + pos, mask=live, other=float("-inf"), cache_modifier=".cg")
     ahead = tl.zeros([EXACT], tl.float32)
-    for q0 in range(0, n.to(tl.int32), GJ * UJ):           # UJ chunks' loads first, then each chunk in order
-        chunks = ()
-        for u in tl.static_range(UJ):
-            qq = q0 + u * GJ + tl.arange(0, GJ)
-            chunks = chunks + (tl.load(stage + qq, mask=qq < n, other=float("-inf"), cache_modifier=".cg"),)
-        for u in tl.static_range(UJ):
-            qq = q0 + u * GJ + tl.arange(0, GJ)
-            lq = qq < n
-            xb = chunks[u]
-            if PHASE == 0:
-                sb = lq.to(tl.float32)
-            else:
-                sb = tl.where(lq, tl.exp(xb - m), 0.0)
-            ahead += tl.sum(tl.where(xb[None, :] > xa[:, None], sb[None, :], 0.0), axis=1)
+    for q0 in range(0, n.to(tl.int32), GJ):
+        qq = q0 + tl.arange(0, GJ)
+        lq = qq < n
+        xb = tl.load(stage + qq, mask=lq, other=float("-inf"), cache_modifier=".cg")
+        if PHASE == 0:
+            sb = lq.to(tl.float32)
+        else:
+            sb = tl.where(lq, tl.exp(xb - m), 0.0)
+        ahead += tl.sum(tl.where(xb[None, :] > xa[:, None], sb[None, :], 0.0), axis=1)
     if PHASE == 0:
         ahead += cnt_hi
     else:
@@ -273,8 +244,7 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
 def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
             PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, NB_MAX: tl.constexpr,
             CB: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr,
-            GB: tl.constexpr, GJ: tl.constexpr, UD: tl.constexpr, UG: tl.constexpr, UJ: tl.constexpr,
-            LAST: tl.constexpr, SCAN_MAX: tl.constexpr):
+            GB: tl.constexpr, GJ: tl.constexpr, LAST: tl.constexpr, SCAN_MAX: tl.constexpr):
     """Last program of the row: sum the slices' bin partials in slice order, pick the bin holding the
     crossing of the target and store the row's next bracket (module docstring); a bracket of <= EXACT
     tokens is finished exactly instead (`_exact`), where its gather is short (no slice compacted more than
@@ -284,17 +254,12 @@ def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step
     desc = NB - 1 - r                                             # position r holds bin NB-1-r (descending)
     cnt = tl.zeros([NB], tl.float32)
     mass = tl.zeros([NB], tl.float32)
-    for c0 in range(0, NCHUNK, CB * UD):                    # UD blocks' loads first, then each block in order
-        blocks = ()
-        for u in tl.static_range(UD):
-            cs = c0 + u * CB + tl.arange(0, CB)
-            pb = parts_ptr + (row * NCHUNK + cs[:, None]) * PSTRIDE + desc[None, :]
-            cm = (cs < NCHUNK)[:, None]
-            blocks = blocks + ((tl.load(pb, mask=cm, other=0.0, cache_modifier=".cg"),
-                                tl.load(pb + NB_MAX, mask=cm, other=0.0, cache_modifier=".cg")),)
-        for u in tl.static_range(UD):
-            cnt += tl.sum(blocks[u][0], axis=0)
-            mass += tl.sum(blocks[u][1], axis=0)
+    for c0 in range(0, NCHUNK, CB):
+        cs = c0 + tl.arange(0, CB)
+        pb = parts_ptr + (row * NCHUNK + cs[:, None]) * PSTRIDE + desc[None, :]
+        cm = (cs < NCHUNK)[:, None]
+        cnt += tl.sum(tl.load(pb, mask=cm, other=0.0, cache_modifier=".cg"), axis=0)
+        mass += tl.sum(tl.load(pb + NB_MAX, mask=cm, other=0.0, cache_modifier=".cg"), axis=0)
     cs = tl.arange(0, NCHUNK_PAD)
     eb = parts_ptr + (row * NCHUNK + cs) * PSTRIDE + 2 * NB_MAX
     bmin = tl.min(tl.load(eb, mask=cs < NCHUNK, other=float("inf"), cache_modifier=".cg"), axis=0)
@@ -337,7 +302,7 @@ def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step
     if (n <= EXACT) & (resolved == 0) & (LAST | (ns_max <= SCAN_MAX)):
         new_lo, mass_lo, cnt_lo = _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, new_lo, new_hi, n, m,
                                          new_cnt_hi, new_mass_hi, target, PHASE, PSTRIDE, CHUNK, EXACT,
-                                         NCHUNK_PAD, GB, GJ, UG, UJ)
+                                         NCHUNK_PAD, GB, GJ)
         resolved = n >= 0.0
     tl.store(st_ptr + 0, new_lo)
     tl.store(st_ptr + 1, new_hi)
@@ -355,8 +320,7 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
                   PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr,
                   NB_MAX: tl.constexpr, SUB: tl.constexpr, CB: tl.constexpr, CHUNK: tl.constexpr,
                   EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr, GB: tl.constexpr, GJ: tl.constexpr,
-                  UB: tl.constexpr, UD: tl.constexpr, UG: tl.constexpr, UJ: tl.constexpr, LAST: tl.constexpr,
-                  SCAN_MAX: tl.constexpr, PDL: tl.constexpr):
+                  LAST: tl.constexpr, SCAN_MAX: tl.constexpr, PDL: tl.constexpr):
     """One bisection round (NB bins) of phase PHASE (0 top-k, 1 top-p) for every row that is searching."""
     PSTRIDE: tl.constexpr = 2 * NB_MAX + 3
     c = tl.program_id(0)
@@ -407,23 +371,18 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
         bins = tl.arange(0, NB)
         cnt2 = tl.zeros([SUB, NB], tl.float32)
         mass2 = tl.zeros([SUB, NB], tl.float32)
-        for s0 in range(0, n, SUB * UB):                     # UB tiles' loads first, then each tile in order
-            tiles = ()
-            for u in tl.static_range(UB):
-                so = s0 + u * SUB + tl.arange(0, SUB)
-                tiles = tiles + (tl.load(scratch + so, mask=so < n, other=float("-inf"), cache_modifier=".cg"),)
-            for u in tl.static_range(UB):
-                so = s0 + u * SUB + tl.arange(0, SUB)
-                sm = so < n
-                xs = tiles[u]
-                w = tl.exp(xs - m)
-                j = tl.zeros([SUB], tl.int32)
-                for i in tl.static_range(LOG2NB):                # largest j with x >= t(j), t(j) monotone
-                    cand = j + (1 << (LOG2NB - 1 - i))
-                    j = tl.where(xs >= tl.fma(cand.to(tl.float32), step, lo), cand, j)
-                hot = (j[:, None] == bins[None, :]) & sm[:, None]
-                cnt2 += hot.to(tl.float32)
-                mass2 += tl.where(hot, w[:, None], 0.0)
+        for s0 in range(0, n, SUB):
+            so = s0 + tl.arange(0, SUB)
+            sm = so < n
+            xs = tl.load(scratch + so, mask=sm, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp(xs - m)
+            j = tl.zeros([SUB], tl.int32)
+            for i in tl.static_range(LOG2NB):                    # largest j with x >= t(j), t(j) monotone
+                cand = j + (1 << (LOG2NB - 1 - i))
+                j = tl.where(xs >= tl.fma(cand.to(tl.float32), step, lo), cand, j)
+            hot = (j[:, None] == bins[None, :]) & sm[:, None]
+            cnt2 += hot.to(tl.float32)
+            mass2 += tl.where(hot, w[:, None], 0.0)
         pb = parts_ptr + (row * NCHUNK + c) * PSTRIDE
         tl.store(pb + bins, tl.sum(cnt2, axis=0))
         tl.store(pb + NB_MAX + bins, tl.sum(mass2, axis=0))
@@ -434,7 +393,7 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
         ticket = tl.atomic_add(ticket_ptr + row * ROUNDS + ROUND, 1, sem="acq_rel", scope="gpu")
         if ticket == NCHUNK - 1:
             _decide(parts_ptr, row_scratch, stage_ptr, st, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
-                    PHASE, FIRST, NB, NB_MAX, CB, CHUNK, EXACT, NCHUNK_PAD, GB, GJ, UD, UG, UJ, LAST, SCAN_MAX)
+                    PHASE, FIRST, NB, NB_MAX, CB, CHUNK, EXACT, NCHUNK_PAD, GB, GJ, LAST, SCAN_MAX)
 
 
 @triton.jit
@@ -520,16 +479,12 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     strides = (logits.stride(0), logits.stride(1))
     _stats_kernel[grid](logits, temperature, stats, tickets, T, V, *strides, nchunk, rounds,
                         ROUNDS_PAD=triton.next_power_of_2(rounds), **common)
-    unroll = (DECIDE_UNROLL, GATHER_UNROLL, PAIR_UNROLL) if cfg.unroll else (1, 1, 1)
     for i, (phase, first, nb, last) in enumerate(schedule):
-        sub = cfg.cell // nb
         _round_kernel[grid](logits, temperature, top_k, top_p, out, stats, parts, stage, state, tickets,
                             T, V, *strides, nchunk, rounds, i,
                             PHASE=phase, FIRST=first, NB=nb, LOG2NB=nb.bit_length() - 1, NB_MAX=nb_max,
-                            SUB=sub, CB=sub, EXACT=cfg.exact, NCHUNK_PAD=nchunk_pad,
+                            SUB=cfg.cell // nb, CB=cfg.cell // nb, EXACT=cfg.exact, NCHUNK_PAD=nchunk_pad,
                             GB=max(1, min(cfg.exact, GATHER_TILE // nchunk_pad)), GJ=max(1, PAIR_TILE // cfg.exact),
-                            UB=max(1, min(MAX_UNROLL, BIN_LOADS // sub)) if cfg.unroll else 1,
-                            UD=unroll[0] if nchunk_pad // sub > 2 else 1, UG=unroll[1], UJ=unroll[2],
                             LAST=last, SCAN_MAX=cfg.scan_max, **common)
     _write_kernel[grid](logits, temperature, top_k, top_p, out, stats, state, T, V, *strides, nchunk,
                         NCHUNK_PAD=nchunk_pad, **common)
