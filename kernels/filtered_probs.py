@@ -34,8 +34,9 @@ keeps exactly those whose score ahead stays below the target. The gather scans e
 bracket tokens, one program alone, so before the phase's last round it runs only where no slice compacted
 more than `scan_max` (512) this round; else the bin is binned once more. In a phase's first round every slice
 compacts its whole chunk: without the gate top-k 50's first-round bin of ~40 tokens cost a 2048-token scan a
-slice (H200, 2026-12-06: top-k 50 + top-p 0.9 531 us a call against 171 with the gate at 64 and unrolled loops,
-since removed as slower; the gate at 512 alone is untimed; bench/results/kernel-filtered-probs-h200-20261206-ab.json). Kept set: {x >= lo}, normaliser
+slice (H200, 2026-12-06: top-k 50 + top-p 0.9 531 us a call against 171 with the gate at 64 and unrolled
+loops, since removed as slower; the gate at 512 alone is untimed;
+bench/results/kernel-filtered-probs-h200-20261206-ab.json). Kept set: {x >= lo}, normaliser
 Z_final = mass(x >= lo), both in the row state. Top-p starts from the top-k threshold, so the kept set is
 top-k, then top-p. Each program first compacts its bracket tokens into its own slice of the output row
 (scratch until the write kernel), so the NB-wide one-hot work after the first round of a phase scales with
