@@ -8,7 +8,11 @@ cudaProfilerStart / Stop so that ncu sees only the timed launches and not the Tr
 
 Targets: mla1 / mla6 (mla_attention's four kernels at 1 and 6 queries, 8192 rows), kda1 / kda6 (kda_fused_decode,
 kda_fused_verify), moe1 (moe_up_act aligned at one token), moe6 (moe_up_act_pairs at 6 tokens), o_proj1 / qkv1 (the
-skinny GEMM at one row: 2048 -> 1536 and 1536 -> 10256). `bench/device_ncu.sh` runs them all and writes one CSV per
+skinny GEMM at one row: 2048 -> 1536 and 1536 -> 10256), and filtered_probs at V = 157184 in
+bench/kernel_filtered_probs.py's modes: fp_peaked1 (top-p 0.9, peaked logits), fp_flat1 / fp_flat6 (top-p 0.9, flat,
+1 and 6 rows), fp_k50p1 (top-k 50 + top-p 0.9). A filtered_probs call is 7 launches of 3 kernels (stats, 5 threshold
+rounds, write), so for the fp_* targets `summarise` keeps every launch of the last call, in order ("0:_stats_kernel",
+"1:_round_kernel", ...): which round takes the time. `bench/device_ncu.sh` runs them all and writes one CSV per
 target; `summarise` turns the CSVs into one JSON table (duration, throughputs, the top warp stalls per kernel).
 Not a speed measurement (ncu replays each kernel with its caches flushed and its clocks left alone): a map of
 stalls, for choosing what to change.
@@ -24,7 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPEATS = 3
-TARGETS = ("mla1", "mla6", "kda1", "kda6", "moe1", "moe6", "o_proj1", "qkv1")
+TARGETS = ("mla1", "mla6", "kda1", "kda6", "moe1", "moe6", "o_proj1", "qkv1", "fp_peaked1", "fp_flat1", "fp_flat6",
+           "fp_k50p1")
+FP_MODES = {"fp_peaked1": ("top_p0.9_peaked", 1), "fp_flat1": ("top_p0.9_flat", 1), "fp_flat6": ("top_p0.9_flat", 6),
+            "fp_k50p1": ("top_k50_top_p0.9", 1)}
+FP_LAUNCHES = 7                    # a filtered_probs call: stats, 5 rounds (the default bins), write
 
 
 def _mla(T: int) -> list:
@@ -68,6 +76,17 @@ def _linear(K: int, N: int) -> list:
     return [lambda w=w: linear(x, w) for w in ws]
 
 
+def _filtered(mode: str, T: int) -> list:
+    import torch
+    import kernel_filtered_probs as KF
+    from lingc.kernels.filtered_probs import filtered_probs
+    dev = torch.device("cuda")
+    temp, k, p, scale = KF._params(mode, dev)
+    g = torch.Generator(device=dev).manual_seed(T)
+    xs = [torch.randn(1, T, KF.VOCAB, device=dev, generator=g) * scale for _ in range(4)]
+    return [lambda x=x: filtered_probs(x, temp, k, p) for x in xs]
+
+
 def calls(target: str) -> list:
     if target not in TARGETS:
         raise SystemExit(f"device_ncu: unknown target {target!r}; choose from {', '.join(TARGETS)}")
@@ -77,6 +96,8 @@ def calls(target: str) -> list:
         return _kda(int(target[3:]))
     if target.startswith("moe"):
         return _moe(int(target[3:]))
+    if target in FP_MODES:
+        return _filtered(*FP_MODES[target])
     return _linear(2048, 1536) if target == "o_proj1" else _linear(1536, 10256)
 
 
@@ -100,14 +121,22 @@ KEEP = ("Duration", "Memory Throughput", "DRAM Throughput", "L2 Cache Throughput
 
 def summarise(csv_dir: str, out: str) -> None:
     """The CSVs of `ncu --csv --page details` (one per target) as one JSON: per target and kernel (the last
-    profiled launch of each name), the KEEP metrics and the five largest 'Stall *' warp states."""
+    profiled launch of each name; for the fp_* targets every launch of the last call, numbered in order), the KEEP
+    metrics and the five largest 'Stall *' warp states."""
     table = {}
     for path in sorted(Path(csv_dir).glob("*.csv")):
         text = path.read_text(errors="replace")
         lines = text[text.find('"ID"'):].splitlines() if '"ID"' in text else []
+        rows = list(csv.DictReader(lines))
+        ids = sorted({int(r["ID"]) for r in rows if r.get("ID", "").isdigit()})
+        last_call = {i: n for n, i in enumerate(ids[-FP_LAUNCHES:])} if path.stem in FP_MODES else {}
         kernels: dict[str, dict] = {}
-        for row in csv.DictReader(lines):
+        for row in rows:
             name = row.get("Kernel Name", "?").split("(")[0]
+            if path.stem in FP_MODES:
+                if not row.get("ID", "").isdigit() or int(row["ID"]) not in last_call:
+                    continue
+                name = f"{last_call[int(row['ID'])]}:{name}"
             k = kernels.setdefault(name, {})
             metric, value = row.get("Metric Name", ""), row.get("Metric Value", "")
             if metric in KEEP or metric.startswith("Stall "):

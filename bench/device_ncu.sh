@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Nsight Compute over lingc's heaviest step kernels on the H200 (bench/device_ncu.py): per target one CSV of
 # SpeedOfLight / WarpStateStats / LaunchStats / Occupancy, a JSON summary, and for the MLA split, the fused KDA
-# verify kernel and decode's MoE up GEMM the per-SASS-instruction stall samples (--page source).
+# verify kernel, decode's MoE up GEMM and filtered_probs' second top-p round (flat logits) the per-SASS-instruction
+# stall samples (--page source).
 #
-#   bash bench/device_ncu.sh OUT_DIR [targets...]      # about 3 minutes for all targets
+#   bash bench/device_ncu.sh OUT_DIR [targets...]      # about 3 minutes for the default targets
+#   bash bench/device_ncu.sh OUT_DIR fp_peaked1 fp_flat1 fp_flat6 fp_k50p1    # filtered_probs, launch by launch
 #
 # Run from the repository root on the device (ncu reads the counters on the Firecracker H200 machines).
 set -u
@@ -22,10 +24,14 @@ for t in $TARGETS; do
     --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
     python3 bench/device_ncu.py "$t" > "$OUT/csv/$t.csv" 2> "/tmp/ncu/$t.err" || tail -5 "/tmp/ncu/$t.err"
 done
-for spec in "mla6:_split_kernel" "kda6:_kda_(fused|gluon)_kernel" "kda1:_kda_(fused|gluon)_kernel" "moe1:_moe"; do
-  t=${spec%%:*}; k=${spec#*:}
+# TARGET:KERNEL_REGEX[:SKIP]: the first matching launch after SKIP of them (fp_flat1's fourth round kernel is top-p's
+# second round, the one holding its exact finish)
+for spec in "mla6:_split_kernel" "kda6:_kda_(fused|gluon)_kernel" "kda1:_kda_(fused|gluon)_kernel" "moe1:_moe" \
+            "fp_flat1:_round_kernel:3"; do
+  t=${spec%%:*}; k=${spec#*:}; skip=0
+  case $k in *:*) skip=${k#*:}; k=${k%%:*};; esac
   case " $TARGETS " in *" $t "*) ;; *) continue;; esac
-  timeout 150 "${NCU[@]}" --set full --import-source no -k "regex:$k" -c 1 -f -o "/tmp/ncu/$t" \
+  timeout 150 "${NCU[@]}" --set full --import-source no -k "regex:$k" -s "$skip" -c 1 -f -o "/tmp/ncu/$t" \
     python3 bench/device_ncu.py "$t" > /dev/null 2> "/tmp/ncu/$t.full.err" || tail -5 "/tmp/ncu/$t.full.err"
   ncu -i "/tmp/ncu/$t.ncu-rep" --page source --csv --print-source sass > "$OUT/csv/${t}_sass.txt" 2>&1
 done
