@@ -298,9 +298,12 @@ def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step
         resolved = resolved | keep_all
     mass_lo = new_mass_hi + tl.where(keep_all, tl.sum(mass, axis=0), _pick(mass, r, r0))
     cnt_lo = new_cnt_hi + n
-    ns_max = tl.max(tl.load(parts_ptr + (row * NCHUNK + cs) * PSTRIDE + PSTRIDE - 1, mask=cs < NCHUNK, other=0.0,
-                            cache_modifier=".cg"), axis=0)          # the gather's longest slice
-    if (n <= EXACT) & (resolved == 0) & (LAST | (ns_max <= SCAN_MAX)):
+    finish = (n <= EXACT) & (resolved == 0)
+    if not LAST:                                                  # the gather's longest slice, read only if needed
+        if finish:
+            finish = tl.max(tl.load(parts_ptr + (row * NCHUNK + cs) * PSTRIDE + PSTRIDE - 1, mask=cs < NCHUNK,
+                                    other=0.0, cache_modifier=".cg"), axis=0) <= SCAN_MAX
+    if finish:
         new_lo, mass_lo, cnt_lo = _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, new_lo, new_hi, n, m,
                                          new_cnt_hi, new_mass_hi, target, PHASE, PSTRIDE, CHUNK, EXACT,
                                          NCHUNK_PAD, GB, GJ)
