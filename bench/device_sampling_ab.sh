@@ -3,8 +3,8 @@
 # sampling-kernel change against the code before it, in one process each.
 # 1. bench/kernel_filtered_probs.py's modes (greedy, plain, top-p 0.9 peaked / flat, top-k 50 + top-p 0.9; T = 1 and
 #    6) with the default config ("new"), without the scan_max gate on the exact finish ("old", the kernel of
-#    2026-11-30): OUT_DIR/fp-{new,old}.jsonl, one line a mode. The first run has 200 s (on a cold machine it spends
-#    most of them compiling: the 2026-12-06 call lost a 100 s run so), the second 100
+#    2026-11-30): OUT_DIR/fp-{new,old}.jsonl, one line a mode. The first run has 180 s (on a cold machine it spends
+#    most of them compiling: the 2026-12-06 call lost a 100 s run so), the second 90, the step A/B 300: 570 s in all
 # 2. the step A/B (OUT_DIR/ab.json): device_step.py --only all --no-parity, rows base / old / base2, whose
 #    nextn_sampled times are the general graphs replayed for a sampled request (temperature 0.8, top-p 0.95)
 #
@@ -28,8 +28,8 @@ for line in open('$OUT/fp-$1.jsonl'):
     d = json.loads(line)
     print('$1', d['shape'][1], d['mode'], 'ok' if d['ok'] else 'BAD', round(d['time_us'], 1))"
 }
-fp new "{}" 200
-fp old "{'scan_max': 1 << 30}" 100
-timeout 330 python3 bench/device_step.py --only all --no-parity --variant 'base:' \
+fp new "{}" 180
+fp old "{'scan_max': 1 << 30}" 90
+timeout 300 python3 bench/device_step.py --only all --no-parity --variant 'base:' \
   --variant 'old:lingc.kernels.filtered_probs.DEFAULT_CONFIG={"scan_max": 1073741824}' \
   --variant 'base2:' --json "$OUT/ab.json" 2>&1 | grep -v Warning | grep "^all"
