@@ -17,7 +17,12 @@ Times (bench/timing.py): the kernel (all its launches; PDL on, and off) and the 
 in a CUDA graph over `cold_copies` distinct logits tensors. bytes = logits read once + probs written once
 (the HBM floor; the threshold rounds re-read L2-resident logits).
 
-    python3 bench/kernel_filtered_probs.py [--sweep]     (JSON lines; --sweep also times a few configs)
+With --coarse each row also prices the coarse distribution a draft could sample from (COARSE: one round a phase,
+no exact finish, the crossing bin kept whole; speculative sampling stays exact for any draft distribution):
+coarse_time_us, coarse_kept, and coarse_accept = sum(min(p, q)), a drafted token's chance to pass the acceptance
+test against the exact p (1 would be drafting from p itself).
+
+    python3 bench/kernel_filtered_probs.py [--sweep] [--coarse]  (JSON lines; --sweep also times a few configs)
 """
 
 from __future__ import annotations
@@ -117,8 +122,31 @@ def _time(mode: str, t: int, device: torch.device, config=None) -> dict:
     return row
 
 
-def run(device: torch.device) -> list[dict]:
-    """One row per (mode, T): correctness vs the reference and float64, PDL on == off, kernel vs reference time."""
+COARSE = dict(bins_k=(32,), bins_p=(32,), finish=False)   # one round a phase, the crossing bin kept whole
+
+
+def _coarse(mode: str, t: int, device: torch.device) -> dict:
+    """The coarse distribution q (COARSE: what a draft could sample from) against the exact p on the same logits:
+    kept tokens, acceptance sum(min(p, q)) per row (a drafted token's chance to pass speculative sampling's test,
+    mean over rows; 1 = as good as drafting from p itself), q's mass outside p's support, and q's time."""
+    from lingc.kernels.filtered_probs import FilteredProbsConfig, filtered_probs
+
+    cfg = FilteredProbsConfig(**COARSE)
+    temp, k, p, scale = _params(mode, device)
+    g = torch.Generator(device=device).manual_seed(1000 * t + len(mode))
+    logits = torch.randn(1, t, VOCAB, device=device, generator=g) * scale
+    q = filtered_probs(logits, temp, k, p, config=cfg)
+    want = filtered_probs(logits, temp, k, p)
+    row = {"coarse_kept": int((q > 0).sum()),
+           "coarse_accept": float(torch.minimum(want, q).sum(-1).mean()),
+           "coarse_mass_outside": float(q.masked_fill(want > 0, 0.0).sum(-1).mean())}
+    row.update({f"coarse_{key}": v for key, v in _time(mode, t, device, config=cfg).items()})
+    return row
+
+
+def run(device: torch.device, coarse: bool = False) -> list[dict]:
+    """One row per (mode, T): correctness vs the reference and float64, PDL on == off, kernel vs reference time;
+    with `coarse`, the COARSE distribution's acceptance against the exact one and its time too."""
     rows = []
     for t in ROWS_T:
         for mode in MODES:
@@ -126,6 +154,8 @@ def run(device: torch.device) -> list[dict]:
             try:
                 row.update(_check(mode, t, device))
                 row.update(_time(mode, t, device))
+                if coarse:
+                    row.update(_coarse(mode, t, device))
             except Exception as exc:  # keep the other rows; the error is the result
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
             rows.append(row)
@@ -165,7 +195,9 @@ def sweep(device: torch.device) -> list[dict]:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sweep", action="store_true", help="also time a few tunable sets")
+    ap.add_argument("--coarse", action="store_true",
+                    help="also price the coarse distribution (COARSE: no exact finish, one round a phase)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    for r in run(dev) + (sweep(dev) if args.sweep else []):
+    for r in run(dev, args.coarse) + (sweep(dev) if args.sweep else []):
         print(json.dumps(r), flush=True)

@@ -100,7 +100,11 @@ class FilteredProbsConfig:
     exact: largest bracket (tokens) finished exactly by the deciding program (power of two).
     scan_max: the exact finish's gather scans every slice's compacted bracket in one program, so before the
     phase's last round it runs only where no slice compacted more than scan_max tokens this round (module
-    docstring, "Exact finish")."""
+    docstring, "Exact finish").
+    finish: False drops the exact finish: a filter's threshold is then the lower edge of its last round's
+    crossing bin, so the kept set is a superset of the filter's (the whole bin kept) and the distribution a coarse
+    one. A draft may sample from such a distribution (speculative sampling stays exact for any draft distribution
+    it both samples from and relays); no graph uses it yet: `bench/kernel_filtered_probs.py --coarse` prices it."""
     chunk: int = 2048
     num_warps: int = 4
     bins_k: tuple[int, ...] = (32, 256)
@@ -108,6 +112,7 @@ class FilteredProbsConfig:
     cell: int = 2048
     exact: int = 512
     scan_max: int = 512       # an exact finish before the phase's last round only if no slice holds more bracket tokens
+    finish: bool = True       # False: no exact finish (the last round's crossing bin kept whole)
 
     def check(self) -> None:
         bins = self.bins_k + self.bins_p
@@ -245,11 +250,12 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
 def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
             PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, NB_MAX: tl.constexpr,
             CB: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr,
-            GB: tl.constexpr, GJ: tl.constexpr, LAST: tl.constexpr, SCAN_MAX: tl.constexpr):
+            GB: tl.constexpr, GJ: tl.constexpr, LAST: tl.constexpr, SCAN_MAX: tl.constexpr,
+            FINISH: tl.constexpr):
     """Last program of the row: sum the slices' bin partials in slice order, pick the bin holding the
     crossing of the target and store the row's next bracket (module docstring); a bracket of <= EXACT
     tokens is finished exactly instead (`_exact`), where its gather is short (no slice compacted more than
-    SCAN_MAX bracket tokens this round) or no round of the phase is left (LAST)."""
+    SCAN_MAX bracket tokens this round) or no round of the phase is left (LAST); never without FINISH."""
     PSTRIDE: tl.constexpr = 2 * NB_MAX + 3
     r = tl.arange(0, NB)
     desc = NB - 1 - r                                             # position r holds bin NB-1-r (descending)
@@ -298,7 +304,7 @@ def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step
         resolved = resolved | keep_all
     mass_lo = new_mass_hi + tl.where(keep_all, tl.sum(mass, axis=0), _pick(mass, r, r0))
     cnt_lo = new_cnt_hi + n
-    finish = (n <= EXACT) & (resolved == 0)
+    finish = (n <= EXACT) & (resolved == 0) & FINISH
     if not LAST:                                                  # the gather's longest slice, read only if needed
         if finish:
             finish = tl.max(tl.load(parts_ptr + (row * NCHUNK + cs) * PSTRIDE + PSTRIDE - 1, mask=cs < NCHUNK,
@@ -324,7 +330,7 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
                   PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr,
                   NB_MAX: tl.constexpr, SUB: tl.constexpr, CB: tl.constexpr, CHUNK: tl.constexpr,
                   EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr, GB: tl.constexpr, GJ: tl.constexpr,
-                  LAST: tl.constexpr, SCAN_MAX: tl.constexpr, PDL: tl.constexpr):
+                  LAST: tl.constexpr, SCAN_MAX: tl.constexpr, FINISH: tl.constexpr, PDL: tl.constexpr):
     """One bisection round (NB bins) of phase PHASE (0 top-k, 1 top-p) for every row that is searching."""
     PSTRIDE: tl.constexpr = 2 * NB_MAX + 3
     c = tl.program_id(0)
@@ -397,7 +403,7 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
         ticket = tl.atomic_add(ticket_ptr + row * ROUNDS + ROUND, 1, sem="acq_rel", scope="gpu")
         if ticket == NCHUNK - 1:
             _decide(parts_ptr, row_scratch, stage_ptr, st, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
-                    PHASE, FIRST, NB, NB_MAX, CB, CHUNK, EXACT, NCHUNK_PAD, GB, GJ, LAST, SCAN_MAX)
+                    PHASE, FIRST, NB, NB_MAX, CB, CHUNK, EXACT, NCHUNK_PAD, GB, GJ, LAST, SCAN_MAX, FINISH)
 
 
 @triton.jit
@@ -489,7 +495,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                             PHASE=phase, FIRST=first, NB=nb, LOG2NB=nb.bit_length() - 1, NB_MAX=nb_max,
                             SUB=cfg.cell // nb, CB=cfg.cell // nb, EXACT=cfg.exact, NCHUNK_PAD=nchunk_pad,
                             GB=max(1, min(cfg.exact, GATHER_TILE // nchunk_pad)), GJ=max(1, PAIR_TILE // cfg.exact),
-                            LAST=last, SCAN_MAX=cfg.scan_max, **common)
+                            LAST=last, SCAN_MAX=cfg.scan_max, FINISH=cfg.finish, **common)
     _write_kernel[grid](logits, temperature, top_k, top_p, out, stats, state, T, V, *strides, nchunk,
                         NCHUNK_PAD=nchunk_pad, **common)
     return out

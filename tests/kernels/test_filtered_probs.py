@@ -196,3 +196,20 @@ def test_exact_finish_waits_for_a_short_gather(assert_kernel_close: Callable) ->
     assert torch.equal(gated > 0, at_once > 0)
     torch.testing.assert_close(gated, at_once, rtol=1e-5, atol=1e-7)
     _check(gated, logits, temp, k, p, assert_kernel_close)
+
+
+def test_without_the_exact_finish_the_kept_set_is_a_superset() -> None:
+    """finish=False, one round a phase (the coarse distribution a draft may sample from): each filter keeps its last
+    round's whole crossing bin, so the kept set contains the exact one; greedy and plain rows are unchanged, every
+    row sums to 1, and kept values are the softmax renormalised over the kept set."""
+    coarse = FilteredProbsConfig(bins_k=(32,), bins_p=(32,), finish=False)
+    temp, k, p = _params([0.0, 0.8, 1.0, 0.8, 1.2], [0, 0, 0, 50, 7], [1.0, 1.0, 0.9, 0.9, 0.6])
+    logits = _logits(5, 2, 5000, torch.float32, seed=31)
+    got = filtered_probs(logits, temp, k, p, config=coarse)
+    exact = filtered_probs(logits, temp, k, p)
+    assert torch.equal(got[:2], exact[:2])                                             # greedy, plain
+    assert ((exact > 0) <= (got > 0)).all() and ((got > 0).sum() > (exact > 0).sum())  # a strict superset here
+    torch.testing.assert_close(got.sum(-1), torch.ones(5, 2), rtol=0, atol=1e-5)
+    x = logits[2:] / temp[2:].view(-1, 1, 1)
+    want = torch.softmax(x.masked_fill(got[2:] == 0, -torch.inf), dim=-1)
+    torch.testing.assert_close(got[2:], want, rtol=1e-5, atol=1e-7)
