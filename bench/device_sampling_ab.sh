@@ -1,38 +1,38 @@
 #!/usr/bin/env bash
-# One device call (one GPU, ~7 minutes on a cold machine: give it the whole 10-minute limit): the eighteenth session's
-# sampling-kernel change against the code before it, in one process each.
+# One device call (one GPU, ~9 minutes: give it the whole 10-minute limit): kernels/filtered_probs.py against an
+# older copy of it, kernel and step, in one call.
 # 1. bench/kernel_filtered_probs.py's modes (greedy, plain, top-p 0.9 peaked / flat, top-k 50 + top-p 0.9; T = 1 and
-#    6) with the default config ("new"), without the scan_max gate on the exact finish ("old", the kernel of
-#    2026-11-30): OUT_DIR/fp-{new,old}.jsonl, one line a mode. The first run has 180 s (on a cold machine it spends
-#    most of them compiling: the 2026-12-06 call lost a 100 s run so), the second 90, the step A/B 300: 570 s in all.
-#    The "new" run has --coarse: each mode's coarse distribution (no exact finish, one round a phase) priced too,
-#    its time and its acceptance sum(min(p, q)) against the exact p
-# 2. the step A/B (OUT_DIR/ab.json): device_step.py --only all --no-parity, rows base / old / base2, whose
-#    nextn_sampled times are the general graphs replayed for a sampled request (temperature 0.8, top-p 0.95)
+#    6) on the old copy (OUT_DIR/fp-old.jsonl) and on this checkout with --sweep (OUT_DIR/fp-new.jsonl: the modes,
+#    then the sweep's tunable sets), one line a row
+# 2. the sampled NEXTN step (device_step.py --only all --no-parity: nextn_sampled is the general graphs replayed for a
+#    sampled request, temperature 0.8, top-p 0.95): this checkout with rows base / the VARIANTS / base2
+#    (OUT_DIR/ab.json), then the old copy in its own process (OUT_DIR/ab-old.json)
 #
-#   bash bench/device_sampling_ab.sh OUT_DIR COMMIT
+#   bash bench/device_sampling_ab.sh OUT_DIR COMMIT OLD_FILE ['NAME:mod.ATTR=VALUE' ...]
 #
-# Run from the repository root.
+# OLD_FILE: the older kernels/filtered_probs.py (e.g. `git show a6c37aa:kernels/filtered_probs.py >
+# .device/fp_old.py`, carried). Run from the repository root.
 set -u
-OUT=${1:?usage: bash bench/device_sampling_ab.sh OUT_DIR COMMIT}
-export LINGC_COMMIT=${2:?usage: bash bench/device_sampling_ab.sh OUT_DIR COMMIT}
+OUT=${1:?usage: bash bench/device_sampling_ab.sh OUT_DIR COMMIT OLD_FILE [variants]}
+export LINGC_COMMIT=${2:?usage: bash bench/device_sampling_ab.sh OUT_DIR COMMIT OLD_FILE [variants]}
+OLD=${3:?usage: bash bench/device_sampling_ab.sh OUT_DIR COMMIT OLD_FILE [variants]}
+shift 3
 source bench/device_site.sh
-fp() {  # $1 label, $2 the config's replaced fields (a Python dict literal), $3 seconds, $4 extra bench flags
-  timeout "$3" python3 -P -c "
-import dataclasses, runpy, sys
-import lingc.kernels.filtered_probs as F
-F.DEFAULT_CONFIG = dataclasses.replace(F.DEFAULT_CONFIG, **$2)
-sys.argv = ['kernel_filtered_probs.py'] + '${4:-}'.split()
-runpy.run_path('bench/kernel_filtered_probs.py', run_name='__main__')" 2>&1 | grep '"kernel"' > "$OUT/fp-$1.jsonl"
+rm -rf /tmp/lingc-old && cp -r /tmp/lingc-site /tmp/lingc-old && cp "$OLD" /tmp/lingc-old/lingc/kernels/filtered_probs.py
+fp() {  # $1 label, $2 site, $3 seconds, $4 extra bench flags
+  PYTHONPATH=$2 timeout "$3" python3 -P bench/kernel_filtered_probs.py ${4:-} 2>&1 | grep '"kernel"' > "$OUT/fp-$1.jsonl"
   python3 -c "
 import json
 for line in open('$OUT/fp-$1.jsonl'):
     d = json.loads(line)
-    print('$1', d['shape'][1], d['mode'], 'ok' if d['ok'] else 'BAD', round(d['time_us'], 1),
-          *(f'coarse {d[\"coarse_time_us\"]:.1f} us accept {d[\"coarse_accept\"]:.4f}' for _ in [0] if 'coarse_accept' in d))"
+    print('$1', d.get('config', ''), d['shape'][1], d['mode'], 'ok' if d['ok'] else 'BAD', round(d.get('time_us', -1), 1))"
 }
-fp new "{}" 180 --coarse
-fp old "{'scan_max': 1 << 30}" 90
-timeout 300 python3 bench/device_step.py --only all --no-parity --variant 'base:' \
-  --variant 'old:lingc.kernels.filtered_probs.DEFAULT_CONFIG={"scan_max": 1073741824}' \
-  --variant 'base2:' --json "$OUT/ab.json" 2>&1 | grep -v Warning | grep "^all"
+fp old /tmp/lingc-old 110
+fp new /tmp/lingc-site 230 --sweep
+variants=(--variant 'base:')
+for v in "$@"; do variants+=(--variant "$v"); done
+variants+=(--variant 'base2:')
+timeout 150 python3 bench/device_step.py --only all --no-parity "${variants[@]}" --json "$OUT/ab.json" 2>&1 \
+  | grep -v Warning | grep "^all"
+PYTHONPATH=/tmp/lingc-old timeout 90 python3 bench/device_step.py --only all --no-parity --json "$OUT/ab-old.json" \
+  2>&1 | grep -v Warning | grep "^all"

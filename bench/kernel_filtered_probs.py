@@ -169,18 +169,18 @@ def sweep(device: torch.device) -> list[dict]:
 
     configs = {
         "default": FilteredProbsConfig(),
-        "chunk1024": FilteredProbsConfig(chunk=1024),
-        "chunk4096_w8": FilteredProbsConfig(chunk=4096, num_warps=8),
+        "scan64": FilteredProbsConfig(scan_max=64),
         "warps8": FilteredProbsConfig(num_warps=8),
+        "warps8_scan64": FilteredProbsConfig(num_warps=8, scan_max=64),
         "cell4096": FilteredProbsConfig(cell=4096),
+        "chunk1024": FilteredProbsConfig(chunk=1024),
+        "chunk1024_scan64": FilteredProbsConfig(chunk=1024, scan_max=64),
         "rounds2+2": FilteredProbsConfig(bins_k=(32, 256), bins_p=(32, 256)),
-        "rounds3+3": FilteredProbsConfig(bins_k=(32, 256, 256), bins_p=(32, 256, 256)),
-        "exact1024": FilteredProbsConfig(exact=1024),
     }
     rows = []
     for name, cfg in configs.items():
         for t in ROWS_T:
-            for mode in ("greedy", "top_p0.9_flat", "top_k50_top_p0.9"):
+            for mode in ("greedy", "top_p0.9_peaked", "top_p0.9_flat", "top_k50_top_p0.9"):
                 row = {"kernel": "filtered_probs_sweep", "config": name, "shape": [1, t, VOCAB], "mode": mode}
                 try:
                     checked = _check(mode, t, device, config=cfg)

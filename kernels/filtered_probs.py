@@ -213,19 +213,19 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
     first = tl.cumsum(nb, axis=0) - nb                                # each slice's place in the gathered list
     stage = stage_ptr + row * EXACT
     seen = tl.zeros([NCHUNK_PAD], tl.int32)
-    for i0 in range(0, tl.max(ns, axis=0), GB):
+    for i0 in range(0, tl.max(ns, axis=0), GB):     # [GB, slices]: a slice a thread, its tokens in the thread
         ii = i0 + tl.arange(0, GB)
-        ok = (ii[None, :] < ns[:, None]) & cm[:, None]
-        vals = tl.load(scratch_ptr + cs[:, None] * CHUNK + ii[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        ok = (ii[:, None] < ns[None, :]) & cm[None, :]
+        vals = tl.load(scratch_ptr + cs[None, :] * CHUNK + ii[:, None], mask=ok, other=0.0, cache_modifier=".cg")
         inbin = ok & (vals >= lo) & (vals < hi)
-        rank = seen[:, None] + tl.cumsum(inbin.to(tl.int32), axis=1) - 1
-        tl.store(stage + first[:, None] + rank, vals, mask=inbin & (rank < nb[:, None]))
-        seen += tl.sum(inbin.to(tl.int32), axis=1)
+        rank = seen[None, :] + tl.cumsum(inbin.to(tl.int32), axis=0) - 1
+        tl.store(stage + first[None, :] + rank, vals, mask=inbin & (rank < nb[None, :]))
+        seen += tl.sum(inbin.to(tl.int32), axis=0)
     tl.debug_barrier()
     pos = tl.arange(0, EXACT)
     live = pos < n
     xa = tl.load(stage + pos, mask=live, other=float("-inf"), cache_modifier=".cg")
-    ahead = tl.zeros([EXACT], tl.float32)
+    acc = tl.zeros([GJ, EXACT], tl.float32)        # [GJ, EXACT]: the listed tokens on the threads, summed once
     for q0 in range(0, n.to(tl.int32), GJ):
         qq = q0 + tl.arange(0, GJ)
         lq = qq < n
@@ -234,7 +234,8 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
             sb = lq.to(tl.float32)
         else:
             sb = tl.where(lq, tl.exp(xb - m), 0.0)
-        ahead += tl.sum(tl.where(xb[None, :] > xa[:, None], sb[None, :], 0.0), axis=1)
+        acc += tl.where(xb[:, None] > xa[None, :], sb[:, None], 0.0)
+    ahead = tl.sum(acc, axis=0)
     if PHASE == 0:
         ahead += cnt_hi
     else:
@@ -378,9 +379,11 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
         scratch = row_scratch + c * CHUNK
         tl.store(scratch + tl.cumsum(inb.to(tl.int32), axis=0) - 1, x, mask=inb)
         tl.debug_barrier()
+        # bins on dim 0, tokens on dim 1: a thread's tokens are its own (Triton spreads the fast dim over the
+        # threads), so a token's exp, load and search run on few threads, not once a bin column
         bins = tl.arange(0, NB)
-        cnt2 = tl.zeros([SUB, NB], tl.float32)
-        mass2 = tl.zeros([SUB, NB], tl.float32)
+        cnt2 = tl.zeros([NB, SUB], tl.int32)
+        mass2 = tl.zeros([NB, SUB], tl.float32)
         for s0 in range(0, n, SUB):
             so = s0 + tl.arange(0, SUB)
             sm = so < n
@@ -390,12 +393,12 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
             for i in tl.static_range(LOG2NB):                    # largest j with x >= t(j), t(j) monotone
                 cand = j + (1 << (LOG2NB - 1 - i))
                 j = tl.where(xs >= tl.fma(cand.to(tl.float32), step, lo), cand, j)
-            hot = (j[:, None] == bins[None, :]) & sm[:, None]
-            cnt2 += hot.to(tl.float32)
-            mass2 += tl.where(hot, w[:, None], 0.0)
+            hot = tl.where(sm, j, NB)[None, :] == bins[:, None]  # a masked token in no bin
+            cnt2 += hot.to(tl.int32)
+            mass2 += tl.where(hot, w[None, :], 0.0)
         pb = parts_ptr + (row * NCHUNK + c) * PSTRIDE
-        tl.store(pb + bins, tl.sum(cnt2, axis=0))
-        tl.store(pb + NB_MAX + bins, tl.sum(mass2, axis=0))
+        tl.store(pb + bins, tl.sum(cnt2, axis=1).to(tl.float32))
+        tl.store(pb + NB_MAX + bins, tl.sum(mass2, axis=1))
         tl.store(pb + 2 * NB_MAX, bmin)
         tl.store(pb + 2 * NB_MAX + 1, bmax)
         tl.store(pb + 2 * NB_MAX + 2, n.to(tl.float32))
