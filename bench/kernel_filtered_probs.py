@@ -144,10 +144,9 @@ def _coarse(mode: str, t: int, device: torch.device) -> dict:
     return row
 
 
-def run(device: torch.device, coarse: bool = False) -> list[dict]:
+def run(device: torch.device, coarse: bool = False):
     """One row per (mode, T): correctness vs the reference and float64, PDL on == off, kernel vs reference time;
     with `coarse`, the COARSE distribution's acceptance against the exact one and its time too."""
-    rows = []
     for t in ROWS_T:
         for mode in MODES:
             row = {"kernel": "filtered_probs", "shape": [1, t, VOCAB], "mode": mode, "dtype": "fp32"}
@@ -158,11 +157,10 @@ def run(device: torch.device, coarse: bool = False) -> list[dict]:
                     row.update(_coarse(mode, t, device))
             except Exception as exc:  # keep the other rows; the error is the result
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            rows.append(row)
-    return rows
+            yield row
 
 
-def sweep(device: torch.device) -> list[dict]:
+def sweep(device: torch.device, only: tuple[str, ...] = ()):
     """Kernel time (PDL on) of a few tunable sets, T = 1 and 6: greedy (the launch floor), flat top-p (the
     search's worst case) and top-k 50 + top-p 0.9 (both phases)."""
     from lingc.kernels.filtered_probs import FilteredProbsConfig
@@ -177,8 +175,9 @@ def sweep(device: torch.device) -> list[dict]:
         "chunk1024_scan64": FilteredProbsConfig(chunk=1024, scan_max=64),
         "rounds2+2": FilteredProbsConfig(bins_k=(32, 256), bins_p=(32, 256)),
     }
-    rows = []
     for name, cfg in configs.items():
+        if only and name not in only:
+            continue
         for t in ROWS_T:
             for mode in ("greedy", "top_p0.9_peaked", "top_p0.9_flat", "top_k50_top_p0.9"):
                 row = {"kernel": "filtered_probs_sweep", "config": name, "shape": [1, t, VOCAB], "mode": mode}
@@ -188,16 +187,19 @@ def sweep(device: torch.device) -> list[dict]:
                     row.update(_time(mode, t, device, config=cfg))
                 except Exception as exc:
                     row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-                rows.append(row)
-    return rows
+                yield row
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sweep", action="store_true", help="also time a few tunable sets")
+    ap.add_argument("--sweep-configs", default="", help="comma-separated names: only these of the sweep's sets")
     ap.add_argument("--coarse", action="store_true",
                     help="also price the coarse distribution (COARSE: no exact finish, one round a phase)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    for r in run(dev, args.coarse) + (sweep(dev) if args.sweep else []):
+    for r in run(dev, args.coarse):                       # (generators: each row printed as it is measured)
+        print(json.dumps(r), flush=True)
+    only = tuple(filter(None, args.sweep_configs.split(",")))
+    for r in sweep(dev, only) if args.sweep else ():     # a row as it is measured: a timeout keeps the rows before
         print(json.dumps(r), flush=True)
