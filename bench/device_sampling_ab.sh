@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (one GPU, ~9 minutes: give it the whole 10-minute limit): kernels/filtered_probs.py against an
-# older copy of it, kernel and step, in one call.
+# One device call (one GPU, at most ~9.5 minutes: 100 + 180 + 160 + 90 s; give it the whole 10-minute limit):
+# kernels/filtered_probs.py against an older copy of it, kernel and step, in one call.
 # 1. bench/kernel_filtered_probs.py's modes (greedy, plain, top-p 0.9 peaked / flat, top-k 50 + top-p 0.9; T = 1 and
 #    6) on the old copy (OUT_DIR/fp-old.jsonl) and on this checkout with --sweep (OUT_DIR/fp-new.jsonl: the modes,
 #    then the sweep's tunable sets), one line a row
@@ -9,6 +9,7 @@
 #    (OUT_DIR/ab.json), then the old copy in its own process (OUT_DIR/ab-old.json)
 #
 #   bash bench/device_sampling_ab.sh OUT_DIR COMMIT OLD_FILE ['NAME:mod.ATTR=VALUE' ...]
+#   e.g. 'scan64:lingc.kernels.filtered_probs.DEFAULT_CONFIG={"scan_max": 64}' (SWEEP=names: the kernel sweep's sets)
 #
 # OLD_FILE: the older kernels/filtered_probs.py (e.g. `git show a6c37aa:kernels/filtered_probs.py >
 # .device/fp_old.py`, carried). Run from the repository root.
@@ -27,12 +28,12 @@ for line in open('$OUT/fp-$1.jsonl'):
     d = json.loads(line)
     print('$1', d.get('config', ''), d['shape'][1], d['mode'], 'ok' if d['ok'] else 'BAD', round(d.get('time_us', -1), 1))"
 }
-fp old /tmp/lingc-old 110
-fp new /tmp/lingc-site 230 --sweep
+fp old /tmp/lingc-old 100
+fp new /tmp/lingc-site 180 "--sweep --sweep-configs ${SWEEP:-default,scan64,warps8,warps8_scan64}"
 variants=(--variant 'base:')
 for v in "$@"; do variants+=(--variant "$v"); done
 variants+=(--variant 'base2:')
-timeout 150 python3 bench/device_step.py --only all --no-parity "${variants[@]}" --json "$OUT/ab.json" 2>&1 \
+timeout 160 python3 bench/device_step.py --only all --no-parity "${variants[@]}" --json "$OUT/ab.json" 2>&1 \
   | grep -v Warning | grep "^all"
 PYTHONPATH=/tmp/lingc-old timeout 90 python3 bench/device_step.py --only all --no-parity --json "$OUT/ab-old.json" \
   2>&1 | grep -v Warning | grep "^all"

@@ -46,9 +46,15 @@ near the max holds <= 512 tokens; its gather waits a round), LM-like top-p in ro
 0.9 keeping ~60% of a 157k vocabulary, top-k in the bulk) in round 2 (the bracket shrinks ~20x, then ~250x,
 then is finished exactly);
 the third top-p round only serves a bulk much narrower than the row's range (e.g. one far outlier).
-Cross-program step: each program stores its per-bin partials, then takes a ticket (an acq_rel atomic after a
-CTA barrier, as in kernels/linear.py); the program that draws the last one sums the partials in slice order
-0, 1, ... and writes the row's next bracket. No float atomics: the result is the same whoever arrives last.
+Cross-program step: each program bins its bracket tokens (bins on dim 0 and tokens on dim 1 of the one-hot tile, so
+a token's load, exp and search run on few threads; the next step's tokens loaded before this step's are binned),
+stores its per-bin counts, bracket min / max and size, and adds its per-bin count and mass (its fp32 sum in fixed
+point, MASS_SCALE units of an int64) into the row's totals for the round with integer atomics; then it takes a ticket
+(an acq_rel atomic after a CTA barrier, as in kernels/linear.py). The program that draws the last one reads the
+totals (NB counts and masses, not every slice's partials) and writes the row's next bracket. No float atomics:
+integer sums are the same in any arrival order, so the result is the same whoever arrives last. Offline sm_90 SASS
+(2026-12-06): a binning step is 147 instructions for 64 tokens at 32 bins (652 with the tokens on dim 0, where every
+bin column's threads searched every token) and 167 for 8 tokens at 256 (487).
 
 Ties and limits (documented, not matched bit for bit; the reference's unstable sort makes ties ambiguous):
   * ties at the threshold are all kept (top-k may then keep more than k tokens, top-p a few more);
@@ -88,8 +94,10 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_VOCAB = tl.constexpr(1 << 24)   # the argmax travels as an fp32 (exact below 2^24)
 STATE_FIELDS = tl.constexpr(8)      # per row and phase: lo, hi, cnt_hi, mass_hi, target, resolved, mass_lo, cnt_lo
 TINY = tl.constexpr(1e-30)          # smallest top-p target: top_p <= 0 keeps the top token
-GATHER_TILE = 1024                  # exact finish: [slices, GB] gather tile, then [exact, GJ] pairwise tile
-PAIR_TILE = 2048                    # (small tiles keep the round kernel at <= ~160 registers, no spills)
+MASS_SCALE = tl.constexpr(2.0 ** 38)   # the row totals' fixed-point mass: units of 2^-38 in an int64 (a bin holds
+MASS_ULP = tl.constexpr(2.0 ** -38)    # < 2^24 tokens of mass <= 1 each: < 2^62 units)
+GATHER_VEC = tl.constexpr(4)        # exact finish: a slice's tokens a gather load (16 B: one vector, one thread)
+PAIR_TILE = 2048                    # then [GJ, exact] pairwise tiles (GJ = PAIR_TILE / exact)
 
 
 @dataclass(frozen=True)
@@ -160,8 +168,9 @@ def _row_stats(stats_ptr, row, NCHUNK, NCHUNK_PAD: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(logits_ptr, temp_ptr, stats_ptr, ticket_ptr, T, V, stride_b, stride_t, NCHUNK, ROUNDS,
-                  CHUNK: tl.constexpr, ROUNDS_PAD: tl.constexpr, PDL: tl.constexpr):
+def _stats_kernel(logits_ptr, temp_ptr, stats_ptr, ticket_ptr, totals_ptr, T, V, stride_b, stride_t, NCHUNK, ROUNDS,
+                  CHUNK: tl.constexpr, ROUNDS_PAD: tl.constexpr, TOTALS: tl.constexpr, TOTALS_PAD: tl.constexpr,
+                  PDL: tl.constexpr):
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // T
@@ -188,6 +197,8 @@ def _stats_kernel(logits_ptr, temp_ptr, stats_ptr, ticket_ptr, T, V, stride_b, s
     if c == 0:
         r = tl.arange(0, ROUNDS_PAD)
         tl.store(ticket_ptr + row * ROUNDS + r, tl.zeros([ROUNDS_PAD], tl.int32), mask=r < ROUNDS)
+        zt = tl.arange(0, TOTALS_PAD)
+        tl.store(totals_ptr + row * TOTALS + zt, tl.zeros([TOTALS_PAD], tl.int64), mask=zt < TOTALS)
 
 
 @triton.jit
@@ -197,9 +208,31 @@ def _pick(vec, idx, at):
 
 
 @triton.jit
+def _gather_load(scratch_ptr, cs, cm, ns, i0, CHUNK: tl.constexpr, NCHUNK_PAD: tl.constexpr):
+    """Tokens i0 .. i0 + GATHER_VEC - 1 of every slice's compacted bracket, [slices, GATHER_VEC]. The mask is a whole
+    vector's: past a slice's ns it reads the slice's own scratch, or for the row's last slice up to GATHER_VEC - 1
+    elements past the row, which the launcher's allocation pads; _gather_stage masks them."""
+    ii = i0 + tl.arange(0, GATHER_VEC)
+    live = (ns > i0) & cm
+    vec_ok = tl.broadcast_to(live[:, None], (NCHUNK_PAD, GATHER_VEC))
+    return tl.load(scratch_ptr + cs[:, None] * CHUNK + ii[None, :], mask=vec_ok, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _gather_stage(vals, stage, first, seen, cm, ns, nb, i0, lo, hi):
+    """Appends the tokens of a _gather_load tile that lie in [lo, hi) to their slices' places in the stage list;
+    returns the slices' counts so far."""
+    ii = i0 + tl.arange(0, GATHER_VEC)
+    inbin = (ii[None, :] < ns[:, None]) & cm[:, None] & (vals >= lo) & (vals < hi)
+    rank = seen[:, None] + tl.cumsum(inbin.to(tl.int32), axis=1) - 1
+    tl.store(stage + first[:, None] + rank, vals, mask=inbin & (rank < nb[:, None]))
+    return seen + tl.sum(inbin.to(tl.int32), axis=1)
+
+
+@triton.jit
 def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt_hi, mass_hi, target,
            PHASE: tl.constexpr, PSTRIDE: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr,
-           NCHUNK_PAD: tl.constexpr, GB: tl.constexpr, GJ: tl.constexpr):
+           NCHUNK_PAD: tl.constexpr, GJ: tl.constexpr):
     """Exact finish of the chosen bin [lo, hi) holding n <= EXACT tokens: gather them from every slice's
     compacted bracket tokens (in the output row's scratch) into one list, give each the score of the listed
     tokens strictly greater than it (pairwise, GJ at a time) plus the score above hi, and keep those whose
@@ -213,14 +246,17 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
     first = tl.cumsum(nb, axis=0) - nb                                # each slice's place in the gathered list
     stage = stage_ptr + row * EXACT
     seen = tl.zeros([NCHUNK_PAD], tl.int32)
-    for i0 in range(0, tl.max(ns, axis=0), GB):     # [GB, slices]: a slice a thread, its tokens in the thread
-        ii = i0 + tl.arange(0, GB)
-        ok = (ii[:, None] < ns[None, :]) & cm[None, :]
-        vals = tl.load(scratch_ptr + cs[None, :] * CHUNK + ii[:, None], mask=ok, other=0.0, cache_modifier=".cg")
-        inbin = ok & (vals >= lo) & (vals < hi)
-        rank = seen[None, :] + tl.cumsum(inbin.to(tl.int32), axis=0) - 1
-        tl.store(stage + first[None, :] + rank, vals, mask=inbin & (rank < nb[None, :]))
-        seen += tl.sum(inbin.to(tl.int32), axis=0)
+    for i0 in range(0, tl.max(ns, axis=0), 4 * GATHER_VEC):
+        # [slices, GATHER_VEC] tiles: a slice's GATHER_VEC tokens are one vector load in one thread, so the rank
+        # (a cumsum along them) stays in the thread; four tiles' loads are issued before any is used
+        v0 = _gather_load(scratch_ptr, cs, cm, ns, i0, CHUNK, NCHUNK_PAD)
+        v1 = _gather_load(scratch_ptr, cs, cm, ns, i0 + GATHER_VEC, CHUNK, NCHUNK_PAD)
+        v2 = _gather_load(scratch_ptr, cs, cm, ns, i0 + 2 * GATHER_VEC, CHUNK, NCHUNK_PAD)
+        v3 = _gather_load(scratch_ptr, cs, cm, ns, i0 + 3 * GATHER_VEC, CHUNK, NCHUNK_PAD)
+        seen = _gather_stage(v0, stage, first, seen, cm, ns, nb, i0, lo, hi)
+        seen = _gather_stage(v1, stage, first, seen, cm, ns, nb, i0 + GATHER_VEC, lo, hi)
+        seen = _gather_stage(v2, stage, first, seen, cm, ns, nb, i0 + 2 * GATHER_VEC, lo, hi)
+        seen = _gather_stage(v3, stage, first, seen, cm, ns, nb, i0 + 3 * GATHER_VEC, lo, hi)
     tl.debug_barrier()
     pos = tl.arange(0, EXACT)
     live = pos < n
@@ -248,28 +284,21 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
 
 
 @triton.jit
-def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
-            PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, NB_MAX: tl.constexpr,
-            CB: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr,
-            GB: tl.constexpr, GJ: tl.constexpr, LAST: tl.constexpr, SCAN_MAX: tl.constexpr,
+def _decide(parts_ptr, tot_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p,
+            k, PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, NB_MAX: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr,
+            GJ: tl.constexpr, LAST: tl.constexpr, SCAN_MAX: tl.constexpr,
             FINISH: tl.constexpr):
     """Last program of the row: sum the slices' bin partials in slice order, pick the bin holding the
     crossing of the target and store the row's next bracket (module docstring); a bracket of <= EXACT
     tokens is finished exactly instead (`_exact`), where its gather is short (no slice compacted more than
     SCAN_MAX bracket tokens this round) or no round of the phase is left (LAST); never without FINISH."""
-    PSTRIDE: tl.constexpr = 2 * NB_MAX + 3
+    PSTRIDE: tl.constexpr = NB_MAX + 3
     r = tl.arange(0, NB)
     desc = NB - 1 - r                                             # position r holds bin NB-1-r (descending)
-    cnt = tl.zeros([NB], tl.float32)
-    mass = tl.zeros([NB], tl.float32)
-    for c0 in range(0, NCHUNK, CB):
-        cs = c0 + tl.arange(0, CB)
-        pb = parts_ptr + (row * NCHUNK + cs[:, None]) * PSTRIDE + desc[None, :]
-        cm = (cs < NCHUNK)[:, None]
-        cnt += tl.sum(tl.load(pb, mask=cm, other=0.0, cache_modifier=".cg"), axis=0)
-        mass += tl.sum(tl.load(pb + NB_MAX, mask=cm, other=0.0, cache_modifier=".cg"), axis=0)
+    cnt = tl.load(tot_ptr + desc, cache_modifier=".cg").to(tl.float32)          # the row's totals (exact)
+    mass = tl.load(tot_ptr + NB_MAX + desc, cache_modifier=".cg").to(tl.float32) * MASS_ULP
     cs = tl.arange(0, NCHUNK_PAD)
-    eb = parts_ptr + (row * NCHUNK + cs) * PSTRIDE + 2 * NB_MAX
+    eb = parts_ptr + (row * NCHUNK + cs) * PSTRIDE + NB_MAX
     bmin = tl.min(tl.load(eb, mask=cs < NCHUNK, other=float("inf"), cache_modifier=".cg"), axis=0)
     bmax = tl.max(tl.load(eb + 1, mask=cs < NCHUNK, other=float("-inf"), cache_modifier=".cg"), axis=0)
     ccum = tl.cumsum(cnt, axis=0)                                 # count of bins >= NB-1-r
@@ -313,7 +342,7 @@ def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step
     if finish:
         new_lo, mass_lo, cnt_lo = _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, new_lo, new_hi, n, m,
                                          new_cnt_hi, new_mass_hi, target, PHASE, PSTRIDE, CHUNK, EXACT,
-                                         NCHUNK_PAD, GB, GJ)
+                                         NCHUNK_PAD, GJ)
         resolved = n >= 0.0
     tl.store(st_ptr + 0, new_lo)
     tl.store(st_ptr + 1, new_hi)
@@ -326,14 +355,14 @@ def _decide(parts_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step
 
 
 @triton.jit
-def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, parts_ptr, stage_ptr, state_ptr,
-                  ticket_ptr, T, V, stride_b, stride_t, NCHUNK, ROUNDS, ROUND,
+def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, parts_ptr, totals_ptr, stage_ptr,
+                  state_ptr, ticket_ptr, T, V, stride_b, stride_t, NCHUNK, ROUNDS, ROUND,
                   PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, LOG2NB: tl.constexpr,
-                  NB_MAX: tl.constexpr, SUB: tl.constexpr, CB: tl.constexpr, CHUNK: tl.constexpr,
-                  EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr, GB: tl.constexpr, GJ: tl.constexpr,
+                  NB_MAX: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
+                  EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr, GJ: tl.constexpr,
                   LAST: tl.constexpr, SCAN_MAX: tl.constexpr, FINISH: tl.constexpr, PDL: tl.constexpr):
     """One bisection round (NB bins) of phase PHASE (0 top-k, 1 top-p) for every row that is searching."""
-    PSTRIDE: tl.constexpr = 2 * NB_MAX + 3
+    PSTRIDE: tl.constexpr = NB_MAX + 3
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // T
@@ -384,10 +413,15 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
         bins = tl.arange(0, NB)
         cnt2 = tl.zeros([NB, SUB], tl.int32)
         mass2 = tl.zeros([NB, SUB], tl.float32)
+        # software-pipelined by hand: the next step's tokens are loaded before this step's are binned (Triton does
+        # not pipeline a plain load loop), so a step waits on no L2 round trip
+        sub = tl.arange(0, SUB)
+        xs_next = tl.load(scratch + sub, mask=sub < n, other=float("-inf"), cache_modifier=".cg")
         for s0 in range(0, n, SUB):
-            so = s0 + tl.arange(0, SUB)
+            so = s0 + sub
             sm = so < n
-            xs = tl.load(scratch + so, mask=sm, other=float("-inf"), cache_modifier=".cg")
+            xs = xs_next
+            xs_next = tl.load(scratch + so + SUB, mask=so + SUB < n, other=float("-inf"), cache_modifier=".cg")
             w = tl.exp(xs - m)
             j = tl.zeros([SUB], tl.int32)
             for i in tl.static_range(LOG2NB):                    # largest j with x >= t(j), t(j) monotone
@@ -396,17 +430,24 @@ def _round_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, stats_ptr, 
             hot = tl.where(sm, j, NB)[None, :] == bins[:, None]  # a masked token in no bin
             cnt2 += hot.to(tl.int32)
             mass2 += tl.where(hot, w[None, :], 0.0)
+        cnt_c = tl.sum(cnt2, axis=1)
         pb = parts_ptr + (row * NCHUNK + c) * PSTRIDE
-        tl.store(pb + bins, tl.sum(cnt2, axis=1).to(tl.float32))
-        tl.store(pb + NB_MAX + bins, tl.sum(mass2, axis=1))
-        tl.store(pb + 2 * NB_MAX, bmin)
-        tl.store(pb + 2 * NB_MAX + 1, bmax)
-        tl.store(pb + 2 * NB_MAX + 2, n.to(tl.float32))
+        tl.store(pb + bins, cnt_c.to(tl.float32))                 # the slice's counts (the exact finish's offsets)
+        tl.store(pb + NB_MAX, bmin)
+        tl.store(pb + NB_MAX + 1, bmax)
+        tl.store(pb + NB_MAX + 2, n.to(tl.float32))
+        # the row's totals: integer adds, so their sum is the same in any arrival order (the mass in fixed point,
+        # MASS_ULP a unit: the slice's fp32 sum truncated to 2^-38)
+        tot = totals_ptr + (row * ROUNDS + ROUND) * 2 * NB_MAX
+        used = cnt_c > 0
+        tl.atomic_add(tot + bins, cnt_c.to(tl.int64), mask=used, sem="relaxed", scope="gpu")
+        tl.atomic_add(tot + NB_MAX + bins, (tl.sum(mass2, axis=1) * MASS_SCALE).to(tl.int64), mask=used,
+                      sem="relaxed", scope="gpu")
         tl.debug_barrier()                                        # every partial is written before the ticket
         ticket = tl.atomic_add(ticket_ptr + row * ROUNDS + ROUND, 1, sem="acq_rel", scope="gpu")
         if ticket == NCHUNK - 1:
-            _decide(parts_ptr, row_scratch, stage_ptr, st, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
-                    PHASE, FIRST, NB, NB_MAX, CB, CHUNK, EXACT, NCHUNK_PAD, GB, GJ, LAST, SCAN_MAX, FINISH)
+            _decide(parts_ptr, tot, row_scratch, stage_ptr, st, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p, k,
+                    PHASE, FIRST, NB, NB_MAX, CHUNK, EXACT, NCHUNK_PAD, GJ, LAST, SCAN_MAX, FINISH)
 
 
 @triton.jit
@@ -468,7 +509,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     cfg.check()
     B, T, V = logits.shape
     dev = logits.device
-    out = torch.empty((B, T, V), dtype=torch.float32, device=dev)
+    # GATHER_VEC spare elements past the last row: the exact finish's vector loads may read up to GATHER_VEC - 1 there
+    out = torch.empty(B * T * V + GATHER_VEC.value, dtype=torch.float32, device=dev)[:B * T * V].view(B, T, V)
     rows = B * T
     if rows == 0 or V == 0:
         return out
@@ -482,7 +524,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     nb_max = max(nb for _, _, nb, _ in schedule)        # (phase, first of phase, bins, last of phase)
     rounds = len(schedule)
     stats = torch.empty((rows, nchunk, 4), dtype=torch.float32, device=dev)           # max, sumexp, argmax, min
-    parts = torch.empty((rows, nchunk, 2 * nb_max + 3), dtype=torch.float32, device=dev)  # bins, min, max, n
+    parts = torch.empty((rows, nchunk, nb_max + 3), dtype=torch.float32, device=dev)  # counts, min, max, n
+    totals = torch.empty((rows, rounds, 2, nb_max), dtype=torch.int64, device=dev)   # zeroed by the stats kernel
     stage = torch.empty((rows, cfg.exact), dtype=torch.float32, device=dev)           # exact-finish list
     state = torch.empty((rows, 2, STATE_FIELDS.value), dtype=torch.float32, device=dev)  # per phase
     tickets = torch.empty((rows, rounds), dtype=torch.int32, device=dev)              # zeroed by the stats kernel
@@ -490,14 +533,15 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     grid = (nchunk, rows)
     common = dict(CHUNK=cfg.chunk, PDL=pdl, num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
     strides = (logits.stride(0), logits.stride(1))
-    _stats_kernel[grid](logits, temperature, stats, tickets, T, V, *strides, nchunk, rounds,
-                        ROUNDS_PAD=triton.next_power_of_2(rounds), **common)
+    _stats_kernel[grid](logits, temperature, stats, tickets, totals, T, V, *strides, nchunk, rounds,
+                        ROUNDS_PAD=triton.next_power_of_2(rounds), TOTALS=rounds * 2 * nb_max,
+                        TOTALS_PAD=triton.next_power_of_2(rounds * 2 * nb_max), **common)
     for i, (phase, first, nb, last) in enumerate(schedule):
-        _round_kernel[grid](logits, temperature, top_k, top_p, out, stats, parts, stage, state, tickets,
+        _round_kernel[grid](logits, temperature, top_k, top_p, out, stats, parts, totals, stage, state, tickets,
                             T, V, *strides, nchunk, rounds, i,
                             PHASE=phase, FIRST=first, NB=nb, LOG2NB=nb.bit_length() - 1, NB_MAX=nb_max,
-                            SUB=cfg.cell // nb, CB=cfg.cell // nb, EXACT=cfg.exact, NCHUNK_PAD=nchunk_pad,
-                            GB=max(1, min(cfg.exact, GATHER_TILE // nchunk_pad)), GJ=max(1, PAIR_TILE // cfg.exact),
+                            SUB=cfg.cell // nb, EXACT=cfg.exact, NCHUNK_PAD=nchunk_pad,
+                            GJ=max(1, PAIR_TILE // cfg.exact),
                             LAST=last, SCAN_MAX=cfg.scan_max, FINISH=cfg.finish, **common)
     _write_kernel[grid](logits, temperature, top_k, top_p, out, stats, state, T, V, *strides, nchunk,
                         NCHUNK_PAD=nchunk_pad, **common)
