@@ -9,7 +9,7 @@
 #    (OUT_DIR/ab.json), then the old copy in its own process (OUT_DIR/ab-old.json)
 #
 #   bash bench/device_sampling_ab.sh OUT_DIR COMMIT OLD_FILE ['NAME:mod.ATTR=VALUE' ...]
-#   e.g. 'scan64:lingc.kernels.filtered_probs.DEFAULT_CONFIG={"scan_max": 64}' (SWEEP=names: the kernel sweep's sets)
+#   e.g. 'scan512:lingc.kernels.filtered_probs.DEFAULT_CONFIG={"scan_max": 512}' (SWEEP=names: the kernel sweep's sets)
 #
 # OLD_FILE: the older kernels/filtered_probs.py (e.g. `git show a6c37aa:kernels/filtered_probs.py >
 # .device/fp_old.py`, carried). Run from the repository root.
@@ -29,7 +29,7 @@ for line in open('$OUT/fp-$1.jsonl'):
     print('$1', d.get('config', ''), d['shape'][1], d['mode'], 'ok' if d['ok'] else 'BAD', round(d.get('time_us', -1), 1))"
 }
 fp old /tmp/lingc-old 100
-fp new /tmp/lingc-site 180 "--sweep --sweep-configs ${SWEEP:-default,scan64,warps8,warps8_scan64}"
+fp new /tmp/lingc-site 180 "--sweep --sweep-configs ${SWEEP:-default,scan512,warps8}"
 variants=(--variant 'base:')
 for v in "$@"; do variants+=(--variant "$v"); done
 variants+=(--variant 'base2:')

@@ -167,12 +167,10 @@ def sweep(device: torch.device, only: tuple[str, ...] = ()):
 
     configs = {
         "default": FilteredProbsConfig(),
-        "scan64": FilteredProbsConfig(scan_max=64),
+        "scan512": FilteredProbsConfig(scan_max=512),
         "warps8": FilteredProbsConfig(num_warps=8),
-        "warps8_scan64": FilteredProbsConfig(num_warps=8, scan_max=64),
         "cell4096": FilteredProbsConfig(cell=4096),
         "chunk1024": FilteredProbsConfig(chunk=1024),
-        "chunk1024_scan64": FilteredProbsConfig(chunk=1024, scan_max=64),
         "rounds2+2": FilteredProbsConfig(bins_k=(32, 256), bins_p=(32, 256)),
     }
     for name, cfg in configs.items():

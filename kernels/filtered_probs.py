@@ -32,20 +32,26 @@ finish: once the chosen bin holds <= `exact` tokens (default 512), the deciding 
 the slices, gives each the score of the gathered tokens strictly greater than it (pairwise) plus S(hi), and
 keeps exactly those whose score ahead stays below the target. The gather scans every slice's compacted
 bracket tokens, one program alone, so before the phase's last round it runs only where no slice compacted
-more than `scan_max` (512) this round; else the bin is binned once more. In a phase's first round every slice
-compacts its whole chunk: without the gate top-k 50's first-round bin of ~40 tokens cost a 2048-token scan a
-slice (H200, 2026-12-06: top-k 50 + top-p 0.9 531 us a call against 171 with the gate at 64 and unrolled
-loops, since removed as slower; the gate at 512 alone is untimed;
-bench/results/kernel-filtered-probs-h200-20261206-ab.json). Kept set: {x >= lo}, normaliser
+more than `scan_max` (64) this round; else the bin is binned once more (a round over a few tokens a slice is
+cheaper than the lone program's longer scan). In a phase's first round every slice compacts its whole chunk, so
+a first round never finishes early. Kept set: {x >= lo}, normaliser
 Z_final = mass(x >= lo), both in the row state. Top-p starts from the top-k threshold, so the kept set is
 top-k, then top-p. Each program first compacts its bracket tokens into its own slice of the output row
 (scratch until the write kernel), so the NB-wide one-hot work after the first round of a phase scales with
 the bracket, not the slice. The first round of a phase uses few bins (it sees every token), later ones many.
 Default rounds: top-k (32, 256), top-p (32, 256, 256) bins. Top-k 50 resolves in round 2 (the crossing bin
 near the max holds <= 512 tokens; its gather waits a round), LM-like top-p in round 1 or 2; flat rows (top-p
-0.9 keeping ~60% of a 157k vocabulary, top-k in the bulk) in round 2 (the bracket shrinks ~20x, then ~250x,
-then is finished exactly);
-the third top-p round only serves a bulk much narrower than the row's range (e.g. one far outlier).
+0.9 keeping ~60% of a 157k vocabulary, top-k in the bulk) in round 3 (the bracket shrinks ~20x, then ~250x to
+a few tokens a slice, which round 3 bins and finishes exactly).
+
+Measured (H100, 2026-12-06, one row / six rows, V = 157184, cold logits, PDL on; bench/kernel_filtered_probs.py,
+bench/results/kernel-filtered-probs-h100-20261206-ab.json): top-p 0.9 peaked 34.9 / 50.1 us, flat 47.6 / 74.5,
+top-k 50 + top-p 0.9 40.4 / 57.6 (scan_max 64); the kernel of a6c37aa (tokens on dim 1, the deciding program
+summing every slice's partials, a cross-thread gather, scan_max 512) took 95.3 / 140.9, 191.7 / 245.2 and
+106.0 / 156.8. Same rows at scan_max 512: flat 68.5 / 91.0, the others level. num_warps 8: one row 1-5 us faster,
+six rows 8-13 us slower, the sampled step 50 us slower: 4 stays. The sampled NEXTN step (general graphs,
+temperature 0.8, top-p 0.95; bench/results/step-sampling-ab-h100-20261206.json): 5.077 ms -> 4.086 ms.
+
 Cross-program step: each program bins its bracket tokens (bins on dim 0 and tokens on dim 1 of the one-hot tile, so
 a token's load, exp and search run on few threads; the next step's tokens loaded before this step's are binned),
 stores its per-bin counts, bracket min / max and size, and adds its per-bin count and mass (its fp32 sum in fixed
@@ -119,7 +125,7 @@ class FilteredProbsConfig:
     bins_p: tuple[int, ...] = (32, 256, 256)
     cell: int = 2048
     exact: int = 512
-    scan_max: int = 512       # an exact finish before the phase's last round only if no slice holds more bracket tokens
+    scan_max: int = 64        # an exact finish before the phase's last round only if no slice holds more bracket tokens
     finish: bool = True       # False: no exact finish (the last round's crossing bin kept whole)
 
     def check(self) -> None:
