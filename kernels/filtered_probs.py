@@ -46,7 +46,7 @@ a few tokens a slice, which round 3 bins and finishes exactly).
 
 Measured (H100, 2026-12-06, one row / six rows, V = 157184, cold logits, PDL on; bench/kernel_filtered_probs.py,
 bench/results/kernel-filtered-probs-h100-20261206-ab.json): top-p 0.9 peaked 34.9 / 50.1 us, flat 47.6 / 74.5,
-top-k 50 + top-p 0.9 40.4 / 57.6 (scan_max 64); the kernel of a6c37aa (tokens on dim 1, the deciding program
+top-k 50 + top-p 0.9 40.4 / 57.6 (scan_max 64); the kernel of a6c37aa (bins on dim 1, the deciding program
 summing every slice's partials, a cross-thread gather, scan_max 512) took 95.3 / 140.9, 191.7 / 245.2 and
 106.0 / 156.8. Same rows at scan_max 512: flat 68.5 / 91.0, the others level. num_warps 8: one row 1-5 us faster,
 six rows 8-13 us slower, the sampled step 50 us slower: 4 stays. The sampled NEXTN step (general graphs,
@@ -59,8 +59,8 @@ point, MASS_SCALE units of an int64) into the row's totals for the round with in
 (an acq_rel atomic after a CTA barrier, as in kernels/linear.py). The program that draws the last one reads the
 totals (NB counts and masses, not every slice's partials) and writes the row's next bracket. No float atomics:
 integer sums are the same in any arrival order, so the result is the same whoever arrives last. Offline sm_90 SASS
-(2026-12-06): a binning step is 147 instructions for 64 tokens at 32 bins (652 with the tokens on dim 0, where every
-bin column's threads searched every token) and 167 for 8 tokens at 256 (487).
+(2026-12-06): a binning step is 147 instructions for 64 tokens at 32 bins (652 with the bins on dim 1, where every
+bin column's threads loaded and searched every token) and 167 for 8 tokens at 256 (487).
 
 Ties and limits (documented, not matched bit for bit; the reference's unstable sort makes ties ambiguous):
   * ties at the threshold are all kept (top-k may then keep more than k tokens, top-p a few more);
@@ -291,11 +291,11 @@ def _exact(parts_ptr, scratch_ptr, stage_ptr, row, NCHUNK, j0, lo, hi, n, m, cnt
 
 @triton.jit
 def _decide(parts_ptr, tot_ptr, scratch_ptr, stage_ptr, st_ptr, row, NCHUNK, lo, hi, step, cnt_hi, mass_hi, m, p,
-            k, PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, NB_MAX: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr,
-            GJ: tl.constexpr, LAST: tl.constexpr, SCAN_MAX: tl.constexpr,
-            FINISH: tl.constexpr):
-    """Last program of the row: sum the slices' bin partials in slice order, pick the bin holding the
-    crossing of the target and store the row's next bracket (module docstring); a bracket of <= EXACT
+            k, PHASE: tl.constexpr, FIRST: tl.constexpr, NB: tl.constexpr, NB_MAX: tl.constexpr,
+            CHUNK: tl.constexpr, EXACT: tl.constexpr, NCHUNK_PAD: tl.constexpr, GJ: tl.constexpr,
+            LAST: tl.constexpr, SCAN_MAX: tl.constexpr, FINISH: tl.constexpr):
+    """Last program of the row: read the row's bin totals (tot_ptr: counts, fixed-point masses), pick the bin
+    holding the crossing of the target and store the row's next bracket (module docstring); a bracket of <= EXACT
     tokens is finished exactly instead (`_exact`), where its gather is short (no slice compacted more than
     SCAN_MAX bracket tokens this round) or no round of the phase is left (LAST); never without FINISH."""
     PSTRIDE: tl.constexpr = NB_MAX + 3
