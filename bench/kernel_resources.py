@@ -1,11 +1,14 @@
 """What a kernel costs an H200 SM before it runs: registers, spills, shared memory, CTAs an SM, MMA instructions.
 
-Compiles lingc's Triton kernels (the MoE GEMMs, the MLA split, the fused KDA kernels, the skinny GEMM) offline for
-sm_90 (triton.compile with a GPUTarget: no GPU needed, the ptxas and cuobjdump that ship with Triton do the rest) at
-Ling-3.0-tiny's shapes, with the launchers' 16-divisible pointers, and reads the cubin's resource usage. Use it to
+Compiles lingc's Triton kernels (the MoE GEMMs, the MLA split, the fused KDA kernels, the skinny GEMM, filtered_probs'
+round kernel) offline for sm_90 (triton.compile with a GPUTarget: no GPU needed, the ptxas and cuobjdump that ship with
+Triton do the rest) at Ling-3.0-tiny's shapes, with the launchers' 16-divisible pointers, and reads the cubin's
+resource usage and SASS. Use it to
 plan a device call: whether a tiling puts a verify's programs in one wave, whether a dot became a Hopper wgmma or
 stayed an mma.sync (the MoE pair grid's swap-AB tiles are wgmma; `bench/results/kernels-moe-swap-h200-20261202.json`
-is what that bought), whether a change spills. Numbers are ptxas's, not a measurement of speed.
+is what that bought), whether a change spills, and how many SASS instructions each loop body issues (`sass_loops`: a
+layout change can multiply a loop's work, as filtered_probs' binning step showed). Numbers are ptxas's, not a
+measurement of speed.
 
     python3 bench/kernel_resources.py            # one JSON line per kernel variant
 
@@ -57,11 +60,26 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     field = lambda name: int(re.search(rf"{name}:(\d+)", usage).group(1))   # noqa: E731
     regs, smem, ptx = field("REG"), kernel.metadata.shared, kernel.asm["ptx"]
     return {"registers": regs, "local_bytes": field("LOCAL") + field("STACK"), "shared_bytes": smem,
             "num_warps": num_warps, "num_stages": num_stages, "ctas_per_sm": ctas_per_sm(regs, smem, num_warps),
-            "mma_sync": ptx.count("mma.sync"), "wgmma": ptx.count("wgmma.mma_async")}
+            "mma_sync": ptx.count("mma.sync"), "wgmma": ptx.count("wgmma.mma_async"), "sass_loops": sass_loops(sass)}
+
+
+def sass_loops(sass: str) -> list[int]:
+    """The SASS instruction count of every loop body (a backward branch's target up to the branch), in code order:
+    what one iteration of a loop issues a warp, before stalls."""
+    pat = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
+    insts = [(int(m.group(1), 16), m.group(2)) for m in map(pat.match, sass.splitlines()) if m]
+    where = {addr: i for i, (addr, _) in enumerate(insts)}
+    loops = []
+    for i, (addr, text) in enumerate(insts):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in where:
+            loops.append((where[int(m.group(1), 16)], i - where[int(m.group(1), 16)] + 1))
+    return [n for _, n in sorted(loops)]
 
 
 def _moe_rows() -> list[dict]:
@@ -142,8 +160,27 @@ def _linear_rows() -> list[dict]:
                          _pointers(fn, ("K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_ym")))}]
 
 
+def _filtered_probs_rows() -> list[dict]:
+    """filtered_probs' round kernel at V = 157184 (77 slices): a phase's first round (32 bins over every token) and a
+    later one (256 bins). Its first loop is the binning step (SUB = cell / bins tokens an iteration)."""
+    import lingc.kernels.filtered_probs as F
+    fn, cfg = F._round_kernel, F.DEFAULT_CONFIG
+    types = {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32", "ticket_ptr": "*i32",
+             "totals_ptr": "*i64"}
+    rows = []
+    for nb, first in ((32, True), (256, False)):
+        const = dict(PHASE=1, FIRST=first, NB=nb, LOG2NB=nb.bit_length() - 1, NB_MAX=256, SUB=cfg.cell // nb,
+                     CHUNK=cfg.chunk, EXACT=cfg.exact, NCHUNK_PAD=128, GJ=max(1, F.PAIR_TILE // cfg.exact),
+                     LAST=False, SCAN_MAX=cfg.scan_max, FINISH=True, PDL=True)
+        sig = {a: types.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in const}
+        name = f"filtered_probs round ({nb} bins{', first' if first else ''})"
+        rows.append({"kernel": name, "config": {"bins": nb, "sub": cfg.cell // nb, "chunk": cfg.chunk},
+                     **resources(fn, sig, const, cfg.num_warps, 1, _pointers(fn, ("V", "stride_b", "stride_t")))})
+    return rows
+
+
 def run() -> list[dict]:
-    return _moe_rows() + _mla_rows() + _kda_rows() + _linear_rows()
+    return _moe_rows() + _mla_rows() + _kda_rows() + _linear_rows() + _filtered_probs_rows()
 
 
 if __name__ == "__main__":
