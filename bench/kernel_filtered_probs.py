@@ -172,6 +172,10 @@ def sweep(device: torch.device, only: tuple[str, ...] = ()):
         "cell4096": FilteredProbsConfig(cell=4096),
         "chunk1024": FilteredProbsConfig(chunk=1024),
         "rounds2+2": FilteredProbsConfig(bins_k=(32, 256), bins_p=(32, 256)),
+        # a 64-bin second round: offline sm_90 SASS, a binning step costs a warp ~4.9 instructions a token at 64 bins
+        # against ~21 at 256, and a flat row's second round bins ~245 tokens a slice (untimed, 2026-12-06)
+        "p32_64_256": FilteredProbsConfig(bins_p=(32, 64, 256)),
+        "k32_64_p32_64_256": FilteredProbsConfig(bins_k=(32, 64), bins_p=(32, 64, 256)),
     }
     for name, cfg in configs.items():
         if only and name not in only:
