@@ -29,7 +29,8 @@ for line in open('$OUT/fp-$1.jsonl'):
     print('$1', d.get('config', ''), d['shape'][1], d['mode'], 'ok' if d['ok'] else 'BAD', round(d.get('time_us', -1), 1))"
 }
 fp old /tmp/lingc-old 100
-fp new /tmp/lingc-site 180 "--sweep --sweep-configs ${SWEEP:-default,p32_64_256,k32_64_p32_64_256}"
+# the sweep's sets in priority order: ~3.5 sets fit the 180 s after the modes' rows (2026-12-06)
+fp new /tmp/lingc-site 180 "--sweep --sweep-configs ${SWEEP:-p32_64_256,chunk512,chunk1024,k32_64_p32_64_256}"
 variants=(--variant 'base:')
 for v in "$@"; do variants+=(--variant "$v"); done
 variants+=(--variant 'base2:')

@@ -171,6 +171,10 @@ def sweep(device: torch.device, only: tuple[str, ...] = ()):
         "warps8": FilteredProbsConfig(num_warps=8),
         "cell4096": FilteredProbsConfig(cell=4096),
         "chunk1024": FilteredProbsConfig(chunk=1024),
+        # more, shorter slices: since the row totals (2026-12-06) the deciding program no longer reads every slice's
+        # partials, which is what made chunk 1024 slower before (71.9 against 63.7 us, peaked top-p, H100)
+        "chunk512": FilteredProbsConfig(chunk=512),
+        "chunk1024_p32_64_256": FilteredProbsConfig(chunk=1024, bins_p=(32, 64, 256)),
         "rounds2+2": FilteredProbsConfig(bins_k=(32, 256), bins_p=(32, 256)),
         # a 64-bin second round: offline sm_90 SASS, a binning step costs a warp ~4.9 instructions a token at 64 bins
         # against ~21 at 256, and a flat row's second round bins ~245 tokens a slice (untimed, 2026-12-06)
