@@ -161,8 +161,9 @@ def run(device: torch.device, coarse: bool = False):
 
 
 def sweep(device: torch.device, only: tuple[str, ...] = ()):
-    """Kernel time (PDL on) of a few tunable sets, T = 1 and 6: greedy (the launch floor), flat top-p (the
-    search's worst case) and top-k 50 + top-p 0.9 (both phases)."""
+    """Kernel time (PDL on) of a few tunable sets (`only`: these names), T = 1 and 6: greedy (the launch floor),
+    peaked and flat top-p (flat: the search's worst case) and top-k 50 + top-p 0.9 (both phases); a row is yielded
+    as it is measured."""
     from lingc.kernels.filtered_probs import FilteredProbsConfig
 
     configs = {
