@@ -8,7 +8,7 @@ Job: logits [B, T, V] (fp32 / bf16 / fp16), temperature / top_k / top_p [B] -> f
 The reference sorts all V values of every row; this module finds the filter's value threshold instead.
 
 Work split: every kernel runs one program per (CHUNK-element slice of a row, row): grid (cdiv(V, CHUNK), B*T),
-so a row is spread over many SMs (V = 157184 with CHUNK = 2048: 77 programs a row). Launches, in order:
+so a row is spread over many SMs (V = 157184 with CHUNK = 1024: 154 programs a row). Launches, in order:
   1. stats   per slice: max and sum(exp(x - max)) of x = logits / T, the finite minimum, the argmax of the raw
              logits (lowest id). The program of slice 0 zeroes the row's round tickets.
   2. rounds  len(bins_k) top-k rounds, then len(bins_p) top-p rounds (below); rows with nothing to search
@@ -39,10 +39,10 @@ Z_final = mass(x >= lo), both in the row state. Top-p starts from the top-k thre
 top-k, then top-p. Each program first compacts its bracket tokens into its own slice of the output row
 (scratch until the write kernel), so the NB-wide one-hot work after the first round of a phase scales with
 the bracket, not the slice. The first round of a phase uses few bins (it sees every token), later ones many.
-Default rounds: top-k (32, 256), top-p (32, 256, 256) bins. Top-k 50 resolves in round 2 (the crossing bin
+Default rounds: top-k (32, 256), top-p (32, 64, 256) bins. Top-k 50 resolves in round 2 (the crossing bin
 near the max holds <= 512 tokens; its gather waits a round), LM-like top-p in round 1 or 2; flat rows (top-p
-0.9 keeping ~60% of a 157k vocabulary, top-k in the bulk) in round 3 (the bracket shrinks ~20x, then ~250x to
-a few tokens a slice, which round 3 bins and finishes exactly).
+0.9 keeping ~60% of a 157k vocabulary, top-k in the bulk) by round 3 (the bracket shrinks ~20x in round 1 and
+again ~50x in round 2's 64 bins, leaving a few tokens a slice for the exact finish or round 3).
 
 Measured (H100, 2026-12-06, one row / six rows, V = 157184, cold logits, PDL on; bench/kernel_filtered_probs.py,
 bench/results/kernel-filtered-probs-h100-20261206-ab.json): top-p 0.9 peaked 34.9 / 50.1 us, flat 47.6 / 74.5,
@@ -51,6 +51,14 @@ summing every slice's partials, a cross-thread gather, scan_max 512) took 95.3 /
 106.0 / 156.8. Same rows at scan_max 512: flat 68.5 / 91.0, the others level. num_warps 8: one row 1-5 us faster,
 six rows 8-13 us slower, the sampled step 50 us slower: 4 stays. The sampled NEXTN step (general graphs,
 temperature 0.8, top-p 0.95; bench/results/step-sampling-ab-h100-20261206.json): 5.077 ms -> 4.086 ms.
+Since 2026-12-06's second sweep the default is CHUNK 1024 (was 2048) and a 64-bin second top-p round (was 256):
+one row / six rows peaked 31.2 / 54.1 us, flat 33.5 / 63.4, top-k 50 + top-p 0.9 34.2 / 62.4, greedy 9.3 / 17.9,
+against 34.4 / 49.6, 47.0 / 73.7, 39.4 / 57.3 and 8.5 / 14.1 for the previous default in the same H100 session
+(bench/results/kernel-filtered-probs-sweep-h100-20261206.json); chunk 512 was faster at one row and much slower at
+six. The step weighs one-row calls five to one (four draws and the extend against verify's six rows): sampled NEXTN
+4.116 / 4.117 -> 4.042 ms, chunk 1024 alone 4.071, the 64-bin round alone 4.074, greedy graphs unchanged
+(step-sampling-ab-h100-20261206-b.json, one process). A numerics change at rounding level (other slices, so other
+per-slice fp32 sums before the fixed point; other bin edges on the way to the same kept sets).
 
 Cross-program step: each program bins its bracket tokens (bins on dim 0 and tokens on dim 1 of the one-hot tile, so
 a token's load, exp and search run on few threads; the next step's tokens loaded before this step's are binned),
@@ -119,10 +127,10 @@ class FilteredProbsConfig:
     crossing bin, so the kept set is a superset of the filter's (the whole bin kept) and the distribution a coarse
     one. A draft may sample from such a distribution (speculative sampling stays exact for any draft distribution
     it both samples from and relays); no graph uses it yet: `bench/kernel_filtered_probs.py --coarse` prices it."""
-    chunk: int = 2048
+    chunk: int = 1024
     num_warps: int = 4
     bins_k: tuple[int, ...] = (32, 256)
-    bins_p: tuple[int, ...] = (32, 256, 256)
+    bins_p: tuple[int, ...] = (32, 64, 256)
     cell: int = 2048
     exact: int = 512
     scan_max: int = 64        # an exact finish before the phase's last round only if no slice holds more bracket tokens
