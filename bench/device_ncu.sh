@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute over lingc's heaviest step kernels on the H200 (bench/device_ncu.py): per target one CSV of
 # SpeedOfLight / WarpStateStats / LaunchStats / Occupancy, a JSON summary, and for the MLA split, the fused KDA
-# verify kernel, decode's MoE up GEMM and filtered_probs' second top-p round (flat logits) the per-SASS-instruction
-# stall samples (--page source).
+# verify kernel, decode's MoE up GEMM and filtered_probs' rounds that run an exact finish or bin a flat row (flat,
+# top-k 50 + top-p, peaked logits) the per-SASS-instruction stall samples (--page source).
 #
 #   bash bench/device_ncu.sh OUT_DIR [targets...]      # about 3 minutes for the default targets
 #   bash bench/device_ncu.sh OUT_DIR fp_peaked1 fp_flat1 fp_flat6 fp_k50p1    # filtered_probs, launch by launch
@@ -25,9 +25,10 @@ for t in $TARGETS; do
     python3 bench/device_ncu.py "$t" > "$OUT/csv/$t.csv" 2> "/tmp/ncu/$t.err" || tail -5 "/tmp/ncu/$t.err"
 done
 # TARGET:KERNEL_REGEX[:SKIP]: the first matching launch after SKIP of them (fp_flat1's fourth round kernel is top-p's
-# second round, the one holding its exact finish)
+# second round; fp_k50p1's third is top-p's first, which finishes the ~50 top-k tokens exactly; fp_peaked1's fourth is
+# top-p's second, where its exact finish runs)
 for spec in "mla6:_split_kernel" "kda6:_kda_(fused|gluon)_kernel" "kda1:_kda_(fused|gluon)_kernel" "moe1:_moe" \
-            "fp_flat1:_round_kernel:3"; do
+            "fp_flat1:_round_kernel:3" "fp_k50p1:_round_kernel:2" "fp_peaked1:_round_kernel:3"; do
   t=${spec%%:*}; k=${spec#*:}; skip=0
   case $k in *:*) skip=${k#*:}; k=${k%%:*};; esac
   case " $TARGETS " in *" $t "*) ;; *) continue;; esac
