@@ -119,10 +119,54 @@ KEEP = ("Duration", "Memory Throughput", "DRAM Throughput", "L2 Cache Throughput
         "Dynamic Shared Memory Per Block", "Static Shared Memory Per Block")
 
 
+SASS_TOP = 12       # instructions listed a SASS profile, by stall samples
+SASS_WINDOW = 100   # instructions a bucket of the profile's sample histogram
+
+
+def sass_summary(path: Path) -> dict:
+    """One `ncu --page source --csv --print-source sass` dump (device_ncu.sh's TARGET_sass.txt) in brief: the stall
+    samples in all, their share by SASS_WINDOW-instruction bucket (where the kernel's time sits: entry, loops, tail),
+    and the SASS_TOP instructions with the most samples, each with its share, executions, source text and its two
+    largest stall reasons. A map of where warps wait, in samples, not time: a lone program's serial tail (e.g. one
+    deciding program of many) weighs one program's samples however long it sets the kernel's end."""
+    rows = list(csv.reader(path.read_text(errors="replace").splitlines()))
+    start = next((i for i, r in enumerate(rows) if "Warp Stall Sampling (All Samples)" in r), None)
+    if start is None:
+        return {"error": "no 'Warp Stall Sampling (All Samples)' column"}
+    head, body = rows[start], rows[start + 1:]
+    col = {name: head.index(name) for name in ("Warp Stall Sampling (All Samples)", "Source", "Instructions Executed")}
+    reasons = [(i, h[len("stall_"):]) for i, h in enumerate(head) if h.startswith("stall_") and "Not Issued" not in h]
+
+    def num(r: list, i: int) -> float:
+        try:
+            return float(r[i].replace(",", "")) if i < len(r) and r[i] else 0.0
+        except ValueError:
+            return 0.0
+
+    samples = [(num(r, col["Warp Stall Sampling (All Samples)"]), i, r) for i, r in enumerate(body)]
+    total = sum(s for s, _, _ in samples)
+    if total <= 0:
+        return {"samples": 0, "instructions": len(body)}
+    buckets: dict[int, float] = {}
+    for s, i, _ in samples:
+        buckets[i // SASS_WINDOW] = buckets.get(i // SASS_WINDOW, 0.0) + s
+    top = []
+    for s, i, r in sorted((x for x in samples if x[0] > 0), key=lambda x: -x[0])[:SASS_TOP]:
+        why = sorted(((num(r, j), name) for j, name in reasons), reverse=True)[:2]
+        top.append({"index": i, "share": round(s / total, 4), "executed": num(r, col["Instructions Executed"]),
+                    "sass": r[col["Source"]].strip() if col["Source"] < len(r) else "",
+                    "stalls": {name: v for v, name in why if v > 0}})
+    return {"samples": total, "instructions": len(body),
+            "by_instructions": {f"{b * SASS_WINDOW}-{(b + 1) * SASS_WINDOW - 1}": round(v / total, 4)
+                                for b, v in sorted(buckets.items()) if v > 0},
+            "top": top}
+
+
 def summarise(csv_dir: str, out: str) -> None:
     """The CSVs of `ncu --csv --page details` (one per target) as one JSON: per target and kernel (the last
     profiled launch of each name; for the fp_* targets every launch of the last call, numbered in order), the KEEP
-    metrics and the five largest 'Stall *' warp states."""
+    metrics and the five largest 'Stall *' warp states; and, where device_ncu.sh dumped a kernel's SASS stall
+    samples (TARGET_sass.txt), their `sass_summary` under the target's "sass" key."""
     table = {}
     for path in sorted(Path(csv_dir).glob("*.csv")):
         text = path.read_text(errors="replace")
@@ -150,6 +194,8 @@ def summarise(csv_dir: str, out: str) -> None:
             for m, _ in stalls[5:]:
                 del k[m]
         table[path.stem] = kernels
+    for path in sorted(Path(csv_dir).glob("*_sass.txt")):
+        table.setdefault(path.stem[:-len("_sass")], {})["sass"] = sass_summary(path)
     Path(out).write_text(json.dumps(table, indent=1))
     print(json.dumps(table, indent=1)[:20000])
 
