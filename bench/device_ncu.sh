@@ -44,8 +44,9 @@ t = json.load(open(sys.argv[1]))
 for target, ks in t.items():
     for name, m in ks.items():
         if name == "sass":   # the SASS stall samples' summary (device_ncu.py sass_summary): its three largest
-            for t in m.get("top", [])[:3]:
-                print(f"{target:8s} sass {t['index']:5d} {t['share'] * 100:5.1f}% {t['sass'][:44]:44s} {t['stalls']}")
+            for row in m.get("top", [])[:3]:
+                print(f"{target:8s} sass {row['index']:5d} {row['share'] * 100:5.1f}% {row['sass'][:44]:44s} "
+                      f"{row['stalls']}")
             continue
         st = {k[6:]: v for k, v in m.items() if k.startswith("Stall ")}
         print(f"{target:8s} {name[:34]:34s} dur {m.get('Duration', '?')!s:>7} dram% {m.get('DRAM Throughput', '?')!s:>6} "
