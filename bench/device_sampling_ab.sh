@@ -30,7 +30,7 @@ for line in open('$OUT/fp-$1.jsonl'):
 }
 fp old /tmp/lingc-old 100
 # the sweep's sets in priority order: ~3.5 sets fit the 180 s after the modes' rows (2026-12-06)
-fp new /tmp/lingc-site 180 "--sweep --sweep-configs ${SWEEP:-p32_64_256,chunk512,chunk1024,k32_64_p32_64_256}"
+fp new /tmp/lingc-site 180 "--sweep --sweep-configs ${SWEEP:-prev,k32_64,rounds2+2,cell4096}"
 variants=(--variant 'base:')
 for v in "$@"; do variants+=(--variant "$v"); done
 variants+=(--variant 'base2:')

@@ -166,21 +166,19 @@ def sweep(device: torch.device, only: tuple[str, ...] = ()):
     as it is measured."""
     from lingc.kernels.filtered_probs import FilteredProbsConfig
 
+    # each set differs from the default (chunk 1024, top-k bins (32, 256), top-p bins (32, 64, 256) since the 2026-12-06
+    # second sweep, bench/results/kernel-filtered-probs-sweep-h100-20261206.json) in the fields it names
     configs = {
         "default": FilteredProbsConfig(),
+        "prev": FilteredProbsConfig(chunk=2048, bins_p=(32, 256, 256)),      # the default before that sweep
+        "chunk2048": FilteredProbsConfig(chunk=2048),
+        "chunk512": FilteredProbsConfig(chunk=512),                          # faster at one row, much slower at six
+        "p32_256_256": FilteredProbsConfig(bins_p=(32, 256, 256)),
+        "k32_64": FilteredProbsConfig(bins_k=(32, 64)),
+        "rounds2+2": FilteredProbsConfig(bins_k=(32, 256), bins_p=(32, 256)),
         "scan512": FilteredProbsConfig(scan_max=512),
         "warps8": FilteredProbsConfig(num_warps=8),
         "cell4096": FilteredProbsConfig(cell=4096),
-        "chunk1024": FilteredProbsConfig(chunk=1024),
-        # more, shorter slices: since the row totals (2026-12-06) the deciding program no longer reads every slice's
-        # partials, which is what made chunk 1024 slower before (71.9 against 63.7 us, peaked top-p, H100)
-        "chunk512": FilteredProbsConfig(chunk=512),
-        "chunk1024_p32_64_256": FilteredProbsConfig(chunk=1024, bins_p=(32, 64, 256)),
-        "rounds2+2": FilteredProbsConfig(bins_k=(32, 256), bins_p=(32, 256)),
-        # a 64-bin second round: offline sm_90 SASS, a binning step costs a warp ~4.9 instructions a token at 64 bins
-        # against ~21 at 256, and a flat row's second round bins ~245 tokens a slice (untimed, 2026-12-06)
-        "p32_64_256": FilteredProbsConfig(bins_p=(32, 64, 256)),
-        "k32_64_p32_64_256": FilteredProbsConfig(bins_k=(32, 64), bins_p=(32, 64, 256)),
     }
     for name, cfg in configs.items():
         if only and name not in only:
