@@ -26,10 +26,11 @@ EARLY_MAX_ROWS (16) where the pdl pass launches it early (`launched_early`: the 
 triggers at entry, so the ring fills while the kernel before that runs: verify's o_proj and MLA dense). Choosing by
 rows keeps row invariance because the two paths give the same bits. In Ling-3.0-tiny: o_proj, the MLA dense and the
 MLA q_a / kv_a / gate projection (split 4, 3-4 blocks a slice); the 31.5 MB KDA projection and the lm_head (12
-blocks a program) stay on the Triton kernel. With PARTIAL_RING (off) a one-wave grid with a longer slice runs here on
-a ring of its first blocks (the KDA projection: 3 of 12 before the wait, the rest refilled as the MMAs free slots);
-same bits, level in the step (2026-12-03). Where the kernel does not compile (another Triton's Gluon), `launch` warns
-once and the Triton kernel runs.
+blocks a program) stay on the Triton kernel, except that with PARTIAL_RING (on) a one-wave grid with a longer slice
+runs here on a ring of its first blocks (the one-row KDA projection and the dense layer's gate_up: 3 of 12 before the
+wait, the rest refilled as the MMAs free slots); same bits, greedy decode -8 to -13 us on the H200 and an H100
+(2026-12-06; level on 2026-12-03). Where the kernel does not compile (another Triton's Gluon), `launch` warns once
+and the Triton kernel runs.
 
 Measured on the H200 (2026-12-03). Alone, behind a short PDL producer (bench/gluon_linear_probe.py): o_proj 4.34 ->
 4.01 us at 1 row and 4.34 -> 3.70 at 6, q_a/kv_a/g 3.45 -> 2.88 at 1. Per launch in the step (launches-tma-h200-
@@ -75,11 +76,15 @@ BLOCK_M = 16             # rows (the wgmma N); must equal kernels/linear.py BLOC
 BLOCK_N = 64             # weight rows a program (the wgmma M)
 BLOCK_K = 128
 MAX_BLOCKS = 4           # the slice's blocks, all in flight before the wait
-PARTIAL_RING = os.environ.get("LINGC_LINEAR_TMA_PARTIAL", "0") == "1"   # longer slices: a ring of up to MAX_BLOCKS
-                         # blocks, its first fill before the wait (one-wave grids only; `ring_blocks`). Off: on the
-                         # H200 (the KDA projection, 3 of 12 blocks early) greedy decode 1.158 / 1.160 vs 1.163 / 1.164
-                         # ms, general 1.184 / 1.172 vs 1.174 / 1.173, NEXTN level: within noise
-                         # (step-ab-h200-20261203-j.json); same bits as the Triton kernel at 1-16 rows (-check-...-b)
+PARTIAL_RING = os.environ.get("LINGC_LINEAR_TMA_PARTIAL", "1") == "1"   # longer slices: a ring of up to MAX_BLOCKS
+                         # blocks, its first fill before the wait (one-wave grids only; `ring_blocks`). On by default
+                         # since 2026-12-06: the one-row KDA projection (3 of 12 blocks early) took the greedy decode
+                         # step from 1.135 / 1.132 to 1.122 ms and general decode from 1.144 / 1.146 to 1.137 on the
+                         # H200 (step-ab-h200-20261206-ring.json), and on an H100 greedy decode 1.327 / 1.317 -> 1.311 /
+                         # 1.310 (step-ab-h100-20261206-ring.json); verify and NEXTN level; greedy parity held
+                         # (step-parity-ring-h100-20261206.json). 2026-12-03 had measured it within noise
+                         # (step-ab-h200-20261203-j.json). Same bits as the Triton kernel at 1-16 rows
+                         # (gluon-linear-check-h200-20261203-b.json). LINGC_LINEAR_TMA_PARTIAL=0 turns it off
 SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses

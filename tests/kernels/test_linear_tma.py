@@ -30,13 +30,15 @@ def _tiny_shapes() -> dict[str, tuple[int, int]]:
 
 
 def test_which_ling_tiny_linears_take_the_tma_path():
-    """The module docstring's list: the 3-4-block slices do, the long streams stay on the Triton kernel."""
-    want = {"kda_o_proj": True, "mla_dense": True, "mla_q_a_kv_a_g": True, "kda_projection": False,
-            "lm_head": False, "dense_gate_up": False}
+    """The module docstring's list: the 3-4-block slices do, and (PARTIAL_RING, on by default) the one-wave KDA
+    projection and the dense layer's gate_up on a partial ring; the multi-wave lm_head stays on the Triton kernel.
+    264 programs: one wave at 2 CTAs an SM on 132 SMs (H100, H200)."""
+    want = {"kda_o_proj": True, "mla_dense": True, "mla_q_a_kv_a_g": True, "kda_projection": T.PARTIAL_RING,
+            "lm_head": False, "dense_gate_up": T.PARTIAL_RING}
     got = {}
     for name, (n, k) in _tiny_shapes().items():
         cfg = L.pick_config(n, k, torch.bfloat16)
-        got[name] = T.fits(n, k, cfg.split_k, cfg.block_n, cfg.block_k, 2)
+        got[name] = T.fits(n, k, cfg.split_k, cfg.block_n, cfg.block_k, 2, 264)
     assert got == want
 
 
@@ -48,7 +50,9 @@ def test_which_ling_tiny_linears_take_the_tma_path():
     ((1536, 2048, 2, 64, 128, 2), False),      # 8 blocks a slice: more than the ring
     ((1536, 2048, 1, 64, 128, 2), False),
 ])
-def test_shape_rule(case, want):
+def test_shape_rule(case, want, monkeypatch):
+    """The whole-slice rule (PARTIAL_RING off; the ring's own rule: test_partial_ring_rule)."""
+    monkeypatch.setattr(T, "PARTIAL_RING", False)
     assert T.fits(*case) is want
 
 
@@ -152,12 +156,13 @@ def test_weight_blocks_are_issued_before_the_wait(split: int, kps: int, early: b
 
 
 def test_partial_ring_rule(monkeypatch):
-    """PARTIAL_RING (off by default): a slice longer than MAX_BLOCKS gets a ring of the most blocks (>= 2) that keep 2
-    CTAs an SM, where the grid is one wave; the KDA projection (12 blocks, 161 programs) takes 3, the lm_head (2456
-    programs) none."""
+    """PARTIAL_RING (on by default since 2026-12-06): a slice longer than MAX_BLOCKS gets a ring of the most blocks
+    (>= 2) that keep 2 CTAs an SM, where the grid is one wave; the KDA projection (12 blocks, 161 programs) takes 3,
+    the lm_head (2456 programs) none; off (LINGC_LINEAR_TMA_PARTIAL=0), no ring: the Triton kernel."""
     shapes = _tiny_shapes()
     n, k = shapes["kda_projection"]
-    assert T.ring_blocks(n, k, 1, 64, 128, 2, 264) == (0 if not T.PARTIAL_RING else 3)
+    monkeypatch.setattr(T, "PARTIAL_RING", False)
+    assert T.ring_blocks(n, k, 1, 64, 128, 2, 264) == 0
     monkeypatch.setattr(T, "PARTIAL_RING", True)
     assert T.ring_blocks(n, k, 1, 64, 128, 2, 264) == 3
     assert T.smem_bytes(k, 2, 3) <= T.SMEM_2_CTAS < T.smem_bytes(k, 2, 4)
