@@ -206,7 +206,7 @@ def run(m_values=(1, 6)) -> dict:
 def check_lingc() -> dict:
     """lingc's linear with its TMA path (kernels/linear_tma.py, switched on here for every row count) against the same
     call on the Triton kernel, bit for bit, at shapes that take it (the KDA projection's on the partial ring) and one
-    that does not, 1-16 rows, PDL (eager)."""
+    that does not, 1-16 rows with x by TMA (X_TMA) and 1 and 6 through registers, PDL (eager)."""
     from lingc.kernels import linear as L
     from lingc.kernels import linear_tma as T
     dev = torch.device("cuda")
@@ -215,19 +215,20 @@ def check_lingc() -> dict:
     for n, k in ((1536, 2048), (848, 1536), (1536, 4096), (10256, 1536)):   # the last: a partial ring (PARTIAL_RING)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         cfg = L.pick_config(n, k, torch.bfloat16)
-        for m in (1, 6, 16):
+        for m, x_tma in ((1, True), (6, True), (16, True), (1, False), (6, False)):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
-            enabled, max_rows, partial = T.ENABLED, T.MAX_ROWS, T.PARTIAL_RING
+            enabled, max_rows, partial, xt = T.ENABLED, T.MAX_ROWS, T.PARTIAL_RING, T.X_TMA
             try:
-                T.ENABLED, T.MAX_ROWS, T.PARTIAL_RING = True, L.MAX_ROWS, True
+                T.ENABLED, T.MAX_ROWS, T.PARTIAL_RING, T.X_TMA = True, L.MAX_ROWS, True, x_tma
                 took = T.eligible(x, w, cfg, True, False)
                 y_tma = L.linear(x, w, pdl=True)
                 T.ENABLED = False
                 y_triton = L.linear(x, w, pdl=True)
             finally:
-                T.ENABLED, T.MAX_ROWS, T.PARTIAL_RING = enabled, max_rows, partial
+                T.ENABLED, T.MAX_ROWS, T.PARTIAL_RING, T.X_TMA = enabled, max_rows, partial, xt
             torch.cuda.synchronize()
-            rows.append({"n": n, "k": k, "m": m, "tma_path": took, "equal": bool(torch.equal(y_tma, y_triton))})
+            rows.append({"n": n, "k": k, "m": m, "tma_path": took, "x_tma": took and T.x_tma(x, w) if x_tma else False,
+                         "equal": bool(torch.equal(y_tma, y_triton))})
     return {"rows": rows, "all_equal": all(r["equal"] for r in rows)}
 
 

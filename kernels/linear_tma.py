@@ -85,6 +85,12 @@ PARTIAL_RING = os.environ.get("LINGC_LINEAR_TMA_PARTIAL", "1") == "1"   # longer
                          # (step-parity-ring-h100-20261206.json). 2026-12-03 had measured it within noise
                          # (step-ab-h200-20261203-j.json). Same bits as the Triton kernel at 1-16 rows
                          # (gluon-linear-check-h200-20261203-b.json). LINGC_LINEAR_TMA_PARTIAL=0 turns it off
+# x lands by TMA too (one [BM, BK] box a block, rows past M zero-filled by the copy engine, one mbarrier a block), so
+# block b's wgmma waits only for its own x and weight boxes, instead of the whole x slice going through registers
+# (masked loads, shared-memory stores, a fence) before the first wgmma. Same values in the same shared-memory tiles:
+# the same bits. Not for GATED (its x is normed on the way) or an x whose rows are not 16 B aligned.
+# LINGC_LINEAR_TMA_X=0: the register path
+X_TMA = os.environ.get("LINGC_LINEAR_TMA_X", "1") == "1"
 SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
@@ -180,17 +186,19 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _linear_tma_kernel(w_desc, x_ptr, y_ptr, part_ptr, count_ptr, g_ptr, nw_ptr, M, N, stride_xm, stride_ym,
-                           stride_gm, eps, inv_d,
+    def _linear_tma_kernel(w_desc, x_desc, x_ptr, y_ptr, part_ptr, count_ptr, g_ptr, nw_ptr, M, N, stride_xm,
+                           stride_ym, stride_gm, eps, inv_d,
                            K_PER_SPLIT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
                            SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr, RING: gl.constexpr,
-                           GATED: gl.constexpr = False):
+                           GATED: gl.constexpr = False, X_TMA: gl.constexpr = False):
         """Program (n, s): y[:, n-tile] (S = 1) or its slice-s partial (module docstring). Launched with PDL only.
         RING < KB (the partial ring): blocks 0..RING-1 land before the wait, block b + RING refills block b's slot
         once its wgmma has completed (same blocks, same order, same instruction: the same bits).
         GATED (gated_rmsnorm_linear, heads of BK): each x block is one head, built as gated_rmsnorm does it,
         x * rstd * nw * sigmoid(g) in fp32 with rstd = rsqrt(sum(x^2) * (1/BK) + eps), rounded to x's dtype; the
-        norm weight (a weight) is read before the wait, x and the gate after it."""
+        norm weight (a weight) is read before the wait, x and the gate after it.
+        X_TMA (not with GATED): x_desc's [BM, BK] boxes after the wait, one mbarrier a block, rows past M zero-filled
+        by the copy engine as the register path's masked loads fill them; block b's wgmma waits for its own box."""
         KB: gl.constexpr = K_PER_SPLIT // BK
         pid_n = gl.program_id(0)
         pid_s = gl.program_id(1)
@@ -213,25 +221,35 @@ if HAVE_GLUON:
             gluon_gdc_launch_dependents()
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], w_desc.dtype)
         x_smem = gl.allocate_shared_memory(w_desc.dtype, [KB, BM, BK], x_layout)
-        for b in gl.static_range(KB):       # x [rows, slice], K-major: the wgmma B operand, permuted
-            row_ok = (offs_m < M)[:, None]
-            xv = gl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + b * BK + offs_k)[None, :], mask=row_ok,
-                         other=0.0)
-            if GATED:                       # one head: a row's sum is its 16 lanes' (shuffles, no barrier)
-                gv = gl.load(g_ptr + offs_m[:, None] * stride_gm + (k0 + b * BK + offs_k)[None, :], mask=row_ok,
-                             other=0.0).to(gl.float32)
-                xf = xv.to(gl.float32)
-                rstd = gl.rsqrt(gl.sum(xf * xf, axis=1) * inv_d + eps)
-                one = gl.full([BM, BK], 1.0, gl.float32, xl)
-                gate = gl.div_rn(one, 1.0 + libdevice.exp(-gv))     # kernels/kda.py _sigmoid, PRECISE
-                xv = (xf * rstd[:, None] * nw[None, :] * gate).to(x_ptr.dtype.element_ty)
-            x_smem.index(b).store(xv.to(w_desc.dtype))
-        fence_async_shared()
+        if X_TMA:                           # x [rows, slice] by TMA, a box a block (written by the previous kernel)
+            x_bars = gl.allocate_shared_memory(gl.int64, [KB, 1], mbarrier.MBarrierLayout())
+            for b in gl.static_range(KB):
+                mbarrier.init(x_bars.index(b), count=1)
+            for b in gl.static_range(KB):
+                mbarrier.expect(x_bars.index(b), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [0, k0 + b * BK], x_bars.index(b), x_smem.index(b))
+        else:
+            for b in gl.static_range(KB):   # x [rows, slice], K-major: the wgmma B operand, permuted
+                row_ok = (offs_m < M)[:, None]
+                xv = gl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + b * BK + offs_k)[None, :], mask=row_ok,
+                             other=0.0)
+                if GATED:                       # one head: a row's sum is its 16 lanes' (shuffles, no barrier)
+                    gv = gl.load(g_ptr + offs_m[:, None] * stride_gm + (k0 + b * BK + offs_k)[None, :], mask=row_ok,
+                                 other=0.0).to(gl.float32)
+                    xf = xv.to(gl.float32)
+                    rstd = gl.rsqrt(gl.sum(xf * xf, axis=1) * inv_d + eps)
+                    one = gl.full([BM, BK], 1.0, gl.float32, xl)
+                    gate = gl.div_rn(one, 1.0 + libdevice.exp(-gv))     # kernels/kda.py _sigmoid, PRECISE
+                    xv = (xf * rstd[:, None] * nw[None, :] * gate).to(x_ptr.dtype.element_ty)
+                x_smem.index(b).store(xv.to(w_desc.dtype))
+            fence_async_shared()
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
         acc = gl.zeros([BN, BM], gl.float32, acc_layout)
         for b in gl.static_range(KB):
             mbarrier.wait(bars.index(b % RING), (b // RING) % 2)
+            if X_TMA:
+                mbarrier.wait(x_bars.index(b), 0)
             acc = warpgroup_mma(w_smem.index(b % RING), x_smem.index(b).permute((1, 0)), acc)   # waits for the MMA
             if b + RING < KB:               # the partial ring: refill the slot this block's MMA has finished with
                 mbarrier.expect(bars.index(b % RING), w_desc.block_type.nbytes)
@@ -239,6 +257,9 @@ if HAVE_GLUON:
                                                 w_smem.index(b % RING))
         for b in gl.static_range(RING):
             mbarrier.invalidate(bars.index(b))
+        if X_TMA:
+            for b in gl.static_range(KB):
+                mbarrier.invalidate(x_bars.index(b))
         if not EARLY_TRIGGER:
             gluon_gdc_launch_dependents()  # the late trigger: after the last read of the previous kernel's output
         ol: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [0, 1])
@@ -262,11 +283,19 @@ if HAVE_GLUON:
                 gl.store(count_ptr + pid_n, 0)                                 # ready for the next launch
 
 
-def _descriptor(weight: torch.Tensor):
-    """The weight's TMA descriptor ([BN, BK] boxes). Made per launch, not cached: a cache would keep every weight it
-    saw alive; Triton encodes the descriptor into the launch's arguments, so a captured graph keeps its own."""
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], _GL_DTYPES[weight.dtype])
-    return TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], layout)
+def _descriptor(t: torch.Tensor, box_rows: int = BLOCK_N):
+    """A [box_rows, BK]-box TMA descriptor of a 2-D tensor: the weight's ([BN, BK] boxes) or, for X_TMA, the rows'
+    ([BM, BK] boxes; rows past M read as zeros). Made per launch, not cached: a cache would keep every tensor it saw
+    alive; Triton encodes the descriptor into the launch's arguments, so a captured graph keeps its own."""
+    layout = gl.NVMMASharedLayout.get_default_for([box_rows, BLOCK_K], _GL_DTYPES[t.dtype])
+    return TensorDescriptor.from_tensor(t, [box_rows, BLOCK_K], layout)
+
+
+def x_tma(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a plain launch lands x by TMA (X_TMA): the knob, x in the weight's dtype, unit-stride rows whose base
+    and row stride are 16 B aligned (a TMA descriptor's rules)."""
+    return (X_TMA and rows.dtype == weight.dtype and rows.dim() == 2 and rows.stride(1) == 1
+            and rows.data_ptr() % 16 == 0 and (rows.stride(0) * rows.element_size()) % 16 == 0)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if HAVE_GLUON else {}
@@ -283,14 +312,16 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: 
     grid = (-(-n // BLOCK_N), split_k)
     ring = ring_blocks(n, k, split_k, BLOCK_N, BLOCK_K, weight.element_size())
     if gated is None:
-        g, nw, eps, extra = rows, rows, 0.0, {}                  # rows: never-read stand-ins
+        g, nw, eps, extra = rows, rows, 0.0, {"X_TMA": x_tma(rows, weight)}   # rows: never-read stand-ins
         failed, what, knob = FAILED, "the TMA linear (kernels/linear_tma.py)", "LINGC_LINEAR_TMA"
     else:                                                        # the norm's mul + add apart, as gated_rmsnorm's
         g, nw, eps, extra = gated.gate, gated.norm_weight, gated.eps, {"GATED": True, "enable_fp_fusion": False}
         failed, knob = GATED_FAILED, "LINGC_LINEAR_TMA_GATED"
         what = "the TMA linear's GATED path (kernels/linear_tma.py)"
+    w_desc = _descriptor(weight)
+    x_desc = _descriptor(rows, BLOCK_M) if extra.get("X_TMA") else w_desc   # w_desc: a never-read stand-in
     return guarded(lambda: _linear_tma_kernel[grid](
-        _descriptor(weight), rows, y, partials if partials is not None else y, counters if counters is not None else y,
+        w_desc, x_desc, rows, y, partials if partials is not None else y, counters if counters is not None else y,
         g, nw, m, n, rows.stride(0), y.stride(0), g.stride(0), eps, 1.0 / BLOCK_K,
         K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
         EARLY_TRIGGER=TRIGGER == "early", RING=ring, num_warps=WARPS, launch_pdl=True, **extra),

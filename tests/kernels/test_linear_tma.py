@@ -79,7 +79,7 @@ def test_a_kernel_that_does_not_compile_falls_back_once(monkeypatch):
 
 
     monkeypatch.setattr(T, "_linear_tma_kernel", BrokenGluonKernel("warpgroup_mma"))
-    monkeypatch.setattr(T, "_descriptor", lambda w: None)
+    monkeypatch.setattr(T, "_descriptor", lambda *a: None)
     w = torch.zeros(1536, 2048, dtype=torch.bfloat16)
     x, y = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.zeros(1, 1536, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match=r"kernels/linear_tma.py.*warpgroup_mma.*LINGC_LINEAR_TMA=0"):
@@ -94,7 +94,7 @@ def test_a_gated_launch_that_does_not_compile_turns_off_only_the_gated_path(monk
     monkeypatch.setattr(T, "FAILED", [])
     monkeypatch.setattr(T, "GATED_FAILED", [])
     monkeypatch.setattr(T, "_linear_tma_kernel", BrokenGluonKernel("gl.rsqrt"))
-    monkeypatch.setattr(T, "_descriptor", lambda w: None)
+    monkeypatch.setattr(T, "_descriptor", lambda *a: None)
     w = torch.zeros(1536, 2048, dtype=torch.bfloat16)
     x, y = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.zeros(1, 1536, dtype=torch.bfloat16)
     gated = L.GatedNorm(torch.ones(T.BLOCK_K), 1e-6, x, T.BLOCK_K)
@@ -110,16 +110,19 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import lingc.kernels.linear_tma as T
 split, kps, early, gated = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-ring = int(sys.argv[5]) if len(sys.argv) > 5 else kps // T.BLOCK_K
+ring = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else kps // T.BLOCK_K
+x_tma = len(sys.argv) > 6 and sys.argv[6] == "1"
 lay = T.gl.NVMMASharedLayout.get_default_for([T.BLOCK_N, T.BLOCK_K], T.gl.bfloat16)
-sig = {"w_desc": f"tensordesc<bf16[{T.BLOCK_N}, {T.BLOCK_K}],{lay!r}>", "x_ptr": "*bf16", "y_ptr": "*bf16",
+xlay = T.gl.NVMMASharedLayout.get_default_for([T.BLOCK_M, T.BLOCK_K], T.gl.bfloat16)
+sig = {"w_desc": f"tensordesc<bf16[{T.BLOCK_N}, {T.BLOCK_K}],{lay!r}>",
+       "x_desc": f"tensordesc<bf16[{T.BLOCK_M}, {T.BLOCK_K}],{xlay!r}>", "x_ptr": "*bf16", "y_ptr": "*bf16",
        "part_ptr": "*fp32", "count_ptr": "*i32", "g_ptr": "*bf16", "nw_ptr": "*bf16", "M": "i32", "N": "i32",
        "stride_xm": "i32", "stride_ym": "i32", "stride_gm": "i32", "eps": "fp32", "inv_d": "fp32"}
 const = dict(K_PER_SPLIT=kps, BN=T.BLOCK_N, BK=T.BLOCK_K, BM=T.BLOCK_M, SPLIT_K=split, EARLY_TRIGGER=early, RING=ring,
-             GATED=gated)
+             GATED=gated, X_TMA=x_tma)
 sig.update({k: "constexpr" for k in const})
 src = GluonASTSource(T._linear_tma_kernel, sig, const,
-                     attrs={(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 5, 6)})
+                     attrs={(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 7)})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": T.WARPS, "enable_fp_fusion": not gated})   # as `launch` compiles it
 lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in k.asm["ptx"].splitlines()]
@@ -130,10 +133,11 @@ print(find("griddepcontrol.wait"), find("cp.async.bulk.tensor"), find("st.global
 """
 
 
-def _compile(split: int, kps: int, early: bool, ring: int | None = None, gated: bool = False) -> tuple:
+def _compile(split: int, kps: int, early: bool, ring: int | None = None, gated: bool = False,
+             x_tma: bool = False) -> tuple:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [str(split), str(kps), "1" if early else "0", "1" if gated else "0"]
-    args += [str(ring)] if ring is not None else []
+    args += [str(ring) if ring is not None else "-", "1" if x_tma else "0"]
     proc = subprocess.run([sys.executable, "-c", _PROBE, *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -153,6 +157,39 @@ def test_weight_blocks_are_issued_before_the_wait(split: int, kps: int, early: b
     assert len(triggers) == 1 and triggers[0] > waits[0]
     assert (triggers[0] < min(wgmma)) == early                           # early: right after the wait
     assert shared <= T.SMEM_2_CTAS
+
+
+@pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("split,kps,ring", [(4, 512, None), (1, 1536, 3)], ids=["o_proj", "kda_projection-ring"])
+def test_x_lands_by_tma_after_the_wait(split: int, kps: int, ring: int | None) -> None:
+    """X_TMA: one more TMA box a block (x's), all after the PDL wait, instead of the register path's x loads; the
+    weight boxes before the wait as before, the same wgmma in K order, no more shared memory than the register
+    path's (the x boxes land in the same tiles). Gluon 3.6 brackets each one-thread mbarrier op and TMA issue with a
+    CTA barrier (as for the weights' boxes), so a block's box costs up to 3 more bar.sync (expect, issue, inval)."""
+    plain = _compile(split, kps, True, ring=ring)
+    waits, tma, stores, wgmma, triggers, shared, loads, bars, *_ = _compile(split, kps, True, ring=ring, x_tma=True)
+    blocks = kps // T.BLOCK_K
+    early = ring if ring is not None else blocks
+    assert len(waits) == 1 and len(tma) == len(plain[1]) + blocks, (tma, plain[1])
+    assert len([i for i in tma if i < waits[0]]) == early                # the weight ring's first fill only
+    assert len(loads) < len(plain[6])                                    # x no longer through registers
+    assert len(wgmma) == len(plain[3]) and len(bars) <= len(plain[7]) + 3 * blocks
+    assert stores and min(stores) > waits[0] and shared <= T.SMEM_2_CTAS
+
+
+def test_x_tma_rule(monkeypatch):
+    """x by TMA only where a descriptor may describe it: x in the weight's dtype, unit-stride rows, 16 B aligned base
+    and row stride; the knob turns it off."""
+    w = torch.zeros(1536, 2048, dtype=torch.bfloat16)
+    x = torch.zeros(6, 2048, dtype=torch.bfloat16)
+    monkeypatch.setattr(T, "X_TMA", True)
+    assert T.x_tma(x, w) and T.x_tma(x[:1], w)
+    assert not T.x_tma(x.float(), w)
+    assert not T.x_tma(torch.zeros(6, 4096, dtype=torch.bfloat16)[:, ::2], w)       # strided columns
+    assert not T.x_tma(torch.zeros(6 * 2048 + 1, dtype=torch.bfloat16)[1:].view(6, 2048), w)   # base off 16 B
+    assert not T.x_tma(torch.zeros(6, 2052, dtype=torch.bfloat16)[:, :2048], w)      # 4104 B rows
+    monkeypatch.setattr(T, "X_TMA", False)
+    assert not T.x_tma(x, w)
 
 
 def test_partial_ring_rule(monkeypatch):
