@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import cold_copies, graph_time_us, hbm_bandwidth_gbps  # noqa: E402
 
-from lingc.kernels.linear_tma import _gdc_launch_dependents as _gdc_launch, _gdc_wait  # noqa: E402
+from lingc.kernels.pdl import gluon_gdc_launch_dependents as _gdc_launch, gluon_gdc_wait as _gdc_wait  # noqa: E402
 
 BM = 16
 SMEM_2_CTAS = 110 * 1024

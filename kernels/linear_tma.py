@@ -88,9 +88,14 @@ PARTIAL_RING = os.environ.get("LINGC_LINEAR_TMA_PARTIAL", "1") == "1"   # longer
 # x lands by TMA too (one [BM, BK] box a block, rows past M zero-filled by the copy engine, one mbarrier a block), so
 # block b's wgmma waits only for its own x and weight boxes, instead of the whole x slice going through registers
 # (masked loads, shared-memory stores, a fence) before the first wgmma. Same values in the same shared-memory tiles:
-# the same bits. Not for GATED (its x is normed on the way) or an x whose rows are not 16 B aligned.
-# LINGC_LINEAR_TMA_X=0: the register path
-X_TMA = os.environ.get("LINGC_LINEAR_TMA_X", "1") == "1"
+# the same bits (greedy parity and PDL on == off held with it on, an H100, 2026-12-06). Not for GATED (its x is normed
+# on the way) or an x whose rows are not 16 B aligned. Off: slower in the step, greedy decode 1.341 / 1.338 ms against
+# 1.322 without it, general 1.368 / 1.369 against 1.348, verify level (H100, one process,
+# bench/results/step-ab-h100-20261206-xtma.json). Not profiled; a likely cause: Gluon 3.6 brackets each one-thread TMA
+# issue and mbarrier op with a CTA barrier (sm_90 PTX: 11 more bar.sync for a 4-block slice), ~36 for the KDA
+# projection's 12 blocks, on the path after the wait.
+# LINGC_LINEAR_TMA_X=1 turns it on
+X_TMA = os.environ.get("LINGC_LINEAR_TMA_X", "0") == "1"
 SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
