@@ -100,6 +100,10 @@ SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
 MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of more rows run the Triton kernel
+# the row limit of a partial-ring launch (PARTIAL_RING: the KDA projection, the dense gate_up) where it is higher than
+# MAX_ROWS / EARLY_MAX_ROWS: verify's 6-row KDA projection on the ring without the early launch that lost at verify
+# (the combine's entry trigger, 2026-12-03). 1: as MAX_ROWS (LINGC_LINEAR_TMA_RING_MAX_ROWS)
+RING_MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_RING_MAX_ROWS", "1"))
 EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers at entry (linear's launched_early):
                          # its weight read then overlaps the kernel before that one (verify's o_proj: kda's 11 us);
                          # H200 greedy verify 2.309 / 2.308 vs 2.327 / 2.325 ms (step-ab-h200-20261203-i.json)
@@ -178,6 +182,10 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
         limit = GATED_MAX_ROWS
     else:
         limit = max(MAX_ROWS, EARLY_MAX_ROWS) if launched_early else MAX_ROWS
+        n, k = weight.shape
+        if RING_MAX_ROWS > limit and ring_blocks(n, k, cfg.split_k, cfg.block_n, cfg.block_k, weight.element_size(),
+                                                 None) < k // max(cfg.split_k, 1) // BLOCK_K:
+            limit = RING_MAX_ROWS           # a partial ring (a slice longer than the ring): its own row limit
     if not (ENABLED and HAVE_GLUON and not FAILED and pdl and not prologue and cfg.kind == "dot"
             and rows.shape[0] <= limit and weight.dtype in (torch.bfloat16, torch.float16)):
         return False
