@@ -102,7 +102,9 @@ HOPPER = 9               # the compute capability whose wgmma the kernel uses
 MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of more rows run the Triton kernel
 # the row limit of a partial-ring launch (PARTIAL_RING: the KDA projection, the dense gate_up) where it is higher than
 # MAX_ROWS / EARLY_MAX_ROWS: verify's 6-row KDA projection on the ring without the early launch that lost at verify
-# (the combine's entry trigger, 2026-12-03). 1: as MAX_ROWS (LINGC_LINEAR_TMA_RING_MAX_ROWS)
+# (the combine's entry trigger, 2026-12-03). 1 (as MAX_ROWS): at 16 the H100 step measured greedy verify 2.614 ms
+# against 2.595 / 2.596, with X_TMA too 2.608, decode unchanged (bench/results/step-ab-h100-20261206-ring-rows.json):
+# the Triton kernel stays faster at verify's rows. LINGC_LINEAR_TMA_RING_MAX_ROWS=N
 RING_MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_RING_MAX_ROWS", "1"))
 EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers at entry (linear's launched_early):
                          # its weight read then overlaps the kernel before that one (verify's o_proj: kda's 11 us);
