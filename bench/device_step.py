@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import step_bytes  # noqa: E402
-from lingc.steps import GREEDY_SUFFIX  # noqa: E402
+from lingc.steps import COPY_SUFFIXES, GREEDY_SUFFIX, NUCLEUS_SUFFIX, PLAIN_SUFFIX  # noqa: E402
 from timing import hbm_bandwidth_gbps  # noqa: E402
 
 CONTEXT = 8192
@@ -65,14 +65,19 @@ NEXTN_GRAPHS = ("draft", "verify", "extend")
 # "nextn_sampled": the general NEXTN graphs replayed for a sampled request (SAMPLED: temperature 0.8, top-p 0.95),
 # whose filtered_probs rows run the top-p threshold search; the other rows' relays are greedy (those rows exit at once)
 SAMPLED_SUFFIX = "_sampled"
-STEP_KEYS = ("step", "nextn", "step" + GREEDY_SUFFIX, "nextn" + GREEDY_SUFFIX, "nextn" + SAMPLED_SUFFIX)
+# with specialize_sampling's copies (the A/B row "all+specialize_sampling"): "nextn_nucleus", the nucleus copies for
+# SAMPLED (top-k off, top-p 0.95), against "nextn_sampled"; "nextn_plain", the plain copies for PLAIN (top-k and top-p
+# off), against "nextn_sampled_plain", the general graphs for PLAIN
+PLAIN_REQUEST_SUFFIX = "_sampled_plain"
+STEP_KEYS = ("step", "nextn", "step" + GREEDY_SUFFIX, "nextn" + GREEDY_SUFFIX, "nextn" + SAMPLED_SUFFIX,
+             "nextn" + NUCLEUS_SUFFIX, "nextn" + PLAIN_SUFFIX, "nextn" + PLAIN_REQUEST_SUFFIX)
 ABLATION = ("fuse_projections", "fuse_add_norm", "fuse_swiglu", "fuse_moe_align", "bf16_router",
             "capture_metadata", "pdl", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_combine_norm",
             "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe", "fuse_embed_norm",
             "fuse_simulate_accept", "fuse_relay_cat")
 # "all" adds fuse_index_chains; then two A/B rows (with --ab-rows): "all:pdl-chains" (the pdl pass annotating its
 # chains only, as before 2026-11-30's second session) and "all+fuse_moe" (the opt-in pass)
-AB_ROWS = ("all:pdl-chains", "all+fuse_moe")
+AB_ROWS = ("all:pdl-chains", "all+fuse_moe", "all+specialize_sampling")
 
 
 def _sync() -> None:
@@ -195,6 +200,11 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
         step_names["nextn" + GREEDY_SUFFIX] = tuple(g + GREEDY_SUFFIX for g in NEXTN_GRAPHS)
     if partitioned:
         step_names["nextn" + SAMPLED_SUFFIX] = NEXTN_GRAPHS          # the same graphs as "nextn", sampled relays
+    for suffix in (NUCLEUS_SUFFIX, PLAIN_SUFFIX):                    # specialize_sampling's copies, where compiled
+        if partitioned and all(g + suffix in program.graphs for g in NEXTN_GRAPHS):
+            step_names["nextn" + suffix] = tuple(g + suffix for g in NEXTN_GRAPHS)
+            if suffix == PLAIN_SUFFIX:
+                step_names["nextn" + PLAIN_REQUEST_SUFFIX] = NEXTN_GRAPHS   # their baseline: the general graphs
     floor_graphs = step_names["step"] + step_names["nextn"]          # a greedy copy's floor is its source's
     if with_floor and floor_first:
         row["bytes"] = _floor_bytes(exe, floor_graphs)
@@ -213,7 +223,7 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     for key, names in step_names.items():
         if not names:
             continue
-        sampling = SAMPLED if key.endswith(SAMPLED_SUFFIX) else None
+        sampling = request_for(key)
         reset_request(exe, sampling=sampling)
         first = time_graphs(graphs, names)
         reset_request(exe, sampling=sampling)
@@ -234,6 +244,21 @@ def measure_config(model, traced, passes: list[str], bandwidth: float, with_floo
     return row
 
 
+def request_for(key: str) -> dict | None:
+    """The sampled request a measured step's key replays (None: greedy)."""
+    if key.endswith(PLAIN_SUFFIX) or key.endswith(PLAIN_REQUEST_SUFFIX):
+        return PLAIN
+    return SAMPLED if key.endswith(SAMPLED_SUFFIX) or key.endswith(NUCLEUS_SUFFIX) else None
+
+
+def source_graph(name: str) -> str:
+    """A specialised copy's source graph (verify_greedy -> verify), whose floor the copy shares."""
+    for suffix in COPY_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
 def set_floors(row: dict, step_names: dict[str, tuple[str, ...]], bandwidth: float) -> None:
     """floor_ms and floor_ratio of every measured step from the row's bytes. A greedy copy (step_greedy, ...) gets
     its general graph's floor: for the same request it moves the same weights, KDA state and MLA cache (it drops only
@@ -242,7 +267,7 @@ def set_floors(row: dict, step_names: dict[str, tuple[str, ...]], bandwidth: flo
     for key, names in step_names.items():
         if not names:
             continue
-        by_graph = {g: sum(row["bytes"][g.removesuffix(GREEDY_SUFFIX)].values()) for g in names}
+        by_graph = {g: sum(row["bytes"][source_graph(g)].values()) for g in names}
         floors = {g: b / bandwidth / 1e6 for g, b in by_graph.items()}
         floors["total"] = sum(floors.values())
         row[key]["floor_ms"] = floors
@@ -341,6 +366,7 @@ def greedy_parity(model, traced, passes: list[str], tokens: int = 48) -> dict:
 
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1}      # the sampled end-to-end request (--draft-vocab)
+PLAIN = {"temperature": 0.8, "top_p": 1.0, "seed": 1}         # sampled, no filter (the OpenAI API's defaults)
 
 
 def end_to_end(program, prompt_len: int, new_tokens: int = 1024, accept: float = 3.2, greedy_graphs: bool = True,
@@ -612,7 +638,8 @@ def ablation_sets(args, variants: list) -> list[tuple[str, list[str], list]]:
         acc.append(p)
         sets.append(("+" + p, list(acc)))
     sets.append(("all", ["all"]))
-    sets += [("all:pdl-chains", ["all"]), ("all+fuse_moe", ["all", "fuse_moe"])]
+    sets += [("all:pdl-chains", ["all"]), ("all+fuse_moe", ["all", "fuse_moe"]),
+             ("all+specialize_sampling", ["all", "specialize_sampling"])]
     if args.draft_vocab:
         sets.append(("all+draft_vocab", ["all", "draft_vocab"]))
     only = set(filter(None, args.only.split(",")))
@@ -648,11 +675,11 @@ def summarize(result: dict) -> None:
     best = rows.get("all")
     table = []
     for name, r in rows.items():
-        for sfx in ("", GREEDY_SUFFIX, SAMPLED_SUFFIX):
+        for sfx in ("", GREEDY_SUFFIX, SAMPLED_SUFFIX, NUCLEUS_SUFFIX, PLAIN_REQUEST_SUFFIX, PLAIN_SUFFIX):
             ms = (r.get("step" + sfx, {}).get("ms", {}), r.get("nextn" + sfx, {}).get("ms", {}))
             if sfx and not any(ms):
                 continue
-            verify_key = "verify" + (sfx if sfx == GREEDY_SUFFIX else "")      # the sampled row runs the general graphs
+            verify_key = "verify" + (sfx if sfx in COPY_SUFFIXES else "")     # the sampled rows run the general graphs
             step, nextn, verify = ms[0].get("total"), ms[1].get("total"), ms[1].get(verify_key)
             table.append(f"{name + sfx:25s} step {step or 0:8.3f} ms   nextn {nextn or 0:8.3f} ms   "
                          f"verify {verify or 0:8.3f} ms")
@@ -664,7 +691,10 @@ def summarize(result: dict) -> None:
                            ("nextn_step" + GREEDY_SUFFIX, ("nextn" + GREEDY_SUFFIX, "total")),
                            ("nextn_verify" + GREEDY_SUFFIX, ("nextn" + GREEDY_SUFFIX, "verify" + GREEDY_SUFFIX)),
                            ("nextn_step" + SAMPLED_SUFFIX, ("nextn" + SAMPLED_SUFFIX, "total")),
-                           ("nextn_verify" + SAMPLED_SUFFIX, ("nextn" + SAMPLED_SUFFIX, "verify"))):
+                           ("nextn_verify" + SAMPLED_SUFFIX, ("nextn" + SAMPLED_SUFFIX, "verify")),
+                           ("nextn_step" + NUCLEUS_SUFFIX, ("nextn" + NUCLEUS_SUFFIX, "total")),
+                           ("nextn_step" + PLAIN_REQUEST_SUFFIX, ("nextn" + PLAIN_REQUEST_SUFFIX, "total")),
+                           ("nextn_step" + PLAIN_SUFFIX, ("nextn" + PLAIN_SUFFIX, "total"))):
             sec, g = graph
             if sec in best and "floor_ms" in best[sec]:
                 summary[key] = {"time_ms": best[sec]["ms"][g], "floor_ms": best[sec]["floor_ms"][g],

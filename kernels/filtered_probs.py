@@ -14,7 +14,8 @@ so a row is spread over many SMs (V = 157184 with CHUNK = 1024: 154 programs a r
   2. rounds  len(bins_k) top-k rounds, then len(bins_p) top-p rounds (below); rows with nothing to search
              (greedy, plain, that filter off, already resolved) return at once. 5 by default, so a call is
              7 launches whatever its rows (the host cannot see them); greedy / plain rows pay only their
-             early exits.
+             early exits. The op's static `filters` mask (passes/specialize_sampling.py's copies) drops a
+             cleared filter's rounds and reads it as off: 2 launches a plain call, 5 a top-p-only one.
   3. write   greedy: 0 / 1 (the logits are not read); else exp(x - M) / Z where x >= threshold, else 0.
 Every program that needs the row's max M, sum Z or argmax combines the <= cdiv(V, CHUNK) slice stats itself,
 in a fixed order (a few hundred bytes): no extra launch and no reduction that depends on arrival order.
@@ -515,10 +516,19 @@ def _check(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   *, pdl: bool = False, config: FilteredProbsConfig | None = None) -> torch.Tensor:
+                   filters: int = 3, *, pdl: bool = False, config: FilteredProbsConfig | None = None) -> torch.Tensor:
     """fp32 probs [B, T, V] as torch.ops.lingc.filtered_probs (module docstring for ties and limits).
-    `config` overrides the tunables (tests, bench sweeps); pdl is dropped where unsupported."""
+    filters (the op's static mask: 1 top-k, 2 top-p): a filter whose bit is clear is off for every row, so its
+    rounds are not launched (plain: stats + write, 2 launches; top-p only: 5) and the rows read it as off; a row
+    whose filter is off anyway gets the same bits as with every round launched (its rounds exit at once and write
+    nothing). `config` overrides the tunables (tests, bench sweeps); pdl is dropped where unsupported."""
     _check(logits, temperature, top_k, top_p)
+    if filters not in (0, 1, 2, 3):
+        raise ValueError(f"filtered_probs: filters is a mask of 1 (top-k) and 2 (top-p), got {filters}")
+    if not filters & 1:
+        top_k = torch.zeros_like(top_k)          # what the op's reference does: top-k off for every row
+    if not filters & 2:
+        top_p = torch.ones_like(top_p)
     cfg = config or DEFAULT_CONFIG
     cfg.check()
     B, T, V = logits.shape
@@ -533,10 +543,12 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     temperature, top_k, top_p = temperature.contiguous(), top_k.contiguous(), top_p.contiguous()
     nchunk = triton.cdiv(V, cfg.chunk)
     nchunk_pad = triton.next_power_of_2(nchunk)
-    schedule = [(0, i == 0, nb, i == len(cfg.bins_k) - 1) for i, nb in enumerate(cfg.bins_k)] + \
-               [(1, i == 0, nb, i == len(cfg.bins_p) - 1) for i, nb in enumerate(cfg.bins_p)]
-    nb_max = max(nb for _, _, nb, _ in schedule)        # (phase, first of phase, bins, last of phase)
-    rounds = len(schedule)
+    bins_k = cfg.bins_k if filters & 1 else ()
+    bins_p = cfg.bins_p if filters & 2 else ()
+    schedule = [(0, i == 0, nb, i == len(bins_k) - 1) for i, nb in enumerate(bins_k)] + \
+               [(1, i == 0, nb, i == len(bins_p) - 1) for i, nb in enumerate(bins_p)]
+    nb_max = max((nb for _, _, nb, _ in schedule), default=2)   # (phase, first of phase, bins, last of phase)
+    rounds = max(len(schedule), 1)         # the buffers' round axis (the stats kernel zeroes one ticket at least)
     stats = torch.empty((rows, nchunk, 4), dtype=torch.float32, device=dev)           # max, sumexp, argmax, min
     parts = torch.empty((rows, nchunk, nb_max + 3), dtype=torch.float32, device=dev)  # counts, min, max, n
     totals = torch.empty((rows, rounds, 2, nb_max), dtype=torch.int64, device=dev)   # zeroed by the stats kernel
@@ -548,7 +560,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     common = dict(CHUNK=cfg.chunk, PDL=pdl, num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
     strides = (logits.stride(0), logits.stride(1))
     _stats_kernel[grid](logits, temperature, stats, tickets, totals, T, V, *strides, nchunk, rounds,
-                        ROUNDS_PAD=triton.next_power_of_2(rounds), TOTALS=rounds * 2 * nb_max,
+                        ROUNDS_PAD=max(2, triton.next_power_of_2(rounds)), TOTALS=rounds * 2 * nb_max,
                         TOTALS_PAD=triton.next_power_of_2(rounds * 2 * nb_max), **common)
     for i, (phase, first, nb, last) in enumerate(schedule):
         _round_kernel[grid](logits, temperature, top_k, top_p, out, stats, parts, totals, stage, state, tickets,

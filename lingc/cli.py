@@ -247,9 +247,11 @@ def generate(artifact: Path = typer.Argument(..., help="artifact directory (ling
              pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="on cuda with triton: programmatic dependent "
                                       "launch on the chains the pdl pass annotated"),
              greedy_graphs: bool = typer.Option(True, "--greedy-graphs/--no-greedy-graphs",
-                                                help="at temperature 0: run the specialize_greedy copies of the step "
-                                                "graphs (argmax, no sampling distributions) where the artifact "
-                                                "has them"),
+                                                help="run the specialised copies of the step graphs that fit the "
+                                                "request where the artifact has them: specialize_greedy's at "
+                                                "temperature 0 (argmax, no sampling distributions), "
+                                                "specialize_sampling's with top-k off; --no-greedy-graphs: always "
+                                                "the general graphs"),
              as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of text")) -> None:
     """Generate from an artifact: greedy or sampled, NEXTN speculative decoding by default."""
     import json

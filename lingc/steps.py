@@ -33,6 +33,13 @@ from lingc.state import ModelState
 # the greedy-only copies of the step graphs (passes/specialize_greedy.py): step_greedy, and nextn_greedy, which
 # partition splits into draft_greedy / verify_greedy / extend_greedy; the engine runs them for temperature 0
 GREEDY_SUFFIX = "_greedy"
+# the sampling copies (passes/specialize_sampling.py, opt-in): every filtered_probs of step / nextn with a static
+# filter mask, for requests whose top-k (and top-p) are off, so the off filters' rounds are never launched; the
+# value is the op's `filters` mask (1 top-k, 2 top-p)
+PLAIN_SUFFIX = "_plain"          # temperature > 0, top-k and top-p off: softmax(logits / T)
+NUCLEUS_SUFFIX = "_nucleus"      # temperature > 0, top-k off, top-p on
+SAMPLING_COPIES = {PLAIN_SUFFIX: 0, NUCLEUS_SUFFIX: 2}
+COPY_SUFFIXES = (GREEDY_SUFFIX, PLAIN_SUFFIX, NUCLEUS_SUFFIX)    # every specialised copy of the step graphs
 
 
 @dataclass(frozen=True)

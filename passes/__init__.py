@@ -28,14 +28,16 @@ from lingc.passes.partition import Partition
 from lingc.passes.pdl import Pdl
 from lingc.passes.prefetch_weights import PrefetchWeights
 from lingc.passes.specialize_greedy import SpecializeGreedy
+from lingc.passes.specialize_sampling import SpecializeSampling
 from lingc.passes.tp import TensorParallel
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Partition, FuseSwiglu, FuseIndexChains,
-                                                     CaptureMetadata, Bf16Router, FuseProjections, FuseAddNorm,
-                                                     FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda, FuseNormLinear,
-                                                     FuseCombineNorm, FuseMla, FuseRelay, FuseRelayCat, FuseEmit,
-                                                     FuseSimulateAccept, FuseCatNorm, FuseEmbedNorm, FuseAlignIntoMoe,
-                                                     DraftVocab, FuseNormRouter, Pdl, PrefetchWeights)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, SpecializeSampling, Partition, FuseSwiglu,
+                                                     FuseIndexChains, CaptureMetadata, Bf16Router, FuseProjections,
+                                                     FuseAddNorm, FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda,
+                                                     FuseNormLinear, FuseCombineNorm, FuseMla, FuseRelay, FuseRelayCat,
+                                                     FuseEmit, FuseSimulateAccept, FuseCatNorm, FuseEmbedNorm,
+                                                     FuseAlignIntoMoe, DraftVocab, FuseNormRouter, Pdl,
+                                                     PrefetchWeights)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it
 # inserted (lingc.passes.tp.run_tp_stage)

@@ -50,9 +50,9 @@ from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
 from lingc.passes.matchers import carried_meta, get_weight_node
-from lingc.steps import GREEDY_SUFFIX
+from lingc.steps import COPY_SUFFIXES
 
-GRAPHS = ("draft", "extend", "draft" + GREEDY_SUFFIX, "extend" + GREEDY_SUFFIX)   # the MTP stages
+GRAPHS = tuple(stage + sfx for sfx in ("",) + COPY_SUFFIXES for stage in ("draft", "extend"))   # the MTP stages
 LM_HEAD = "lm_head.weight"
 HOT_WEIGHT, TOKEN_MAP = "draft_vocab.lm_head.weight", "draft_vocab.token_map"
 INVERSE_MAP = "draft_vocab.inverse_map"      # [V] int32: a token's index in the map, -1 off it (vocab_expand)
@@ -118,7 +118,8 @@ class DraftVocab(Pass):
     summary = ("MTP draft over a hot token subset (--draft-vocab FILE): lm_head rows of the map; a greedy index mapped "
                "back to its token, a sampled distribution widened to the vocabulary; lossless (verify checks every "
                "proposal)")
-    after = ("specialize_greedy", "partition", "fuse_norm_linear", "fuse_projections", "bf16_router")
+    after = ("specialize_greedy", "specialize_sampling", "partition", "fuse_norm_linear", "fuse_projections",
+             "bf16_router")
     requires = ("partition",)                 # the greedy copies are rewritten where specialize_greedy made them
     # declared as a change: the draft's proposals (relays) differ, though a greedy request's tokens do not; no graph
     # output changes (the step graphs have none), so --verify's gate is the tokens' equality it reports

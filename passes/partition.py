@@ -22,7 +22,7 @@ import torch.fx as fx
 from lingc.ops import OPS
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
-from lingc.steps import GREEDY_SUFFIX
+from lingc.steps import COPY_SUFFIXES
 
 STAGES = ("draft", "verify", "extend")
 
@@ -43,10 +43,10 @@ class Partition(Pass):
     name = "partition"
     summary = ("split the NEXTN step into draft / verify / extend graphs with slot-indexed relay buffers; "
                "stage KDA in verify")
-    after = ("specialize_greedy",)
+    after = ("specialize_greedy", "specialize_sampling")
     changes_numerics = False
-    # --verify runs the three in order against the whole (and the greedy copy's against nextn_greedy)
-    splits = {"nextn" + suffix: tuple(s + suffix for s in STAGES) for suffix in ("", GREEDY_SUFFIX)}
+    # --verify runs the three in order against the whole (and each specialised copy's against its nextn copy)
+    splits = {"nextn" + suffix: tuple(s + suffix for s in STAGES) for suffix in ("",) + COPY_SUFFIXES}
 
     def apply(self, program: Program) -> dict[str, Any]:
         relays: list[dict[str, Any]] = []

@@ -21,7 +21,7 @@ from lingc.ops import OPS as ops
 from lingc.program import Program
 from lingc.runtime.executor import Executor
 from lingc.runtime.pages import PageAllocator
-from lingc.steps import GREEDY_SUFFIX
+from lingc.steps import GREEDY_SUFFIX, NUCLEUS_SUFFIX, PLAIN_SUFFIX
 
 NEXTN_GRAPHS = ("draft", "verify", "extend")
 
@@ -137,9 +137,10 @@ class Engine:
                  pdl: bool | None = None, greedy_graphs: bool = True):
         """backend "auto" is "triton" on CUDA and "reference" elsewhere; cuda_graphs (default: on CUDA) captures
         every graph at start-up and replays it; pdl (default: on with the triton backend on CUDA) launches the
-        chains the `pdl` pass annotated with programmatic dependent launch; greedy_graphs: a temperature-0 request
-        runs the specialize_greedy copies of the step graphs where the artifact has them (same tokens, fewer
-        launches), else the general ones."""
+        chains the `pdl` pass annotated with programmatic dependent launch; greedy_graphs: a request runs the
+        specialised copies of the step graphs that fit it where the artifact has them (same tokens, fewer launches):
+        specialize_greedy's for temperature 0, specialize_sampling's plain / nucleus copies for a sampled request
+        with top-k off (and top-p off); False: always the general ones (`graph_set`)."""
         if spec not in ("nextn", "none"):
             raise EngineError(f"spec must be 'nextn' or 'none', got {spec!r}")
         step_graphs = NEXTN_GRAPHS if spec == "nextn" else ("step",)
@@ -152,11 +153,12 @@ class Engine:
             raise EngineError(f"--simulate-accept-len needs --spec nextn and a value in [1, draft_tokens], "
                               f"got {simulate_accept_len}")
         self.program, self.spec, self.simulate = program, spec, float(simulate_accept_len)
-        greedy = tuple(g + GREEDY_SUFFIX for g in step_graphs)
         self.graph_sets = {"general": step_graphs}
-        if greedy_graphs and all(g in program.graphs for g in greedy):
-            self.graph_sets["greedy"] = greedy
-            need += greedy
+        for name, suffix in (("greedy", GREEDY_SUFFIX), ("plain", PLAIN_SUFFIX), ("nucleus", NUCLEUS_SUFFIX)):
+            copies = tuple(g + suffix for g in step_graphs)
+            if greedy_graphs and all(g in program.graphs for g in copies):
+                self.graph_sets[name] = copies
+                need += copies
         self.step_graphs = step_graphs                  # the set the current request runs (set in _open)
         device = torch.device(device)
         if backend == "auto":
@@ -201,13 +203,24 @@ class Engine:
                               "with a larger --max-len")
         req.sampling.check()
 
+    def graph_set(self, s: SamplingParams) -> str:
+        """The step graph set a request runs: the most specialised one the engine has that fits its sampling
+        ("greedy": temperature 0; "plain": top-k and top-p off; "nucleus": top-k off; else "general"). Top-k is
+        off at 0 or at the vocabulary size and above (kernels/filtered_probs.py), top-p at 1."""
+        if s.temperature <= 0:
+            name = "greedy"
+        elif s.top_k == 0 or s.top_k >= self.program.config.vocab_size:
+            name = "plain" if s.top_p >= 1 else "nucleus"
+        else:
+            name = "general"
+        return name if name in self.graph_sets else "general"
+
     def _open(self, slot: int, req: Request) -> None:
         for key, pool in self.exe.buffers.tensors.items():
             if key.startswith("state_") and not key.endswith("kv_pages"):
                 pool[slot].zero_()                        # KDA state starts from zero; old pages are masked
         s = req.sampling
-        self.step_graphs = self.graph_sets["greedy" if s.temperature <= 0 and "greedy" in self.graph_sets
-                                           else "general"]
+        self.step_graphs = self.graph_sets[self.graph_set(s)]
         values = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
                   "rng_counter": 0, "simulate_accept": self.simulate, "seq_len": 0, "out_len": 0}
         for name, v in values.items():

@@ -53,7 +53,9 @@ def _args(**kw):
 def test_ablation_rows_and_the_budgeted_order():
     names = [n for n, _, _ in ablation_sets(_args(), [])]
     assert names[:2] == ["none", "partition"] and names[-1] == "all" and not set(AB_ROWS) & set(names)
-    assert [n for n, _, _ in ablation_sets(_args(ab_rows=True), [])][-2:] == list(AB_ROWS)
+    assert [n for n, _, _ in ablation_sets(_args(ab_rows=True), [])][-len(AB_ROWS):] == list(AB_ROWS)
+    assert dict((n, p) for n, p, _ in ablation_sets(_args(only="all+specialize_sampling"), [])) == {
+        "all+specialize_sampling": ["all", "specialize_sampling"]}
     assert [n for n, _, _ in ablation_sets(_args(only="all,all+fuse_moe"), [])] == ["all", "all+fuse_moe"]
     assert [n for n, _, _ in ablation_sets(_args(only="all", ab_rows=True), [])] == ["all", *AB_ROWS]
     variant = parse_variant("base2:")
@@ -152,3 +154,15 @@ def test_warm_up_shards_compile_their_rows_and_the_engines_without_timing(monkey
     for bad in ("3/3", "x", "1"):
         with pytest.raises(ValueError, match="--shard"):
             ds.parse_shard(bad)
+
+
+def test_sampling_copies_keys_requests_and_floors():
+    """specialize_sampling's rows: the nucleus copies replay SAMPLED, the plain copies and their general baseline
+    PLAIN; a copy's floor is its source graph's."""
+    import device_step as ds
+    assert ds.request_for("nextn_nucleus") is ds.SAMPLED and ds.request_for("nextn_sampled") is ds.SAMPLED
+    assert ds.request_for("nextn_plain") is ds.PLAIN and ds.request_for("nextn_sampled_plain") is ds.PLAIN
+    assert ds.request_for("nextn") is None and ds.request_for("nextn_greedy") is None
+    assert ds.PLAIN["top_p"] == 1.0 and ds.SAMPLED["top_p"] < 1.0
+    assert [ds.source_graph(g) for g in ("verify_plain", "draft_nucleus", "step_greedy", "extend")] == [
+        "verify", "draft", "step", "extend"]

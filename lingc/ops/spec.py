@@ -60,12 +60,19 @@ register("uniform")
 
 @torch.library.custom_op("lingc::filtered_probs", mutates_args=())
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+                   top_p: torch.Tensor, filters: int = 3) -> torch.Tensor:
     """The sampling distribution per position: softmax(logits / T) restricted to top-k, then top-p, renormalised.
 
     logits [B, T, V]; temperature, top_k, top_p [B]. Rows with temperature 0 become one-hot on the
     argmax (greedy), so acceptance and sampling treat greedy as the limit case. Returns fp32 [B, T, V].
+    filters (a static bit mask, passes/specialize_sampling.py's copies): 1 top-k may be on, 2 top-p may be on; a
+    filter whose bit is clear is off for every row (top_k taken as 0, top_p as 1), so its search is never run.
+    With every row's filter already off the result is the default's, bit for bit.
     """
+    if not filters & 1:
+        top_k = torch.zeros_like(top_k)
+    if not filters & 2:
+        top_p = torch.ones_like(top_p)
     B, T, V = logits.shape
     x = logits.float()
     greedy = temperature <= 0
@@ -86,7 +93,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 @filtered_probs.register_fake
-def _(logits, temperature, top_k, top_p):
+def _(logits, temperature, top_k, top_p, filters=3):
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 

@@ -213,3 +213,25 @@ def test_without_the_exact_finish_the_kept_set_is_a_superset() -> None:
     x = logits[2:] / temp[2:].view(-1, 1, 1)
     want = torch.softmax(x.masked_fill(got[2:] == 0, -torch.inf), dim=-1)
     torch.testing.assert_close(got[2:], want, rtol=1e-5, atol=1e-7)
+
+
+def test_filters_mask_skips_the_off_rounds_with_the_same_bits() -> None:
+    """filters (passes/specialize_sampling.py's copies): with top-k's bit clear the top-k rounds are not launched,
+    with both clear no round is; rows whose filters are off anyway get the bits of the full call (greedy, plain and
+    top-p-only rows side by side), and a row whose cleared filter was on reads it as off, as the reference does."""
+    temp, k, p = _params([0.0, 0.8, 1.3, 0.7], [0, 0, 0, 0], [1.0, 1.0, 0.9, 0.5])
+    logits = _logits(4, 2, 300, torch.float32, seed=21)
+    full = filtered_probs(logits, temp, k, p, config=SMALL)
+    nucleus = filtered_probs(logits, temp, k, p, 2, config=SMALL)
+    assert torch.equal(nucleus, full)
+    plain_rows = slice(0, 2)
+    plain = filtered_probs(logits[plain_rows], temp[plain_rows], k[plain_rows], p[plain_rows], 0, config=SMALL)
+    assert torch.equal(plain, full[plain_rows])
+    k_on = torch.tensor([5, 0, 3, 0])
+    assert torch.equal(filtered_probs(logits, temp, k_on, p, 2, config=SMALL), full)     # top-k read as off
+    assert torch.equal(filtered_probs(logits, temp, k_on, p, 0, config=SMALL),
+                       filtered_probs(logits, temp, torch.zeros(4, dtype=torch.int64), torch.ones(4), config=SMALL))
+    ref = torch.ops.lingc.filtered_probs
+    assert torch.equal(ref(logits, temp, k_on, p, 2), ref(logits, temp, k, p))
+    with pytest.raises(ValueError, match="filters is a mask"):
+        filtered_probs(logits, temp, k, p, 4, config=SMALL)

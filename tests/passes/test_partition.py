@@ -40,7 +40,8 @@ def test_nextn_becomes_three_graphs(tiny_program, partitioned):
     for name in OTHERS:                                                       # the other programs are untouched
         assert graph_text(name, after.graphs[name]) == graph_text(name, tiny_program.graphs[name])
     assert record.name == "partition" and not record.changes_numerics and record.matches == 1
-    assert Partition.splits == {"nextn": STAGES, "nextn_greedy": tuple(s + "_greedy" for s in STAGES)}
+    assert Partition.splits == {"nextn": STAGES, **{"nextn" + sfx: tuple(s + sfx for s in STAGES)
+                                                    for sfx in ("_greedy", "_plain", "_nucleus")}}
     for stage in STAGES:                                                      # every kernel keeps its stage
         graph = after.graphs[stage]
         assert {n.meta.get("lingc.stage") for n in graph.nodes if n.op == "call_function"} == {stage}
