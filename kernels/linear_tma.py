@@ -104,7 +104,13 @@ MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of
 # MAX_ROWS / EARLY_MAX_ROWS: verify's 6-row KDA projection on the ring without the early launch that lost at verify
 # (the combine's entry trigger, 2026-12-03). 1 (as MAX_ROWS): at 16 the H100 step measured greedy verify 2.614 ms
 # against 2.595 / 2.596, with X_TMA too 2.608, decode unchanged (bench/results/step-ab-h100-20261206-ring-rows.json):
-# the Triton kernel stays faster at verify's rows. LINGC_LINEAR_TMA_RING_MAX_ROWS=N
+# the Triton kernel stays faster at verify's rows. Why (launch attribution with PDL, H100, 2026-12-06, one call:
+# bench/results/launches-verify-h100-20261206-base.json / -ring16.json): the ring does make the projection itself
+# faster, 13.86 -> 12.85 us a layer, but its 7.7 MB pre-wait burst lands on the combine_add_rmsnorm before it (1.83 ->
+# 2.82 us: the combine's row loads queue behind it) and kda_fused_verify after it exposes more (6.76 -> 7.28 us).
+# Triggering the combine after its loads (kernels/moe.py COMBINE_LATE_TRIGGER_ROWS) does not rescue it: ring at 16
+# rows with it, verify 2.6030 / 2.5983 ms against 2.5864 / 2.5760 (step-ab-h100-20261206-combine-late.json).
+# LINGC_LINEAR_TMA_RING_MAX_ROWS=N
 RING_MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_RING_MAX_ROWS", "1"))
 EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers at entry (linear's launched_early):
                          # its weight read then overlaps the kernel before that one (verify's o_proj: kda's 11 us);

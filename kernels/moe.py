@@ -102,6 +102,9 @@ class GemmConfig(NamedTuple):
 # tile over K in 256-byte rows with 3 tiles in flight (num_stages 4; the down-GEMM's K = I = 512 is only 4 tiles, and
 # 3 stages measured best there: 5.8 vs 6.1 us at 1 token, 18.7 vs 20.7 at 6, 50.2 vs 51.6 at 64, same bits, stages
 # do not enter the arithmetic; bench/results/kernels-moe-stages-h200-20261130.json).
+# Every other decode up-GEMM tiling tried in the step since (H100, 2026-12-06, one process each,
+# step-ab-h100-20261206-combine-late.json / -b.json) was slower, greedy decode against 1.305-1.314 ms: 3 stages
+# 1.349, 6 stages 1.348, 8 warps 1.348, block_k 256 at 3 stages 1.340.
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
 DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)   # moe_down
 # The pair grid's tilings (moe_up_act_pairs / moe_down_pairs: verify and extend, 2-16 tokens): swap-AB, 64 weight
@@ -161,6 +164,13 @@ ACT_NUM_WARPS = 4
 COMBINE_BLOCK_H = 512        # moe_combine: hidden columns per program
 COMBINE_NUM_WARPS = 4
 SEQUENTIAL, INTERLEAVE4 = 0, 1   # moe_combine summation orders over k (see the module docstring)
+# combine_add_rmsnorm launches of at least this many rows (0: none) trigger after their row's loads, not right after
+# the wait (kernels/pdl.py's early trigger): the launch after them (the next layer's projection) is scheduled once the
+# combine's own reads of the expert rows are in. A launch with the entry_trigger hint (one row, decode) keeps it.
+# H100 (2026-12-06, one process each, bench/results/step-ab-h100-20261206-combine-late*.json): greedy verify 4-8 us
+# faster in each of five pairings (2.5836 / 2.5700 against 2.5881 / 2.5779, ...), decode unchanged (it does not run
+# there); not yet timed on an H200. LINGC_COMBINE_LATE_TRIGGER_ROWS=0 turns it off
+COMBINE_LATE_TRIGGER_ROWS = int(os.environ.get("LINGC_COMBINE_LATE_TRIGGER_ROWS", "2"))
 COMBINE_ORDER = {"cpu": SEQUENTIAL, "cuda": INTERLEAVE4}
 # no FMA contraction (products and sums round separately, as torch's kernels do); libdevice exp without FTZ
 FP_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
@@ -556,9 +566,11 @@ def _moe_combine_kernel(e_ptr, w_ptr, local_ptr, s_ptr, out_ptr, H, stride_e, st
 def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, H, stride_e, stride_w,
                                 stride_res, stride_out, stride_res_out, eps,
                                 TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ORDER: tl.constexpr,
-                                MUL_RN: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr):
+                                MUL_RN: tl.constexpr, PDL: tl.constexpr, ENTRY_TRIGGER: tl.constexpr,
+                                LATE_TRIGGER: tl.constexpr = False):
     """combine_add_rmsnorm of token n: the combine's row (as _combine_row, cast to the activation dtype), then
-    kernels/rmsnorm.py's add + norm row code on it; one program per token holds the whole row."""
+    kernels/rmsnorm.py's add + norm row code on it; one program per token holds the whole row. LATE_TRIGGER (PDL,
+    not with ENTRY_TRIGGER): the trigger after the row's loads, not right after the wait (COMBINE_LATE_TRIGGER_ROWS)."""
     if PDL:
         if ENTRY_TRIGGER:   # the next launch (a projection) reads only weights before its wait (kernels/pdl.py)
             pdl_launch_next()
@@ -567,12 +579,18 @@ def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_
     mask = cols < H
     nw = tl.load(nw_ptr + cols, mask=mask, other=0.0)
     if PDL:
-        pdl_wait()
+        if LATE_TRIGGER:
+            tl.extra.cuda.gdc_wait()
+        else:
+            pdl_wait()
     routed = _routed_sum(e_ptr, w_ptr, w_ptr, n, cols, mask, stride_e, stride_w, 0, TOP_K, ORDER, False, False,
                          MUL_RN)
     res = tl.load(res_ptr + n * stride_res + cols, mask=mask, other=0.0)
     if PDL:
-        pdl_trigger()
+        if LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+        else:
+            pdl_trigger()
     _add_rmsnorm_row(res, routed.to(res.dtype), nw, out_ptr + n * stride_out, res_out_ptr + n * stride_res_out, cols,
                      mask, H, eps)
 
@@ -857,6 +875,11 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out
     return out
 
 
+def combine_late_trigger(pdl: bool, entry_trigger: bool, rows: int) -> bool:
+    """Whether a combine_add_rmsnorm launch of `rows` rows triggers after its loads (COMBINE_LATE_TRIGGER_ROWS)."""
+    return pdl and not entry_trigger and 0 < COMBINE_LATE_TRIGGER_ROWS <= rows
+
+
 def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
                         weight: torch.Tensor, eps: float, *, pdl: bool = False,
                         order: int | None = None, entry_trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -888,6 +911,7 @@ def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_w
         topk_weights.stride(0), res2.stride(0), h, h, eps,
         TOP_K=topk_weights.shape[1], BLOCK_H=block, ORDER=order,
         MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
+        LATE_TRIGGER=combine_late_trigger(pdl, entry_trigger, n),
         num_warps=_norm_warps(block),
         enable_reflect_ftz=False, **launch)   # fusion on, as the add_rmsnorm kernel; mul_rn without FTZ, as the combine
     return out, residual_out

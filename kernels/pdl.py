@@ -15,10 +15,12 @@ it is part of every kernel's compile key):
     late             the trigger after the last dependent load (`pdl_trigger()`), as Inductor places it.
 
 Early is not "at kernel entry" (shared/docs/kernels.md 1.5's pitfall): triggering before the wait would let every
-later kernel of a chain launch and hold SM slots while it waits. Not measured against `late` with PDL launches on:
-the A/B in bench/results/pdl-trigger-h200-20261130.json ran the step without PDL launches (a bench bug, see its
-note), so it says nothing either way. Every PDL-on step number of 2026-11-30's second session (decode 1.44 ms)
-ran with `early`.
+later kernel of a chain launch and hold SM slots while it waits. Against `late` with PDL launches on (H100,
+2026-12-06, two processes of one device call: bench/results/step-ab-h100-20261206-combine-late-c.json against
+step-h100-20261206-pdl-trigger-late.json): greedy decode 1.304-1.317 ms early against 1.444-1.448 late, greedy verify
+2.585-2.588 against 2.646, so `early` stays. (The older A/B, bench/results/pdl-trigger-h200-20261130.json, ran the
+step without PDL launches, a bench bug, and says nothing.) One launch takes the late placement by default:
+combine_add_rmsnorm at 2 rows or more (kernels/moe.py COMBINE_LATE_TRIGGER_ROWS; verify 4-8 us faster on the H100).
 
 Loads before the wait. A PDL kernel's programs start only after every program of the kernel before it has passed
 its own wait, i.e. after the kernel two launches back has completed (under either trigger). So data written two or

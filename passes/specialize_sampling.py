@@ -18,7 +18,11 @@ filters are off that is what the general graph computes; the kernel (kernels/fil
 which for such rows exit without writing anything, so the probs, tokens and accept lengths are the general graphs'
 bit for bit (tests/passes/test_specialize_sampling.py runs both). Greedy requests keep specialize_greedy's copies.
 Cost: two more copies of each step graph in the artifact and two more CUDA-graph sets captured by the engine.
-Opt-in until the H200 step measures the sampled rows it targets (bench/device_step.py).
+Measured (H100, 2026-12-06, `bench/device_step.py --only all,all+specialize_sampling --no-parity`, one process,
+bench/results/step-sampling-copies-ab-h100-20261206.json; the sampled NEXTN step, ms, run / repeat): the plain copies
+3.920 / 3.907 against the general graphs' 3.937 / 3.934 for the same request (-17 to -27 us, 0.5 %), the nucleus
+copies 4.054 / 4.071 against 4.048 / 4.051 (level: skipping the top-k rounds, whose early exits are cheap behind
+the top-p rounds, buys nothing). Hence opt-in: the plain copies' half percent does not pay for two more graph sets.
 """
 
 from __future__ import annotations
