@@ -108,7 +108,7 @@ MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of
 # bench/results/launches-verify-h100-20261206-base.json / -ring16.json): the ring does make the projection itself
 # faster, 13.86 -> 12.85 us a layer, but its 7.7 MB pre-wait burst lands on the combine_add_rmsnorm before it (1.83 ->
 # 2.82 us: the combine's row loads queue behind it) and kda_fused_verify after it exposes more (6.76 -> 7.28 us).
-# Triggering the combine after its loads (kernels/moe.py COMBINE_LATE_TRIGGER_ROWS) does not rescue it: ring at 16
+# Triggering the combine after its loads (kernels/pdl.py LATE_TRIGGER_ROWS) does not rescue it: ring at 16
 # rows with it, verify 2.6030 / 2.5983 ms against 2.5864 / 2.5760 (step-ab-h100-20261206-combine-late.json).
 # LINGC_LINEAR_TMA_RING_MAX_ROWS=N
 RING_MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_RING_MAX_ROWS", "1"))

@@ -100,7 +100,8 @@ import triton
 import triton.language as tl
 
 from lingc.kernels import mla_gluon, workspace
-from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.pdl import (late_trigger, pdl_launch_next, pdl_supported, pdl_trigger, pdl_trigger_late, pdl_wait,
+                               pdl_wait_late, prefetch_l2)
 from lingc.kernels.rmsnorm import MAX_BLOCK_N as MAX_NORM_BLOCK, _num_warps as _norm_warps, _rmsnorm_row
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 
@@ -679,7 +680,7 @@ def _mla_prep_kernel(q_ptr, c_ptr, k_ptr, w_ptr, kv_ptr, locs_ptr, pos_ptr, qout
                      stride_qb, stride_qt, stride_qh, stride_c, stride_k, stride_row,
                      stride_locs_b, stride_locs_t, stride_pos_b, stride_pos_t,
                      BLOCK_NH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                     MUL_RN: tl.constexpr, PDL: tl.constexpr):
+                     MUL_RN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False):
     """Token m: q_rope[m] = rope(q_pe[m]); cache row cache_locs[m] = [rmsnorm(c_kv[m]) | rope(k_pe[m])].
 
     The norm is the rmsnorm kernel's: the same row code (_rmsnorm_row) on a row addressed as it addresses one
@@ -697,7 +698,7 @@ def _mla_prep_kernel(q_ptr, c_ptr, k_ptr, w_ptr, kv_ptr, locs_ptr, pos_ptr, qout
     w = tl.load(w_ptr + cols, mask=mask_r, other=0.0)
     inv_freq = _rope_inv_freq(HALF, ln_theta_hi, ln_theta_lo, BLOCK_HALF, MUL_RN)
     if PDL:
-        pdl_wait()
+        pdl_wait_late(LATE_TRIGGER)
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + t * stride_pos_t).to(tl.float32)
     loc = tl.load(locs_ptr + b.to(tl.int64) * stride_locs_b + t * stride_locs_t).to(tl.int64)
     qe, qo = _rope_pairs(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
@@ -705,7 +706,7 @@ def _mla_prep_kernel(q_ptr, c_ptr, k_ptr, w_ptr, kv_ptr, locs_ptr, pos_ptr, qout
     ke, ko = _rope_pairs(k_ptr + row * stride_k + 2 * offs_i, mask_i)                  # [BLOCK_HALF]
     x = tl.load(c_ptr + row * stride_c + cols, mask=mask_r, other=0.0)                 # [BLOCK_R]
     if PDL:
-        pdl_trigger()
+        pdl_trigger_late(LATE_TRIGGER)
     cos, sin = _rope_cos_sin(pos, inv_freq, MUL_RN)
     q_lo, q_hi = _rope_rotate(qe, qo, cos[None, :], sin[None, :], MUL_RN)
     dst = qout_ptr + (m * NH + offs_h[:, None]).to(tl.int64) * (2 * HALF) + offs_i[None, :]
@@ -985,7 +986,8 @@ def mla_prep(q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_norm
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), c2.stride(0), k2.stride(0), kv_pages.stride(1),
         cache_locs.stride(0), cache_locs.stride(1), positions.stride(0), positions.stride(1),
         BLOCK_NH=_pow2(H), BLOCK_HALF=_pow2(Rr // 2), BLOCK_R=block_r,
-        MUL_RN=q_pe.is_cuda and not _interpreting(), PDL=pdl, num_warps=_norm_warps(block_r), **launch)
+        MUL_RN=q_pe.is_cuda and not _interpreting(), PDL=pdl, LATE_TRIGGER=late_trigger("mla_prep", pdl, B * T),
+        num_warps=_norm_warps(block_r), **launch)
     return q_rope
 
 

@@ -82,7 +82,8 @@ import triton
 import triton.language as tl
 
 from lingc.kernels import router_gluon
-from lingc.kernels.pdl import pdl_launch_next, pdl_supported, pdl_trigger, pdl_wait, prefetch_l2
+from lingc.kernels.pdl import (late_trigger, pdl_launch_next, pdl_supported, pdl_trigger, pdl_trigger_late, pdl_wait,
+                               pdl_wait_late, prefetch_l2)
 from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*, used by the references)
 from lingc.ops.moe import PAIR_GRID_PICKS, PAIR_GRID_TOKENS, align_sizes
@@ -164,13 +165,6 @@ ACT_NUM_WARPS = 4
 COMBINE_BLOCK_H = 512        # moe_combine: hidden columns per program
 COMBINE_NUM_WARPS = 4
 SEQUENTIAL, INTERLEAVE4 = 0, 1   # moe_combine summation orders over k (see the module docstring)
-# combine_add_rmsnorm launches of at least this many rows (0: none) trigger after their row's loads, not right after
-# the wait (kernels/pdl.py's early trigger): the launch after them (the next layer's projection) is scheduled once the
-# combine's own reads of the expert rows are in. A launch with the entry_trigger hint (one row, decode) keeps it.
-# H100 (2026-12-06, one process each, bench/results/step-ab-h100-20261206-combine-late*.json): greedy verify 4-8 us
-# faster in each of five pairings (2.5836 / 2.5700 against 2.5881 / 2.5779, ...), decode unchanged (it does not run
-# there); not yet timed on an H200. LINGC_COMBINE_LATE_TRIGGER_ROWS=0 turns it off
-COMBINE_LATE_TRIGGER_ROWS = int(os.environ.get("LINGC_COMBINE_LATE_TRIGGER_ROWS", "2"))
 COMBINE_ORDER = {"cpu": SEQUENTIAL, "cuda": INTERLEAVE4}
 # no FMA contraction (products and sums round separately, as torch's kernels do); libdevice exp without FTZ
 FP_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
@@ -570,7 +564,8 @@ def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_
                                 LATE_TRIGGER: tl.constexpr = False):
     """combine_add_rmsnorm of token n: the combine's row (as _combine_row, cast to the activation dtype), then
     kernels/rmsnorm.py's add + norm row code on it; one program per token holds the whole row. LATE_TRIGGER (PDL,
-    not with ENTRY_TRIGGER): the trigger after the row's loads, not right after the wait (COMBINE_LATE_TRIGGER_ROWS)."""
+    not with ENTRY_TRIGGER): the trigger after the row's loads, not right after the wait (kernels/pdl.py
+    LATE_TRIGGER_ROWS)."""
     if PDL:
         if ENTRY_TRIGGER:   # the next launch (a projection) reads only weights before its wait (kernels/pdl.py)
             pdl_launch_next()
@@ -579,18 +574,12 @@ def _combine_add_rmsnorm_kernel(e_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, res_out_
     mask = cols < H
     nw = tl.load(nw_ptr + cols, mask=mask, other=0.0)
     if PDL:
-        if LATE_TRIGGER:
-            tl.extra.cuda.gdc_wait()
-        else:
-            pdl_wait()
+        pdl_wait_late(LATE_TRIGGER)
     routed = _routed_sum(e_ptr, w_ptr, w_ptr, n, cols, mask, stride_e, stride_w, 0, TOP_K, ORDER, False, False,
                          MUL_RN)
     res = tl.load(res_ptr + n * stride_res + cols, mask=mask, other=0.0)
     if PDL:
-        if LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-        else:
-            pdl_trigger()
+        pdl_trigger_late(LATE_TRIGGER)
     _add_rmsnorm_row(res, routed.to(res.dtype), nw, out_ptr + n * stride_out, res_out_ptr + n * stride_res_out, cols,
                      mask, H, eps)
 
@@ -875,11 +864,6 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out
     return out
 
 
-def combine_late_trigger(pdl: bool, entry_trigger: bool, rows: int) -> bool:
-    """Whether a combine_add_rmsnorm launch of `rows` rows triggers after its loads (COMBINE_LATE_TRIGGER_ROWS)."""
-    return pdl and not entry_trigger and 0 < COMBINE_LATE_TRIGGER_ROWS <= rows
-
-
 def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
                         weight: torch.Tensor, eps: float, *, pdl: bool = False,
                         order: int | None = None, entry_trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -911,7 +895,7 @@ def combine_add_rmsnorm(residual: torch.Tensor, expert_out: torch.Tensor, topk_w
         topk_weights.stride(0), res2.stride(0), h, h, eps,
         TOP_K=topk_weights.shape[1], BLOCK_H=block, ORDER=order,
         MUL_RN=residual.is_cuda and not _interpreting(), PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
-        LATE_TRIGGER=combine_late_trigger(pdl, entry_trigger, n),
+        LATE_TRIGGER=late_trigger("combine_add_rmsnorm", pdl, n, entry_trigger),
         num_warps=_norm_warps(block),
         enable_reflect_ftz=False, **launch)   # fusion on, as the add_rmsnorm kernel; mul_rn without FTZ, as the combine
     return out, residual_out

@@ -20,7 +20,7 @@ later kernel of a chain launch and hold SM slots while it waits. Against `late` 
 step-h100-20261206-pdl-trigger-late.json): greedy decode 1.304-1.317 ms early against 1.444-1.448 late, greedy verify
 2.585-2.588 against 2.646, so `early` stays. (The older A/B, bench/results/pdl-trigger-h200-20261130.json, ran the
 step without PDL launches, a bench bug, and says nothing.) One launch takes the late placement by default:
-combine_add_rmsnorm at 2 rows or more (kernels/moe.py COMBINE_LATE_TRIGGER_ROWS; verify 4-8 us faster on the H100).
+combine_add_rmsnorm at 2 rows or more (LATE_TRIGGER_ROWS below; verify 4-8 us faster on the H100).
 
 Loads before the wait. A PDL kernel's programs start only after every program of the kernel before it has passed
 its own wait, i.e. after the kernel two launches back has completed (under either trigger). So data written two or
@@ -87,6 +87,40 @@ def pdl_wait():
 def pdl_trigger():
     """gdc_launch_dependents under the late trigger; nothing under the early one (pdl_wait did it)."""
     if not TRIGGER_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# Late triggers by op: a launch of `op` over at least LATE_TRIGGER_ROWS[op] rows (absent or 0: never) triggers after
+# its row loads (`pdl_trigger_late`) instead of right after its wait, so the next kernel's programs are scheduled,
+# and issue whatever they read before their own wait, once this short kernel's reads are in. Not with an entry
+# trigger (that launch hint wins). combine_add_rmsnorm at 2 rows and more (verify): greedy verify 4-8 us faster in
+# five pairings on an H100, decode untouched (2026-12-06, bench/results/step-ab-h100-20261206-combine-late*.json;
+# LINGC_COMBINE_LATE_TRIGGER_ROWS=0 turns it off; off, verify was 7 us slower on another H100, -late-ops.json). The
+# others are A/B knobs (bench/device_step.py --variant 'x:lingc.kernels.pdl.LATE_TRIGGER_ROWS={"mla_prep": 2}'):
+# mla_prep at 2 rows, router_topk at 2, both, and router_align + mla_prep at 1 row measured level
+# (bench/results/step-ab-h100-20261206-late-ops.json), so they stay off.
+LATE_TRIGGER_OPS = ("combine_add_rmsnorm", "mla_prep", "router_topk", "router_align")
+LATE_TRIGGER_ROWS: dict[str, int] = {"combine_add_rmsnorm": int(os.environ.get("LINGC_COMBINE_LATE_TRIGGER_ROWS", "2"))}
+
+
+def late_trigger(op: str, pdl: bool, rows: int, entry_trigger: bool = False) -> bool:
+    """Whether a PDL launch of `op` (one of LATE_TRIGGER_OPS) over `rows` rows triggers after its loads."""
+    limit = LATE_TRIGGER_ROWS.get(op, 0)
+    return pdl and not entry_trigger and 0 < limit <= rows
+
+
+@triton.jit
+def pdl_wait_late(LATE: tl.constexpr):
+    """pdl_wait, except that a LATE launch does not trigger here (its pdl_trigger_late does, after its loads)."""
+    tl.extra.cuda.gdc_wait()
+    if TRIGGER_EARLY and not LATE:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger_late(LATE: tl.constexpr):
+    """pdl_trigger, which a LATE launch makes fire under the early trigger too."""
+    if LATE or not TRIGGER_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -41,7 +41,7 @@ import os
 import torch
 import triton
 
-from lingc.kernels.pdl import TRIGGER
+from lingc.kernels.pdl import TRIGGER, late_trigger
 from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
 
@@ -229,9 +229,12 @@ def _constexprs(num_routed: int, n_group: int, topk_group: int, top_k: int, shar
                 NW=num_routed // 32)
 
 
-def _launch(grid: int, args: tuple, consts: dict, pdl: bool) -> bool:
+def _launch(grid: int, args: tuple, consts: dict, pdl: bool, op: str) -> bool:
+    """One launch of grid programs (a row each); a late trigger (kernels/pdl.py LATE_TRIGGER_ROWS[op]) fires after
+    the logits' load, where the late trigger mode puts it."""
+    early = TRIGGER == "early" and not late_trigger(op, pdl, grid)
     return guarded(lambda: _router_gluon_kernel[(grid,)](
-        *args, **consts, PDL=pdl, EARLY_TRIGGER=TRIGGER == "early", num_warps=consts["NW"],
+        *args, **consts, PDL=pdl, EARLY_TRIGGER=early, num_warps=consts["NW"],
         **({"launch_pdl": True} if pdl else {})),
         FAILED, "the Gluon router (kernels/router_gluon.py)", "router.py's kernels", "LINGC_ROUTER_GLUON")
 
@@ -243,7 +246,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor,
     N, E = logits.shape
     consts = _constexprs(E, n_group, topk_group, top_k, shared)
     return _launch(N, (logits, bias, weights, ids, ids, ids, ids, logits.stride(0), float(scale), 0, 0),
-                   dict(consts, BM=1, ALIGN=False), pdl)
+                   dict(consts, BM=1, ALIGN=False), pdl, "router_topk")
 
 
 def router_align(logits: torch.Tensor, bias: torch.Tensor, outputs: tuple, n_group: int, topk_group: int,
@@ -254,4 +257,4 @@ def router_align(logits: torch.Tensor, bias: torch.Tensor, outputs: tuple, n_gro
     E = logits.shape[1]
     consts = _constexprs(E, n_group, topk_group, top_k, shared)
     return _launch(1, (logits, bias, *outputs, logits.stride(0), float(scale), max_padded, n_blocks),
-                   dict(consts, BM=block_m, ALIGN=True), pdl)
+                   dict(consts, BM=block_m, ALIGN=True), pdl, "router_align")
