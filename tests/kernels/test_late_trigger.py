@@ -3,7 +3,8 @@ the early trigger `griddepcontrol.launch_dependents` follows the wait before any
 LATE_TRIGGER it follows those loads; with the entry trigger one precedes the wait. mla_prep (an A/B knob): with
 LATE_TRIGGER the trigger follows the first of its loads after the wait (the compiler may sink later ones past it).
 Which launches take the late trigger is kernels/pdl.py `late_trigger` (rows at or over the op's limit, PDL on, no
-entry trigger). The trigger never changes a value (the interpreter runs no PDL; the other kernel tests check the values)."""
+entry trigger). The trigger never changes a value (the interpreter runs no PDL; the other kernel tests check the
+values)."""
 
 from __future__ import annotations
 
