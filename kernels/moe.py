@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lingc.kernels import router_gluon
+from lingc.kernels import moe_tma, router_gluon
 from lingc.kernels.pdl import (late_trigger, pdl_launch_next, pdl_supported, pdl_trigger, pdl_trigger_late, pdl_wait,
                                pdl_wait_late, prefetch_l2)
 from lingc.kernels.rmsnorm import _add_rmsnorm_row, _num_warps as _norm_warps
@@ -678,6 +678,10 @@ def _grouped_gemm(op: str, a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch
     chunks = preload_chunks(preload and not config.swap_ab, k, config.block_k, num_pairs)
     # one token: the shared expert's block is block top_k - 1
     shared = _shared_early(shared_last and a.shape[0] == 1 and grid[1] == top_k, top_k, chunks, a.device, num_experts)
+    if op == "moe_up_act" and config is UP_CONFIG and moe_tma.eligible(
+            a, w, block_m, limit, pdl, shared["SHARED_EARLY"] or chunks > 0 or prefetch or tile_prefetch) \
+            and moe_tma.launch(a, w, out, sorted_pairs, block_expert, total, top_k, block_m):
+        return out      # the Hopper TMA path (kernels/moe_tma.py, opt-in LINGC_MOE_UP_TMA=1): the same tiles of K
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
         num_pairs, num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit),
