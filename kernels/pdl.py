@@ -105,6 +105,8 @@ LATE_TRIGGER_ROWS: dict[str, int] = {"combine_add_rmsnorm": int(os.environ.get("
 
 def late_trigger(op: str, pdl: bool, rows: int, entry_trigger: bool = False) -> bool:
     """Whether a PDL launch of `op` (one of LATE_TRIGGER_OPS) over `rows` rows triggers after its loads."""
+    if op not in LATE_TRIGGER_OPS:
+        raise ValueError(f"late_trigger: {op!r} has no late trigger placement; the ops that do: {LATE_TRIGGER_OPS}")
     limit = LATE_TRIGGER_ROWS.get(op, 0)
     return pdl and not entry_trigger and 0 < limit <= rows
 

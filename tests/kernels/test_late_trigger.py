@@ -106,5 +106,7 @@ def test_which_launches_trigger_late(monkeypatch) -> None:
     assert not late("combine_add_rmsnorm", True, 6, entry_trigger=True)   # the entry trigger wins
     assert not late("combine_add_rmsnorm", False, 6)                 # no PDL, no trigger
     assert not late("mla_prep", True, 6) and not late("router_topk", True, 6)
+    with pytest.raises(ValueError, match="moe_up_act"):
+        late("moe_up_act", True, 6)                                  # a kernel without the placement
     monkeypatch.setattr(pdl, "LATE_TRIGGER_ROWS", {"mla_prep": 1})
     assert late("mla_prep", True, 1) and not late("combine_add_rmsnorm", True, 6)
