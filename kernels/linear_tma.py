@@ -207,6 +207,27 @@ def eligible(rows: torch.Tensor, weight: torch.Tensor, cfg, pdl: bool, prologue:
 
 if HAVE_GLUON:
     @gluon.jit
+    def ring_mma(w_desc, w_smem, bars, x_smem, x_bars, row0, k0, KB: gl.constexpr, RING: gl.constexpr,
+                 BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, X_TMA: gl.constexpr):
+        """acc [BN, BM] (fp32, wgmma's layout) = sum over b < KB, in order, of W[row0:+BN, k0 + b BK:+BK] @ x_smem[b]^T:
+        block b waits for its weight box in slot b % RING (and, X_TMA, its x box), one synchronous wgmma m64n16k16
+        chain, then, while blocks remain past the ring, that slot is refilled with block b + RING. The caller issued
+        the ring's first RING boxes (slot s: block s) and fenced x_smem. Shared by kernels/moe_tma.py."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        acc = gl.zeros([BN, BM], gl.float32, acc_layout)
+        for b in gl.static_range(KB):
+            mbarrier.wait(bars.index(b % RING), (b // RING) % 2)
+            if X_TMA:
+                mbarrier.wait(x_bars.index(b), 0)
+            acc = warpgroup_mma(w_smem.index(b % RING), x_smem.index(b).permute((1, 0)), acc)   # waits for the MMA
+            if b + RING < KB:               # the partial ring: refill the slot this block's MMA has finished with
+                mbarrier.expect(bars.index(b % RING), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [row0, k0 + (b + RING) * BK], bars.index(b % RING),
+                                                w_smem.index(b % RING))
+        return acc
+
+    @gluon.jit
     def _linear_tma_kernel(w_desc, x_desc, x_ptr, y_ptr, part_ptr, count_ptr, g_ptr, nw_ptr, M, N, stride_xm,
                            stride_ym, stride_gm, eps, inv_d,
                            K_PER_SPLIT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
@@ -264,18 +285,7 @@ if HAVE_GLUON:
                     xv = (xf * rstd[:, None] * nw[None, :] * gate).to(x_ptr.dtype.element_ty)
                 x_smem.index(b).store(xv.to(w_desc.dtype))
             fence_async_shared()
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BM, 16])
-        acc = gl.zeros([BN, BM], gl.float32, acc_layout)
-        for b in gl.static_range(KB):
-            mbarrier.wait(bars.index(b % RING), (b // RING) % 2)
-            if X_TMA:
-                mbarrier.wait(x_bars.index(b), 0)
-            acc = warpgroup_mma(w_smem.index(b % RING), x_smem.index(b).permute((1, 0)), acc)   # waits for the MMA
-            if b + RING < KB:               # the partial ring: refill the slot this block's MMA has finished with
-                mbarrier.expect(bars.index(b % RING), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [n0, k0 + (b + RING) * BK], bars.index(b % RING),
-                                                w_smem.index(b % RING))
+        acc = ring_mma(w_desc, w_smem, bars, x_smem, x_bars if X_TMA else bars, n0, k0, KB, RING, BN, BM, BK, X_TMA)
         for b in gl.static_range(RING):
             mbarrier.invalidate(bars.index(b))
         if X_TMA:

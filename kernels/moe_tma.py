@@ -52,8 +52,9 @@ try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the T
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.extra import libdevice
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from lingc.kernels.linear_tma import ring_mma   # the wgmma chain over the weight ring, kernels/linear_tma.py's
     from lingc.kernels.pdl import gluon_gdc_launch_dependents, gluon_gdc_wait
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the Triton build
@@ -132,16 +133,7 @@ if HAVE_GLUON:
                              other=0.0)
                 x_smem.index(b).store(xv)
             fence_async_shared()
-            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                 instr_shape=[16, BM, 16])
-            acc = gl.zeros([BN, BM], gl.float32, acc_layout)
-            for b in gl.static_range(KB):
-                mbarrier.wait(bars.index(b % RING), (b // RING) % 2)
-                acc = warpgroup_mma(w_smem.index(b % RING), x_smem.index(b).permute((1, 0)), acc)   # waits for it
-                if b + RING < KB:             # refill the slot this block's MMA has finished with
-                    mbarrier.expect(bars.index(b % RING), w_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(w_desc, [row0, (b + RING) * BK], bars.index(b % RING),
-                                                    w_smem.index(b % RING))
+            acc = ring_mma(w_desc, w_smem, bars, x_smem, bars, row0, 0, KB, RING, BN, BM, BK, False)
             for s in gl.static_range(RING):
                 mbarrier.invalidate(bars.index(s))
             if not EARLY_TRIGGER:
