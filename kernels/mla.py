@@ -174,10 +174,14 @@ VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 12
 GEMV_WARPS = 4
 # queries an absorption program (q_absorb, v_absorb) takes on one load of its weight slice: grid (H, blocks,
 # cdiv(M, QB)) with QB = min(M, QB_ABSORB) rounded up to a power of two. Each query's sum is the same code whatever QB
-# is (a static loop over the program's queries), so the same bits at any value. At 6 queries (verify) one query a
-# program made 768 programs a kernel, re-reading the 2 MB weight half once a query, and v_absorb's (91 registers) did
-# not fit one wave at 5 CTAs an SM. LINGC_MLA_ABSORB_QUERIES=N (1: one query a program, as before)
-QB_ABSORB = int(os.environ.get("LINGC_MLA_ABSORB_QUERIES", "8"))
+# is (a static loop over the program's queries), so the same bits at any value (checked on an H100 at 1 and 6 queries,
+# with and without the gate). 1 by default: at 8 (verify's 6 queries in 128 programs instead of 768, the weight slice
+# read once) the H100 measured mla_attention alone 24.25 against 23.17 us at 6 queries, and in the step greedy verify
+# 2.6068 / 2.5971 and 2.6090 / 2.5972 ms against 2.5816 / 2.5706 and 2.5811 / 2.5710, decode level
+# (bench/results/kernels-mla-absorb-queries-h100-20261206.json, step-ab-h100-20261206-absorb-queries.json): a
+# program's queries run one after another (load, sum, store), where 768 programs run them side by side.
+# LINGC_MLA_ABSORB_QUERIES=N
+QB_ABSORB = int(os.environ.get("LINGC_MLA_ABSORB_QUERIES", "1"))
 # q_absorb's early path (EARLY: under PDL, its q load and sum before the wait); LINGC_MLA_QABSORB_EARLY=0 turns it off
 QA_EARLY = os.environ.get("LINGC_MLA_QABSORB_EARLY", "1") == "1"
 # q_absorb's entry trigger (under PDL): the split launches when q_absorb starts, not when it has passed its wait, so
