@@ -53,7 +53,6 @@ import functools
 import os
 
 import torch
-import triton
 
 from lingc.kernels.pdl import TRIGGER
 from lingc.kernels.gluon_launch import guarded, major as _major

@@ -212,7 +212,6 @@ if HAVE_GLUON:
                         pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, True)
             async_copy.commit_group()
             sr = gl.arange(0, BM, layout=gl.SliceLayout(1, a_l))
-            sc = gl.arange(0, CW, layout=gl.SliceLayout(0, a_l))
             ts = gl.minimum(t0 + sr // H, T - 1)
             end_q = gl.minimum(gl.minimum(start + SPLIT_N, gl.load(pos_b + ts * stride_pos_t, cache_modifier=".cg")
                                           .to(gl.int32) + 1), CAP)             # [BM] a row's visible end

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -19,6 +20,9 @@ from safetensors.torch import save_file
 from lingc.checkpoint import INDEX_FILE, SINGLE_FILE, TensorSpec, checkpoint_layout
 from lingc.config import LingConfig
 from lingc.progress import progress_bar
+
+if TYPE_CHECKING:
+    from lingc.model import LingForCausalLM
 
 DEFAULT_SHARD_BYTES = 512 * 2**20   # the published Tiny BF16 checkpoint: 15.8 GB in 32 shards
 INIT_STD = 0.02                     # initializer_range of the HF config
