@@ -21,7 +21,6 @@ launches they replace (mla_prep; mla_attention with its gate; ok = bit-exact) cl
     python3 bench/kernel_mla.py --tiles [--json ...]   # the split at SPLIT_TILE_ROWS 16 and 64 only
     python3 bench/kernel_mla.py --gluon [--json ...]   # the Gluon split (kernels/mla_gluon.py) against the Triton one
     python3 bench/kernel_mla.py --combine-absorb [--json ...]   # COMBINE_ABSORB on and off (kernels/mla.py)
-    python3 bench/kernel_mla.py --absorb-queries [--json ...]   # QB_ABSORB 8 against 1 (the default) (kernels/mla.py): bits, time
 """
 
 from __future__ import annotations
@@ -391,38 +390,6 @@ def combine_absorb_rows() -> list[dict]:
     return rows
 
 
-def absorb_queries_rows() -> list[dict]:
-    """mla_attention with QB_ABSORB (kernels/mla.py: queries an absorption program takes) at 8 and at 1 (one query a
-    program, the default), 1 and 6 queries at context 8192: the attention row's checks and time for each, and whether
-    8's outputs equal 1's bit for bit, without and with fuse_mla's gate."""
-    import lingc.kernels.mla as K
-
-    saved = K.QB_ABSORB
-    rows = []
-    try:
-        for T, ctx in CASES[:2]:
-            c = _case(T, ctx, 1, seed=17 + T)
-            args = (c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"], c["positions"], SCALE)
-            gate = torch.randn(1, T, H, device=c["q_nope"].device, generator=torch.Generator(
-                device=c["q_nope"].device).manual_seed(5)).to(BF16)
-            outs = {}
-            for qb in (8, 1):
-                K.QB_ABSORB = qb
-                r = _attention_rows(T, ctx, sweep=[])[0]
-                outs[qb] = (K.mla_attention(*args, pdl=True), K.mla_attention(*args, gate=gate, pdl=True))
-                keep = {k: r[k] for k in ("shape", "time_us", "time_us_nopdl", "rel_err", "row_invariant",
-                                          "pdl_equal", "deterministic", "ok")}
-                keep.update(kernel=f"mla_attention[absorb-queries-{qb}]", T=T, ctx=ctx,
-                            programs_a_kernel=H * (R // K.QA_BLOCK_R) * -(-T // K.absorb_queries(T)))
-                rows.append(keep)
-            rows[-2]["bits_equal_one_query"] = all(torch.equal(a, b) for a, b in zip(outs[8], outs[1]))
-            rows[-2]["ok"] = rows[-2]["ok"] and rows[-2]["bits_equal_one_query"]
-            del c
-    finally:
-        K.QB_ABSORB = saved
-    return rows
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the rows to this file")
@@ -432,13 +399,8 @@ if __name__ == "__main__":
                     help="only mla_attention with the Gluon split against the Triton split (checks, time, bits)")
     ap.add_argument("--combine-absorb", action="store_true",
                     help="only mla_attention with COMBINE_ABSORB on and off (checks, time, bits)")
-    ap.add_argument("--absorb-queries", action="store_true",
-                    help="only mla_attention with QB_ABSORB 8 and 1 (checks, time, bits)")
     args = ap.parse_args()
-    if args.absorb_queries:
-        import lingc  # noqa: F401  (registers the reference ops)
-        all_rows = absorb_queries_rows()
-    elif args.combine_absorb:
+    if args.combine_absorb:
         import lingc  # noqa: F401  (registers the reference ops)
         all_rows = combine_absorb_rows()
     elif args.gluon:

@@ -172,16 +172,6 @@ CA_COUNTERS = 1 << 12    # ticket counters, one per (query, head): 16 KiB a devi
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
-# queries an absorption program (q_absorb, v_absorb) takes on one load of its weight slice: grid (H, blocks,
-# cdiv(M, QB)) with QB = min(M, QB_ABSORB) rounded up to a power of two. Each query's sum is the same code whatever QB
-# is (a static loop over the program's queries), so the same bits at any value (checked on an H100 at 1 and 6 queries,
-# with and without the gate). 1 by default: at 8 (verify's 6 queries in 128 programs instead of 768, the weight slice
-# read once) the H100 measured mla_attention alone 24.25 against 23.17 us at 6 queries, and in the step greedy verify
-# 2.6068 / 2.5971 and 2.6090 / 2.5972 ms against 2.5816 / 2.5706 and 2.5811 / 2.5710, decode level
-# (bench/results/kernels-mla-absorb-queries-h100-20261206.json, step-ab-h100-20261206-absorb-queries.json): a
-# program's queries run one after another (load, sum, store), where 768 programs run them side by side.
-# LINGC_MLA_ABSORB_QUERIES=N
-QB_ABSORB = int(os.environ.get("LINGC_MLA_ABSORB_QUERIES", "1"))
 # q_absorb's early path (EARLY: under PDL, its q load and sum before the wait); LINGC_MLA_QABSORB_EARLY=0 turns it off
 QA_EARLY = os.environ.get("LINGC_MLA_QABSORB_EARLY", "1") == "1"
 # q_absorb's entry trigger (under PDL): the split launches when q_absorb starts, not when it has passed its wait, so
@@ -215,17 +205,17 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, stride_w,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
                      BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                     ENTRY: tl.constexpr = False, QB: tl.constexpr = 1, M=1):
-    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, mblock),
-    queries m = mblock * QB + i (i < QB, m < M) on one load of the weight slice, each query's sum the same code
-    (hence the same bits) whatever QB is (QB_ABSORB). EARLY (under PDL): q is loaded (through L2) and the sums run
-    before the wait. q_nope's writer, the q projection, is two launches back (mla_prep or the cache write sits
-    between; the pdl pass launches mla_attention without PDL where the launch just before it produced or wrote
-    q_nope, passes/pdl.py PREWAIT_INPUTS). ENTRY (under PDL): the split may launch at this kernel's entry (QA_ENTRY:
-    what the split reads before its wait is older than the launch before this one, kernels/mla_gluon.py)."""
+                     ENTRY: tl.constexpr = False):
+    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m).
+    EARLY (under PDL): q is loaded (through L2) and the sum run before the wait. q_nope's writer, the q projection,
+    is two launches back (mla_prep or the cache write sits between; the pdl pass launches mla_attention without PDL
+    where the launch just before it produced or wrote q_nope, passes/pdl.py PREWAIT_INPUTS). ENTRY (under PDL): the
+    split may launch at this kernel's entry (QA_ENTRY: what the split reads before its wait is older than the
+    launch before this one, kernels/mla_gluon.py)."""
     if PDL and ENTRY:
         pdl_launch_next()
     h = tl.program_id(0)
+    m = tl.program_id(2)
     offs_n = tl.arange(0, BLOCK_NOPE)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_n, mask_r = offs_n < N, offs_r < R
@@ -234,20 +224,15 @@ def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, 
                 mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_NOPE, BLOCK_R]
     if PDL and not EARLY:
         pdl_wait()
-    ms = tl.program_id(2) * QB + tl.arange(0, QB)                                      # this program's queries
-    q_lat = tl.zeros([QB, BLOCK_R], tl.float32)
-    for i in tl.static_range(QB):
-        m = tl.program_id(2) * QB + i
-        b, t = m // T, m % T
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
-                    mask=mask_n & (m < M), other=0.0, cache_modifier=".cg").to(tl.float32)   # [BLOCK_NOPE]
-        q_lat = tl.where((ms == m)[:, None], tl.sum(q[:, None] * w, axis=0)[None, :], q_lat)
+    b, t = m // T, m % T
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
+                mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)           # [BLOCK_NOPE]
+    q_lat = tl.sum(q[:, None] * w, axis=0)                                             # [BLOCK_R]
     if PDL:
-        if EARLY:     # the loads and the sums ran before the wait; only the stores (q_lat may reuse freed memory) after
+        if EARLY:     # the load and the sum ran before the wait; only the store (q_lat may reuse freed memory) after
             pdl_wait()
         pdl_trigger()
-    tl.store(out_ptr + (ms[:, None] * H + h).to(tl.int64) * R + offs_r[None, :], q_lat.to(out_ptr.dtype.element_ty),
-             mask=(ms < M)[:, None] & mask_r[None, :])
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
 
 
 @triton.jit
@@ -531,15 +516,14 @@ def _combine_absorb_kernel(part_o_ptr, part_ml_ptr, pos_ptr, w_ptr, pv_ptr, coun
 def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, T, stride_w, stride_gb, stride_gt, stride_gh,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
                      BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
-                     ENTRY_TRIGGER: tl.constexpr, QB: tl.constexpr = 1, M=1):
-    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, mblock),
-    queries m = mblock * QB + i (i < QB, m < M) on one load of the weight slice, each query's sum the same code
-    (hence the same bits) whatever QB is (QB_ABSORB).
+                     ENTRY_TRIGGER: tl.constexpr):
+    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m).
     GATE (fuse_mla): then out * sigmoid(g[m, h]) with the gate kernel's arithmetic on the rounded output."""
     if PDL:
         if ENTRY_TRIGGER:   # the next launch (the dense projection) reads only weights before its wait (kernels/pdl.py)
             pdl_launch_next()
     h = tl.program_id(0)
+    m = tl.program_id(2)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     mask_v, mask_r = offs_v < VD, offs_r < R
@@ -548,22 +532,17 @@ def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, T, stride_w, stride_gb, st
                 mask=mask_v[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_V, BLOCK_R]
     if PDL:
         pdl_wait()
-    for i in tl.static_range(QB):
-        m = tl.program_id(2) * QB + i
-        live = m < M
-        o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r & live, other=0.0)   # [BLOCK_R]
-        if GATE:
-            b, t = m // T, m % T
-            g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh, mask=live,
-                        other=0.0).to(tl.float32)
-        if PDL and i == QB - 1:
-            pdl_trigger()
-        out = tl.sum(w * o[None, :], axis=1)                                           # [BLOCK_V]
-        if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
-            ty = out_ptr.dtype.element_ty
-            out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)
-        tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty),
-                 mask=mask_v & live)
+    o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)   # [BLOCK_R] fp32
+    if GATE:
+        b, t = m // T, m % T
+        g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh).to(tl.float32)
+    if PDL:
+        pdl_trigger()
+    out = tl.sum(w * o[None, :], axis=1)                                               # [BLOCK_V]
+    if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
+        ty = out_ptr.dtype.element_ty
+        out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)
+    tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 # --------------------------------------------------------------------------------- cache write, rope, gate
@@ -820,11 +799,6 @@ def _check_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions
     return B, T, H, N, Rr, R, Vd
 
 
-def absorb_queries(m: int) -> int:
-    """QB of an absorption launch over m queries (QB_ABSORB)."""
-    return triton.next_power_of_2(max(1, min(m, QB_ABSORB)))
-
-
 def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
                    page_rows: torch.Tensor, positions: torch.Tensor, scale: float,
                    gate: torch.Tensor | None = None, *, pdl: bool = False,
@@ -864,11 +838,10 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     part_ml = torch.empty((M, S, H, 2), dtype=torch.float32, device=dev)               # [M, S, H, (m, l)]
     pdl, launch = _launch_opts(pdl, dev)
     head_rows = N + Vd
-    qb = absorb_queries(M)
-    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), triton.cdiv(M, qb))](
+    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), M)](
         q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
-        ENTRY=QA_ENTRY, QB=qb, M=M,
+        ENTRY=QA_ENTRY,
         num_warps=GEMV_WARPS, **launch)
     gluon = gluon and mla_gluon.launch(
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, B, T, S, capacity, scale * LOG2E, pdl)
@@ -900,10 +873,10 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
         EARLY_POS=EARLY_POS, ONE_STEP=COMBINE_ONE_STEP, num_warps=GEMV_WARPS, **launch)
-    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), triton.cdiv(M, qb))](
+    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
         o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
         BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
-        QB=qb, M=M, num_warps=GEMV_WARPS, **launch)
+        num_warps=GEMV_WARPS, **launch)
     return out
 
 

@@ -186,23 +186,6 @@ def test_gate_folded_into_attention_equals_the_gate_kernel(B: int, T: int, dtype
         mla_attention(*_args(c), logits[..., :H - 1])
 
 
-@dtypes
-def test_absorb_queries_a_program_keep_the_bits(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """QB_ABSORB (queries an absorption program takes on one load of its weight slice) never enters a query's
-    arithmetic: 6 queries at 1 a program, 4 (a full program and a half-empty one) and 8 (one, two slots past M) give
-    the same bits, with and without the gate; and it is a power of two, at most the queries."""
-    c = _case(2, 3, dtype, seed=41)
-    logits = (4 * torch.randn(2, 3, H, generator=torch.Generator().manual_seed(2))).to(dtype)
-    outs = []
-    for qb in (1, 4, 8):
-        monkeypatch.setattr(mla, "QB_ABSORB", qb)
-        outs.append((_attend(c), _attend(c, gate=logits)))
-    for plain, gated in outs[1:]:
-        assert torch.equal(plain, outs[0][0]) and torch.equal(gated, outs[0][1])
-    assert not outs[0][0].isnan().any()
-    assert [mla.absorb_queries(m) for m in (1, 2, 3, 6, 16)] == [1, 2, 4, 8, 8]
-
-
 @pytest.mark.parametrize("latent_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_cache_write_matches_reference(latent_dtype: torch.dtype) -> None:
     """Scatter of B*T rows (fp32 rows are rounded into a bf16 cache like the reference's .to)."""
