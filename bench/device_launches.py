@@ -25,7 +25,13 @@ Hint kernels (prefetch_weights' l2_prefetch / l2_prefetch_experts, HINT_KERNELS)
 chain: they are taken out of both kernel sequences before the match and reported apart (`side_stream`: kernels a
 replay and their summed duration), so the table stays the chain's.
 
+Each graph's row also splits its groups by kind (`by_kind`): latency-bound groups (floor under LATENCY_SHARE of their
+time and under LATENCY_FLOOR_US a launch: the norms, the router, the KDA recurrence, ...) against weight streams, with
+kernels, time, floor and time (excess) a kernel of each. `--split FILE ...` prints that split for stored results
+(no GPU).
+
     python3 bench/device_launches.py --json $OUT/launches.json [--passes all] [--graphs step,verify] [--pdl] [--sampled]
+    python3 bench/device_launches.py --split bench/results/launches-h100-20261206-b.json
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from timing import hbm_bandwidth_gbps  # noqa: E402
 LAYER = re.compile(r"layers\.\d+\.")
 HINT_KERNELS = ("_l2_prefetch_kernel", "_l2_prefetch_experts_kernel")   # side-stream hints (kernels/l2_prefetch.py)
 SAMPLING: dict | None = None     # --sampled: device_step.SAMPLED, the request every run and replay is reset to
+LATENCY_SHARE = 0.5       # by_kind: a group is latency-bound where its floor is under this share of its time
+LATENCY_FLOOR_US = 1.0    # ... and under this many us a launch
 
 
 def _is_hint(kernel: dict) -> bool:
@@ -206,7 +214,44 @@ def attribute(launches, eager_names, owner, reps, bandwidth_gbps: float, replay_
     return {"time_basis": "exposed" if exposed else "duration", "replay_us": replay_us,
             "kernel_sum_us": sum(durations), "busy_us": busy,
             "gaps_us": replay_us - busy, "floor_us": sum(g["floor_us"] for g in table),
-            "kernels": len(durations), "unattributed_us": per_launch.get(-1, 0.0), "groups": table}
+            "kernels": len(durations), "unattributed_us": per_launch.get(-1, 0.0), "by_kind": by_kind(table),
+            "groups": table}
+
+
+def by_kind(groups: list[dict]) -> dict:
+    """The groups split into latency-bound ones and weight streams (module docstring): per kind the groups, kernels,
+    time and floor (us), time a kernel and time over the floor a kernel."""
+    out = {kind: {"groups": 0, "kernels": 0, "us": 0.0, "floor_us": 0.0} for kind in ("latency_bound", "streams")}
+    for g in groups:
+        latency = g["floor_us"] < LATENCY_SHARE * g["us"] and g["floor_us"] / max(g["launches"], 1) < LATENCY_FLOOR_US
+        o = out["latency_bound" if latency else "streams"]
+        o["groups"] += 1
+        o["kernels"] += g["kernels"]
+        o["us"] += g["us"]
+        o["floor_us"] += g["floor_us"]
+    for o in out.values():
+        o["us_per_kernel"] = o["us"] / o["kernels"] if o["kernels"] else 0.0
+        o["excess_us_per_kernel"] = (o["us"] - o["floor_us"]) / o["kernels"] if o["kernels"] else 0.0
+    return out
+
+
+def kind_line(name: str, split: dict) -> str:
+    """One printed line of by_kind."""
+    lat, st = split["latency_bound"], split["streams"]
+    return (f"{name}: {lat['kernels']} latency-bound kernels {lat['us']:.0f} us ({lat['us_per_kernel']:.2f} a kernel), "
+            f"{st['kernels']} streams {st['us']:.0f} us over a {st['floor_us']:.0f} us floor "
+            f"({st['excess_us_per_kernel']:.2f} over a kernel)")
+
+
+def print_split(paths: list[str]) -> None:
+    """--split: by_kind of every graph of stored results."""
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        print(f"{path} ({d.get('gpu')}, {d.get('commit')}, {d.get('hbm_bandwidth_gbps', 0):.0f} GB/s)")
+        for name, row in d.get("graphs", {}).items():
+            if "groups" in row:
+                print("  " + kind_line(name, by_kind(row["groups"])) + f"; replay {row['replay_us']:.0f} us, floor "
+                      f"{row['floor_us']:.0f} us")
 
 
 def main() -> None:
@@ -221,7 +266,12 @@ def main() -> None:
                     help="capture with PDL launches on and charge each kernel its exposed time (module docstring)")
     ap.add_argument("--sampled", action="store_true",
                     help="a sampled request (device_step.SAMPLED) instead of a greedy one (module docstring)")
+    ap.add_argument("--split", nargs="+", metavar="FILE",
+                    help="print the latency-bound / stream split of stored results and exit (no GPU)")
     args = ap.parse_args()
+    if args.split:
+        print_split(args.split)
+        return
     global SAMPLING
     SAMPLING = SAMPLED if args.sampled else None
     import lingc  # noqa: F401
@@ -282,6 +332,7 @@ def main() -> None:
         print(f"{name}: replay {row['replay_us']:.1f} us, {row['kernels']} kernels, kernel sum "
               f"{row['kernel_sum_us']:.1f} us, busy {row['busy_us']:.1f}, gaps {row['gaps_us']:.1f}, "
               f"floor {row['floor_us']:.1f} us")
+        print(kind_line(name, row["by_kind"]))
         print(f"  {'excess':>8} {'time':>8} {'floor':>7} {'GB/s':>6} {'n':>4} {'us/n':>6}  group")
         for g in row["groups"][:40]:
             print(f"  {g['excess_us']:8.1f} {g['us']:8.1f} {g['floor_us']:7.1f} {g['gbps']:6.0f} {g['launches']:4d} "

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from device_launches import attribute, group_name, split_replays  # noqa: E402
+from device_launches import attribute, by_kind, group_name, split_replays  # noqa: E402
 
 
 def _launch(group: str, nbytes: int) -> dict:
@@ -81,3 +81,29 @@ def test_split_replays_keeps_hint_kernels_out_of_the_chain():
     assert [[k["name"] for k in r] for r in chain] == [["a", "b"], ["a", "b"]]
     assert [[(k["name"], k["ts"]) for k in r] for r in side] == [[("_l2_prefetch_kernel", 0.5)],
                                                                   [("_l2_prefetch_kernel", 100.5)]]
+
+
+def test_by_kind_splits_latency_bound_groups_from_streams():
+    """A group is latency-bound where its floor is under half its time and under 1 us a launch; the rest stream."""
+    groups = [{"group": "router", "launches": 23, "kernels": 23, "us": 46.0, "floor_us": 0.0},
+              {"group": "gate", "launches": 23, "kernels": 23, "us": 59.0, "floor_us": 3.0},
+              {"group": "up", "launches": 23, "kernels": 23, "us": 350.0, "floor_us": 215.0},   # a stream over floor
+              {"group": "q_a", "launches": 6, "kernels": 6, "us": 17.0, "floor_us": 12.0},     # over half its time
+              {"group": "mla", "launches": 6, "kernels": 24, "us": 94.0, "floor_us": 27.0}]    # 4.5 us a launch
+    out = by_kind(groups)
+    lat, st = out["latency_bound"], out["streams"]
+    assert (lat["groups"], lat["kernels"], lat["us"], lat["floor_us"]) == (2, 46, 105.0, 3.0)
+    assert (st["groups"], st["kernels"], st["us"], st["floor_us"]) == (3, 53, 461.0, 254.0)
+    assert lat["us_per_kernel"] == pytest.approx(105.0 / 46)
+    assert st["excess_us_per_kernel"] == pytest.approx((461.0 - 254.0) / 53)
+    assert by_kind([])["streams"]["us_per_kernel"] == 0.0
+
+
+def test_split_of_stored_results_runs_without_a_gpu(tmp_path, capsys):
+    """--split FILE: the by_kind line of every graph of a stored launches file (the committed H100 one here)."""
+    import device_launches
+    stored = Path(__file__).resolve().parents[1] / "bench" / "results" / "launches-h100-20261206-b.json"
+    device_launches.print_split([str(stored)])
+    out = capsys.readouterr().out
+    assert "step_greedy: 133 latency-bound kernels 315 us (2.37 a kernel), 115 streams 994 us over a 759 us floor" in out
+    assert "verify_greedy:" in out
