@@ -1,6 +1,6 @@
 """fuse_norm_router: add_rmsnorm_linear (the post-attention norm in the gate GEMV) + the router reading its logits
--> one add_rmsnorm_router (opt-in: on the H200 the step measured level in decode, +4 us in verify; README, ninth
-session).
+-> one add_rmsnorm_router (opt-in: on the H200 the step measured level in decode, +4 us in verify; docs/measurements.md,
+ninth session).
 
 At batch 1 a MoE layer's router front is two dependent launches around 0.4 MB of gate weight: the norm + gate GEMV
 (2.59 us a layer in the H200 decode step) and router_align (2.09; verify 2.87 + 2.41 with router_topk). The fused
