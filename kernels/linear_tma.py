@@ -111,11 +111,6 @@ MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of
 # rows with it, verify 2.6030 / 2.5983 ms against 2.5864 / 2.5760 (step-ab-h100-20261206-combine-late.json).
 # LINGC_LINEAR_TMA_RING_MAX_ROWS=N
 RING_MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_RING_MAX_ROWS", "1"))
-# the weight boxes a launch of more than one row issues before its PDL wait (the ring's first fill; the rest right
-# after the wait): -1 (the default) all of them. An A/B knob for the verify ring above (RING_MAX_ROWS = 16): its
-# 7.7 MB pre-wait burst is what slows the combine before it; does a smaller one keep the projection's gain? Same bits
-# at any value. LINGC_LINEAR_TMA_RING_PREWAIT=N
-RING_PREWAIT = int(os.environ.get("LINGC_LINEAR_TMA_RING_PREWAIT", "-1"))
 EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers at entry (linear's launched_early):
                          # its weight read then overlaps the kernel before that one (verify's o_proj: kda's 11 us);
                          # H200 greedy verify 2.309 / 2.308 vs 2.327 / 2.325 ms (step-ab-h200-20261203-i.json)
@@ -236,7 +231,7 @@ if HAVE_GLUON:
                            stride_ym, stride_gm, eps, inv_d,
                            K_PER_SPLIT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
                            SPLIT_K: gl.constexpr, EARLY_TRIGGER: gl.constexpr, RING: gl.constexpr,
-                           GATED: gl.constexpr = False, X_TMA: gl.constexpr = False, PRE: gl.constexpr = 64):
+                           GATED: gl.constexpr = False, X_TMA: gl.constexpr = False):
         """Program (n, s): y[:, n-tile] (S = 1) or its slice-s partial (module docstring). Launched with PDL only.
         RING < KB (the partial ring): blocks 0..RING-1 land before the wait, block b + RING refills block b's slot
         once its wgmma has completed (same blocks, same order, same instruction: the same bits).
@@ -244,9 +239,7 @@ if HAVE_GLUON:
         x * rstd * nw * sigmoid(g) in fp32 with rstd = rsqrt(sum(x^2) * (1/BK) + eps), rounded to x's dtype; the
         norm weight (a weight) is read before the wait, x and the gate after it.
         X_TMA (not with GATED): x_desc's [BM, BK] boxes after the wait, one mbarrier a block, rows past M zero-filled
-        by the copy engine as the register path's masked loads fill them; block b's wgmma waits for its own box.
-        PRE < RING (RING_PREWAIT): only the ring's first PRE boxes before the wait, the others right after it (the
-        same boxes in the same slots: the same bits)."""
+        by the copy engine as the register path's masked loads fill them; block b's wgmma waits for its own box."""
         KB: gl.constexpr = K_PER_SPLIT // BK
         pid_n = gl.program_id(0)
         pid_s = gl.program_id(1)
@@ -257,9 +250,8 @@ if HAVE_GLUON:
         for b in gl.static_range(RING):
             mbarrier.init(bars.index(b), count=1)
         for b in gl.static_range(RING):     # weights: written by no kernel, so before the wait
-            if b < PRE:
-                mbarrier.expect(bars.index(b), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [n0, k0 + b * BK], bars.index(b), w_smem.index(b))
+            mbarrier.expect(bars.index(b), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [n0, k0 + b * BK], bars.index(b), w_smem.index(b))
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, xl))
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))
@@ -268,10 +260,6 @@ if HAVE_GLUON:
         gluon_gdc_wait()
         if EARLY_TRIGGER:
             gluon_gdc_launch_dependents()
-        for b in gl.static_range(RING):     # RING_PREWAIT: the rest of the ring's first fill
-            if b >= PRE:
-                mbarrier.expect(bars.index(b), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [n0, k0 + b * BK], bars.index(b), w_smem.index(b))
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], w_desc.dtype)
         x_smem = gl.allocate_shared_memory(w_desc.dtype, [KB, BM, BK], x_layout)
         if X_TMA:                           # x [rows, slice] by TMA, a box a block (written by the previous kernel)
@@ -366,6 +354,6 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, partials: 
         w_desc, x_desc, rows, y, partials if partials is not None else y, counters if counters is not None else y,
         g, nw, m, n, rows.stride(0), y.stride(0), g.stride(0), eps, 1.0 / BLOCK_K,
         K_PER_SPLIT=k // split_k, BN=BLOCK_N, BK=BLOCK_K, BM=BLOCK_M, SPLIT_K=split_k,
-        EARLY_TRIGGER=TRIGGER == "early", RING=ring, PRE=RING_PREWAIT if RING_PREWAIT >= 0 and m > 1 else 64,
+        EARLY_TRIGGER=TRIGGER == "early", RING=ring,
         num_warps=WARPS, launch_pdl=True, **extra),
         failed, what, "the Triton kernel", knob)

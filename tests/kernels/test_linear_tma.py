@@ -112,7 +112,6 @@ import lingc.kernels.linear_tma as T
 split, kps, early, gated = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 ring = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else kps // T.BLOCK_K
 x_tma = len(sys.argv) > 6 and sys.argv[6] == "1"
-pre = int(sys.argv[7]) if len(sys.argv) > 7 else 64
 lay = T.gl.NVMMASharedLayout.get_default_for([T.BLOCK_N, T.BLOCK_K], T.gl.bfloat16)
 xlay = T.gl.NVMMASharedLayout.get_default_for([T.BLOCK_M, T.BLOCK_K], T.gl.bfloat16)
 sig = {"w_desc": f"tensordesc<bf16[{T.BLOCK_N}, {T.BLOCK_K}],{lay!r}>",
@@ -120,7 +119,7 @@ sig = {"w_desc": f"tensordesc<bf16[{T.BLOCK_N}, {T.BLOCK_K}],{lay!r}>",
        "part_ptr": "*fp32", "count_ptr": "*i32", "g_ptr": "*bf16", "nw_ptr": "*bf16", "M": "i32", "N": "i32",
        "stride_xm": "i32", "stride_ym": "i32", "stride_gm": "i32", "eps": "fp32", "inv_d": "fp32"}
 const = dict(K_PER_SPLIT=kps, BN=T.BLOCK_N, BK=T.BLOCK_K, BM=T.BLOCK_M, SPLIT_K=split, EARLY_TRIGGER=early, RING=ring,
-             GATED=gated, X_TMA=x_tma, PRE=pre)
+             GATED=gated, X_TMA=x_tma)
 sig.update({k: "constexpr" for k in const})
 src = GluonASTSource(T._linear_tma_kernel, sig, const,
                      attrs={(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 7)})
@@ -135,10 +134,10 @@ print(find("griddepcontrol.wait"), find("cp.async.bulk.tensor"), find("st.global
 
 
 def _compile(split: int, kps: int, early: bool, ring: int | None = None, gated: bool = False,
-             x_tma: bool = False, pre: int = 64) -> tuple:
+             x_tma: bool = False) -> tuple:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [str(split), str(kps), "1" if early else "0", "1" if gated else "0"]
-    args += [str(ring) if ring is not None else "-", "1" if x_tma else "0", str(pre)]
+    args += [str(ring) if ring is not None else "-", "1" if x_tma else "0"]
     proc = subprocess.run([sys.executable, "-c", _PROBE, *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -257,15 +256,3 @@ def test_gated_launches_take_the_path_only_with_heads_of_a_block(monkeypatch):
     monkeypatch.setattr(T, "GATED_TMA", False)
     assert not T.gated_fits(gated)
     assert T.GATED_MAX_ROWS == 16
-
-
-@pytest.mark.skipif(not T.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("pre", [0, 1, 2])
-def test_ring_prewait_issues_only_its_boxes_before_the_wait(pre: int) -> None:
-    """RING_PREWAIT: the KDA projection's partial ring (3 of 12 blocks) with `pre` boxes before the wait, the rest
-    of the first fill right after it, and the refills as before (every block's box exactly once, in order)."""
-    waits, tma, stores, wgmma, *_ = _compile(1, 1536, True, ring=3, pre=pre)
-    assert len(waits) == 1 and len(tma) == 12, (waits, tma)
-    assert len([i for i in tma if i < waits[0]]) == pre
-    assert len([i for i in tma if i < min(wgmma)]) == 3                 # the whole first fill before the first MMA
-    assert min(stores) > max(wgmma)
