@@ -150,14 +150,17 @@ CB_BLOCK_S = 128         # splits combined per step (a fixed reduction shape): 1
 # latent columns per combine program (M*H x R/64 programs: 128 at T = 1; the columns do not enter the arithmetic, so
 # the same bits at any value). 128 until 2026-12-04: with the Gluon split's bf16 partials, 64 measured greedy verify
 # 2.199 against 2.210 / 2.213 ms and greedy NEXTN 3.132 against 3.146 / 3.147, decode level (1.148 against 1.149 /
-# 1.150; bench/results/step-ab-h200-20261204-a.json, where CB_BLOCK_S = 64, another reduction shape, was slower)
+# 1.150; bench/results/step-ab-h200-20261204-a.json, where CB_BLOCK_S = 64, another reduction shape, was slower);
+# on an H100 (2026-12-06, step-ab-h100-20261206-launch-shapes.json) 32 and 128 both cost greedy verify 20-35 us
 CB_BLOCK_R = 64
 # the combine reads a query's partials in one round trip where all S splits fit one CB_BLOCK_S step (capacity up to
 # 16384 rows): the maximum from the step's own loads instead of a load of the maxima first. Same bits (the combine's
-# test compares both paths). H200 A/B (2026-12-05, step-ab-h200-20261205.json; --variant
-# 'one:lingc.kernels.mla.COMBINE_ONE_STEP=True'): greedy decode 1.1255 vs 1.1318 / 1.1287 ms, greedy verify 2.1318 vs
-# 2.1248 / 2.1267: inside the run-to-run spread, so off by default; LINGC_MLA_COMBINE_ONE_STEP=1 turns it on
-COMBINE_ONE_STEP = os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "0") == "1"
+# test compares both paths), so the query count may choose it: COMBINE_ONE_STEP is the most queries (B * T) a launch
+# takes it at. On both GPUs it helps one query and costs six: H200 (2026-12-05, step-ab-h200-20261205.json, on at
+# every count) greedy decode 1.1255 vs 1.1318 / 1.1287 ms, greedy verify 2.1318 vs 2.1248 / 2.1267; H100 (2026-12-06,
+# step-ab-h100-20261206-launch-shapes.json) decode 1.3144 / 1.3150 vs 1.3175-1.3193, verify 2.6206 / 2.6085 vs
+# 2.5991-2.6153 (three base rows). So 1 (decode, the draft): LINGC_MLA_COMBINE_ONE_STEP=N (0 off, 16 every launch)
+COMBINE_ONE_STEP = int(os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "1"))
 # the combine and v_absorb in one launch (_combine_absorb_kernel: each combine program multiplies its latent block
 # by its W_uv slice, the last of a (query, head)'s R / CB_BLOCK_R programs sums the partials): one launch fewer a
 # layer, a numerics change of the output (a split sum over R where v_absorb sums R at once). H100 (2026-12-06,
@@ -169,6 +172,8 @@ COMBINE_ONE_STEP = os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "0") == "1"
 # M * H <= CA_COUNTERS (else the two launches run)
 COMBINE_ABSORB = os.environ.get("LINGC_MLA_COMBINE_ABSORB", "0") == "1"
 CA_COUNTERS = 1 << 12    # ticket counters, one per (query, head): 16 KiB a device (kernels/workspace.py)
+# The absorptions' blocks do not enter their sums (the same bits at any value). H100, 2026-12-06
+# (step-ab-h100-20261206-launch-shapes.json): QA_BLOCK_R 32 or 128 cost greedy verify 20-30 us; VA_BLOCK_V 8 or 32 level
 QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 = 128 at real size)
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
@@ -865,14 +870,14 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
             out, g, T, S, positions.stride(0), positions.stride(1), kv_b.stride(0), *g_strides,
             H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT),
             BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, BLOCK_VD=_pow2(Vd), GATE=gate is not None, PDL=pdl,
-            ENTRY_TRIGGER=pdl and entry_trigger, EARLY_POS=EARLY_POS, ONE_STEP=COMBINE_ONE_STEP,
+            ENTRY_TRIGGER=pdl and entry_trigger, EARLY_POS=EARLY_POS, ONE_STEP=M <= COMBINE_ONE_STEP,
             num_warps=GEMV_WARPS, **launch)
         return out
     o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
-        EARLY_POS=EARLY_POS, ONE_STEP=COMBINE_ONE_STEP, num_warps=GEMV_WARPS, **launch)
+        EARLY_POS=EARLY_POS, ONE_STEP=M <= COMBINE_ONE_STEP, num_warps=GEMV_WARPS, **launch)
     _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
         o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
         BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,

@@ -105,7 +105,10 @@ class GemmConfig(NamedTuple):
 # do not enter the arithmetic; bench/results/kernels-moe-stages-h200-20261130.json).
 # Every other decode up-GEMM tiling tried in the step since (H100, 2026-12-06, one process each,
 # step-ab-h100-20261206-combine-late.json / -b.json) was slower, greedy decode against 1.305-1.314 ms: 3 stages
-# 1.349, 6 stages 1.348, 8 warps 1.348, block_k 256 at 3 stages 1.340.
+# 1.349, 6 stages 1.348, 8 warps 1.348, block_k 256 at 3 stages 1.340. Nor did other tile widths help (H100,
+# 2026-12-06, step-ab-h100-20261206-moe-block-n.json, greedy decode against 1.3067 / 1.3088 ms): the up-GEMM at
+# block_n 16 (576 programs) 1.330, at 16 with 6 stages 1.349; the down-GEMM at 16 1.397, at 64 1.319; both at 16 1.428.
+# The up-GEMM at 2 warps: 1.3290 against 1.3175-1.3193 (another H100, step-ab-h100-20261206-launch-shapes.json).
 UP_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)     # moe_up and moe_up_act
 DOWN_CONFIG = GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)   # moe_down
 # The pair grid's tilings (moe_up_act_pairs / moe_down_pairs: verify and extend, 2-16 tokens): swap-AB, 64 weight
@@ -147,7 +150,8 @@ DOWN_TILE_PREFETCH = os.environ.get("LINGC_MOE_DOWN_TILE_PREFETCH", "0") == "1"
 # decode 1.1545 / 1.1532 ms without it against 1.191 / 1.185 and 1.188 / 1.188 with it, NEXTN and verify level
 # (step-ab-h200-20261203-p.json). So "auto" (the default) runs it only where the Gluon router does not route the
 # layer (judged from the device and the stack's routed experts, one fused shared expert assumed); LINGC_MOE_SHARED_EARLY
-# =1 / =0 forces it on / off
+# =1 / =0 forces it on / off. Forced on behind the Gluon router on an H100 (2026-12-06): greedy decode 1.3407 against
+# 1.3175-1.3193 ms (step-ab-h100-20261206-launch-shapes.json)
 SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "auto")
 # Where the SHARED_EARLY rows let the next kernel launch: in pdl_wait, after their compute. Triggering at entry
 # instead (the routed rows still trigger after their wait) measured level on the H200 (decode 1.199 / 1.189 against

@@ -143,13 +143,39 @@ def test_combine_in_one_step_has_the_loops_bits(split: dict, dtype: torch.dtype,
     c = _case(2, 6, dtype, seed=43)
     c["positions"][0] = torch.arange(13, 19)
     bigger = dict(c, page_rows=torch.cat([c["page_rows"], c["page_rows"].flip(1)], dim=1))
+    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", 0)
     loop = [_attend(x, **split) for x in (c, bigger, _rows(c, slice(0, 1), slice(2, 3)))]
-    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", True)
+    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", 16)
     for x, want in zip((c, bigger, _rows(c, slice(0, 1), slice(2, 3))), loop):
         assert torch.equal(_attend(x, **split), want)
     small = _attend(c, split_rows=16, block_n=16, combine_block_s=4)        # S_POW2 > 4: the loop, as before
-    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", False)
+    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", 0)
     assert torch.equal(small, _attend(c, split_rows=16, block_n=16, combine_block_s=4))
+
+
+def test_combine_takes_one_step_up_to_its_query_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default (COMBINE_ONE_STEP = 1) a one-query launch (decode, the draft) combines in one step and a verify
+    chain's six queries by the loop; the knob moves the limit. The bits are the same either way (test above)."""
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["ONE_STEP"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(mla, "_combine_kernel", Spy(mla._combine_kernel))
+    c = _case(1, 6, torch.float32, seed=5)
+    assert mla.COMBINE_ONE_STEP == 1
+    _attend(c, **SPLITS["default"])
+    _attend(_rows(c, slice(0, 1), slice(2, 3)), **SPLITS["default"])
+    monkeypatch.setattr(mla, "COMBINE_ONE_STEP", 6)
+    _attend(c, **SPLITS["default"])
+    assert seen == [False, True, True]
 
 
 def test_attention_pdl_on_cpu_falls_back() -> None:
