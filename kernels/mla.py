@@ -159,7 +159,10 @@ CB_BLOCK_R = 64
 # takes it at. On both GPUs it helps one query and costs six: H200 (2026-12-05, step-ab-h200-20261205.json, on at
 # every count) greedy decode 1.1255 vs 1.1318 / 1.1287 ms, greedy verify 2.1318 vs 2.1248 / 2.1267; H100 (2026-12-06,
 # step-ab-h100-20261206-launch-shapes.json) decode 1.3144 / 1.3150 vs 1.3175-1.3193, verify 2.6206 / 2.6085 vs
-# 2.5991-2.6153 (three base rows). So 1 (decode, the draft): LINGC_MLA_COMBINE_ONE_STEP=N (0 off, 16 every launch)
+# 2.5991-2.6153 (three base rows). So 1 (decode, the draft): LINGC_MLA_COMBINE_ONE_STEP=N (0 off, 16 every launch).
+# Confirmed at 1 on a third H100 (step-ab-h100-20261206-one-step.json, greedy parity held): decode 1.3036 / 1.3051 and
+# 1.3082 / 1.3093 against 1.3076 / 1.3082 and 1.3098 / 1.3081 off, verify level, at 16 verify 2-4 us slower: a small
+# gain, at the edge of that machine's run-to-run spread
 COMBINE_ONE_STEP = int(os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "1"))
 # the combine and v_absorb in one launch (_combine_absorb_kernel: each combine program multiplies its latent block
 # by its W_uv slice, the last of a (query, head)'s R / CB_BLOCK_R programs sums the partials): one launch fewer a
