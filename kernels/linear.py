@@ -83,6 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.knobs import env_int
 from lingc.kernels import linear_tma
 from lingc.kernels.kda import _sigmoid
 from lingc.kernels.workspace import indexed
@@ -127,7 +128,7 @@ CONFIG_TABLE: tuple[tuple[int, int, LinearConfig], ...] = (
 SPLIT_TARGET_PROGRAMS = 128   # auto split: grow S (powers of two) until tiles * S reaches ~ one program per SM,
 MIN_SLICE_BLOCKS = 3          # keeping >= 3 BK blocks per slice (the ticket + partial pass costs ~0.4 us)
 PREFETCH_PROGRAMS = tl.constexpr(264)      # PDL: programs of the first wave (2 per SM) prefetch their first blocks...
-PREFETCH_BLOCKS = tl.constexpr(int(os.environ.get("LINGC_LINEAR_PREFETCH_BLOCKS", "0")))  # ...this many
+PREFETCH_BLOCKS = tl.constexpr(env_int("LINGC_LINEAR_PREFETCH_BLOCKS", 0))  # ...this many
                      # (at most; not past their slice), into L2, before gdc_wait. 0 (off): the H200 decode step is
                      # 32 us faster without it (module docstring); 16 covers every slice of the Ling shapes
 # "fma" kind, unsplit, weight slice <= FMA_PRELOAD_ELEMENTS a program (the bf16 router: 4 x 1536): the slice goes

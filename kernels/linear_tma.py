@@ -54,6 +54,7 @@ import os
 
 import torch
 
+from lingc.knobs import env_int
 from lingc.kernels.pdl import TRIGGER
 from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
@@ -98,7 +99,7 @@ X_TMA = os.environ.get("LINGC_LINEAR_TMA_X", "0") == "1"
 SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
-MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of more rows run the Triton kernel
+MAX_ROWS = env_int("LINGC_LINEAR_TMA_MAX_ROWS", 1)   # launches of more rows run the Triton kernel
 # the row limit of a partial-ring launch (PARTIAL_RING: the KDA projection, the dense gate_up) where it is higher than
 # MAX_ROWS / EARLY_MAX_ROWS: verify's 6-row KDA projection on the ring without the early launch that lost at verify
 # (the combine's entry trigger, 2026-12-03). 1 (as MAX_ROWS): at 16 the H100 step measured greedy verify 2.614 ms
@@ -110,7 +111,7 @@ MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_MAX_ROWS", "1"))   # launches of
 # Triggering the combine after its loads (kernels/pdl.py LATE_TRIGGER_ROWS) does not rescue it: ring at 16
 # rows with it, verify 2.6030 / 2.5983 ms against 2.5864 / 2.5760 (step-ab-h100-20261206-combine-late.json).
 # LINGC_LINEAR_TMA_RING_MAX_ROWS=N
-RING_MAX_ROWS = int(os.environ.get("LINGC_LINEAR_TMA_RING_MAX_ROWS", "1"))
+RING_MAX_ROWS = env_int("LINGC_LINEAR_TMA_RING_MAX_ROWS", 1)
 EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers at entry (linear's launched_early):
                          # its weight read then overlaps the kernel before that one (verify's o_proj: kda's 11 us);
                          # H200 greedy verify 2.309 / 2.308 vs 2.327 / 2.325 ms (step-ab-h200-20261203-i.json)

@@ -99,6 +99,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.knobs import env_int
 from lingc.kernels import mla_gluon, workspace
 from lingc.kernels.pdl import (late_trigger, pdl_launch_next, pdl_supported, pdl_trigger, pdl_trigger_late, pdl_wait,
                                pdl_wait_late, prefetch_l2)
@@ -142,7 +143,7 @@ SPLIT_CHUNKS = 4
 # the verify-leaning choice: row invariant on the H200 either way, but a numerics change against 16 (the two gave
 # other bits for some queries of a 6-query chain, max |diff| 7.6e-6: kernels-mla-tile-h200-20261203.json), so the
 # tile cannot follow T. fp32 caches (IEEE dots, test models) keep one query a program.
-SPLIT_TILE_ROWS = int(os.environ.get("LINGC_MLA_TILE_ROWS", "16"))
+SPLIT_TILE_ROWS = env_int("LINGC_MLA_TILE_ROWS", 16)
 SMALL_ACC = 16 * 512     # QPP * BLOCK_H * BLOCK_R up to this: SPLIT_WARPS_SMALL_ACC warps, else SPLIT_WARPS
 SPLIT_WARPS_SMALL_ACC = 4
 SPLIT_WARPS = 8
@@ -163,7 +164,7 @@ CB_BLOCK_R = 64
 # Confirmed at 1 on a third H100 (step-ab-h100-20261206-one-step.json, greedy parity held): decode 1.3036 / 1.3051 and
 # 1.3082 / 1.3093 against 1.3076 / 1.3082 and 1.3098 / 1.3081 off, verify level, at 16 verify 2-4 us slower: a small
 # gain, at the edge of that machine's run-to-run spread
-COMBINE_ONE_STEP = int(os.environ.get("LINGC_MLA_COMBINE_ONE_STEP", "1"))
+COMBINE_ONE_STEP = env_int("LINGC_MLA_COMBINE_ONE_STEP", 1)
 # the combine and v_absorb in one launch (_combine_absorb_kernel: each combine program multiplies its latent block
 # by its W_uv slice, the last of a (query, head)'s R / CB_BLOCK_R programs sums the partials): one launch fewer a
 # layer, a numerics change of the output (a split sum over R where v_absorb sums R at once). H100 (2026-12-06,

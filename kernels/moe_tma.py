@@ -45,6 +45,7 @@ import os
 
 import torch
 
+from lingc.knobs import env_int
 from lingc.kernels.pdl import TRIGGER
 from lingc.kernels.gluon_launch import guarded, major as _major
 
@@ -65,7 +66,7 @@ FAILED: list[str] = []   # the first compile failure's message; once set, every 
 BLOCK_N = 64             # w13 rows a program (the wgmma M): 32 gate + 32 up, interleaved
 BLOCK_K = 128
 TILE_M = 16              # the block's pair slots (the wgmma N)
-RING = int(os.environ.get("LINGC_MOE_UP_TMA_RING", "4"))   # weight blocks in flight a program
+RING = env_int("LINGC_MOE_UP_TMA_RING", 4)   # weight blocks in flight a program
 WARPS = 4                # one warpgroup
 HOPPER = 9
 SMEM_2_CTAS = 113 * 1024  # the most shared memory a CTA may take for two to share an SM (228 KB, 1 KB reserved each)

@@ -60,6 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.knobs import env_int
+
 PDL_MIN_CAPABILITY = 9  # griddepcontrol needs sm90+
 TRIGGER_MODES = ("early", "late")
 
@@ -100,7 +102,7 @@ def pdl_trigger():
 # mla_prep at 2 rows, router_topk at 2, both, and router_align + mla_prep at 1 row measured level
 # (bench/results/step-ab-h100-20261206-late-ops.json), so they stay off.
 LATE_TRIGGER_OPS = ("combine_add_rmsnorm", "mla_prep", "router_topk", "router_align")
-LATE_TRIGGER_ROWS: dict[str, int] = {"combine_add_rmsnorm": int(os.environ.get("LINGC_COMBINE_LATE_TRIGGER_ROWS", "2"))}
+LATE_TRIGGER_ROWS: dict[str, int] = {"combine_add_rmsnorm": env_int("LINGC_COMBINE_LATE_TRIGGER_ROWS", 2)}
 
 
 def late_trigger(op: str, pdl: bool, rows: int, entry_trigger: bool = False) -> bool:

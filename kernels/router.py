@@ -106,12 +106,11 @@ With PDL off no GDC call is emitted (the interpreter cannot run them).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from lingc.knobs import env_int
 from lingc.kernels import workspace as _workspace
 from lingc.kernels.moe_align import moe_align
 from lingc.kernels import router_gluon
@@ -127,13 +126,13 @@ ROW_LANES = 32                 # "rows": experts of a group per lane chunk (L = 
 ROW_MAX_WARPS = 8
 ROW_ELEMENTS_PER_THREAD = 32   # "rows": tile cells per thread (E = 512, N = 16: 32 -> 245 registers); more spill
 ALIGN_VARIANTS = ("auto", "rows", "pairs", "split", "gluon")   # "gluon": kernels/router_gluon.py (GPU, one row)
-ROWS_FROM = int(os.environ.get("LINGC_ROUTER_ROWS_FROM", "1"))   # "auto": "rows" from this many rows up (where
+ROWS_FROM = env_int("LINGC_ROUTER_ROWS_FROM", 1)   # "auto": "rows" from this many rows up (where
                 # "split" does not apply), "pairs" below. H200 2026-12-01 with the shared expert, PDL on: N = 1 rows
                 # 2.96 us vs pairs 3.87 (bench/results/kernels-router-warp-h200-20261201.json), and the decode step
                 # 1.295 vs 1.318 ms with rows at one row (step-ab-h200-20261201.json); N = 6 rows 7.07 vs split 7.17
                 # vs pairs 9.23. (2026-11-30 had measured N = 1 pairs 3.10 vs rows 3.32.) LINGC_ROUTER_ROWS_FROM=2:
                 # "pairs" at one row
-SPLIT_FROM = int(os.environ.get("LINGC_ROUTER_SPLIT_FROM", "2"))   # "auto": "split" from this many rows up where
+SPLIT_FROM = env_int("LINGC_ROUTER_SPLIT_FROM", 2)   # "auto": "split" from this many rows up where
                 # N * (top_k + S) <= MAX_PAIRS (LINGC_ROUTER_SPLIT_FROM=99 turns it off for an A/B)
 ALIGN_COUNTERS = 1             # "split": one int32 ticket counter per launch (kernels/workspace.py)
 SPLIT_WARPS = 4                # "split": num_warps (at least; _split_warps), from the H200 sweep

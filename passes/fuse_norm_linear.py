@@ -65,13 +65,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from lingc.knobs import env_int
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
 from lingc.passes.matchers import calls, carried_meta
 
 aten = torch.ops.aten
-MAX_WEIGHT_ELEMENTS = int(os.environ.get("LINGC_NORM_LINEAR_MAX_WEIGHT", 1 << 20))  # larger weights lose on the H200
+MAX_WEIGHT_ELEMENTS = env_int("LINGC_NORM_LINEAR_MAX_WEIGHT", 1 << 20)  # larger weights lose on the H200
 # (module docstring): they keep norm + linear. The environment variable is an A/B knob for bench/device_step.py.
 # KDA's gated o_norm -> o_proj (gated_rmsnorm_linear): off by default. On the H200 the GATED GEMV took 10.5 us against
 # 6.8 for the gated_rmsnorm + linear pair (8.9 vs 5.7 with PDL; bench/kernel_linear.py --gated, results/
