@@ -56,11 +56,10 @@ Triton whose Gluon differs from 3.6's) warns once and falls back, as kernels/lin
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from lingc.knobs import env_flag
 from lingc.kernels.pdl import TRIGGER
 from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
@@ -76,7 +75,7 @@ try:  # Gluon ships with Triton >= 3.5
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-ENABLED = os.environ.get("LINGC_KDA_GLUON", "1") == "1"   # LINGC_KDA_GLUON=0: the Triton kernel everywhere
+ENABLED = env_flag("LINGC_KDA_GLUON", True)   # LINGC_KDA_GLUON=0: the Triton kernel everywhere
 FAILED: list[str] = []   # the first compile failure's message; once set, every launch runs the Triton kernel
 D = 128                  # head dim: 4 rows x 32 lanes
 BLOCK_V = 16             # state columns a program: 4 columns x 4 warps (kernels/kda.py BLOCK_V)
@@ -85,24 +84,24 @@ WIDTH = 4                # conv taps (spelled out)
 MAX_T = 16
 # ex2.approx / div.full in the convs and gates (LINGC_KDA_GLUON_FAST=0: libdevice expf and IEEE division, the Triton
 # kernel's PRECISE). H200 step (step-ab-h200-20261203-m.json): greedy verify 2.282 / 2.281 ms against 2.299 / 2.299
-FAST_MATH = os.environ.get("LINGC_KDA_GLUON_FAST", "1") == "1"
+FAST_MATH = env_flag("LINGC_KDA_GLUON_FAST", True)
 # decode: take the head's ticket (release) right after the window reads and read it at the end, so its round trip
 # overlaps the work. Off: the H200 step measured it slower (greedy decode 1.206 vs 1.192 ms with the ticket read
 # at once)
-LATE_TICKET = os.environ.get("LINGC_KDA_GLUON_LATE_TICKET", "0") == "1"
+LATE_TICKET = env_flag("LINGC_KDA_GLUON_LATE_TICKET", False)
 # the step's output from the decayed state before its update, o = S'^T q + (k.q) err, so S'.k and S'.q reduce together
 # (two shuffle trees interleaved) instead of S'.k, the update, then S.q one after the other; a numerics change (other
 # fp32 rounding of o; the state's bits are unchanged). Off: 7.0 -> 6.65 us alone at T = 6 but level in the H200 step
 # (greedy verify 2.154 / 2.156 ms with it, 2.145 without; step-ab-h200-20261204-c.json). LINGC_KDA_GLUON_PARALLEL_O=1
-PARALLEL_O = os.environ.get("LINGC_KDA_GLUON_PARALLEL_O", "0") == "1"
+PARALLEL_O = env_flag("LINGC_KDA_GLUON_PARALLEL_O", False)
 # verify's staged state through shared memory and one TMA store a position ([D, BLOCK_V] box: whole 64 B row segments)
 # instead of 4 plain 16 B stores a thread at a 512 B stride (ncu: the loop's back edge waited on their registers, and
 # the kernel's L2 traffic was ~half its peak with DRAM at 2%); one CTA barrier a position. Same bits.
 # LINGC_KDA_GLUON_TMA_STAGE=0: the plain stores
-TMA_STAGE = os.environ.get("LINGC_KDA_GLUON_TMA_STAGE", "1") == "1"
+TMA_STAGE = env_flag("LINGC_KDA_GLUON_TMA_STAGE", True)
 # decode's state write-back to the pool the same way (one TMA store of the [D, BV] slice); greedy decode 1.137 -> 1.132
 # ms (step-ab-h200-20261204-d.json). LINGC_KDA_GLUON_TMA_POOL=0: the plain stores
-TMA_POOL = os.environ.get("LINGC_KDA_GLUON_TMA_POOL", "1") == "1"
+TMA_POOL = env_flag("LINGC_KDA_GLUON_TMA_POOL", True)
 L2NORM_EPS = gl.constexpr(1e-6) if HAVE_GLUON else 1e-6   # kernels/kda.py L2NORM_EPS
 
 

@@ -25,12 +25,11 @@ still implies its predecessor's. The interpreter and CPU tensors run nothing (a 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from lingc.knobs import env_flag
 from lingc.kernels.pdl import pdl_launch_next, pdl_supported
 from lingc.ops.prefetch import clip
 
@@ -42,7 +41,7 @@ ALIGN = 16         # cp.async.bulk.prefetch wants 16 B aligned addresses and siz
 # prefetch.global.L2::evict_last on the per-line path), so the lines outlive the weight streams between the hint and
 # the weight's reader. A bench A/B knob (LINGC_PREFETCH_EVICT_LAST=1); measured slower than normal priority on an
 # H100 (greedy decode 1.3934 vs 1.3664 ms with the hints, bench/results/step-ab-prefetch-h100-20261205.json)
-EVICT_LAST = os.environ.get("LINGC_PREFETCH_EVICT_LAST", "0") == "1"
+EVICT_LAST = env_flag("LINGC_PREFETCH_EVICT_LAST", False)
 # l2_prefetch_experts skips an id that an earlier slot holds too (a verify chain's tokens share experts, and every
 # token holds the fused shared expert) where the ids are at most this many: a [THREADS, 64] compare a step
 DEDUPE_MAX_PAIRS = 64

@@ -76,14 +76,13 @@ gdc_wait. Rows M > 16 run the unfused kernels (the rmsnorm kernel, then F.linear
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from lingc.knobs import env_int
+from lingc.knobs import env_flag, env_int
 from lingc.kernels import linear_tma
 from lingc.kernels.kda import _sigmoid
 from lingc.kernels.workspace import indexed
@@ -133,7 +132,7 @@ PREFETCH_BLOCKS = tl.constexpr(env_int("LINGC_LINEAR_PREFETCH_BLOCKS", 0))  # ..
                      # 32 us faster without it (module docstring); 16 covers every slice of the Ling shapes
 # "fma" kind, unsplit, weight slice <= FMA_PRELOAD_ELEMENTS a program (the bf16 router: 4 x 1536): the slice goes
 # into registers before the PDL wait instead of an L2 prefetch (LINGC_LINEAR_FMA_PRELOAD=0 turns it off)
-FMA_PRELOAD = os.environ.get("LINGC_LINEAR_FMA_PRELOAD", "1") == "1"
+FMA_PRELOAD = env_flag("LINGC_LINEAR_FMA_PRELOAD", True)
 FMA_PRELOAD_ELEMENTS = 8192   # 64 bf16 a thread at 4 warps
 WORKSPACE_FLOATS = 1 << 20    # the per-device split-K workspace: 4 MiB of fp32 partials (S * 16 * N <= this)
 WORKSPACE_COUNTERS = 1 << 14  # and 64 KiB of tile counters

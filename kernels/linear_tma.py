@@ -50,11 +50,10 @@ LINGC_LINEAR_TMA=0 turns it off, LINGC_LINEAR_TMA_MAX_ROWS=N moves the row limit
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from lingc.knobs import env_int
+from lingc.knobs import env_flag, env_int
 from lingc.kernels.pdl import TRIGGER
 from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
@@ -70,13 +69,13 @@ try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the T
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-ENABLED = os.environ.get("LINGC_LINEAR_TMA", "1") == "1"   # LINGC_LINEAR_TMA=0 turns it off
+ENABLED = env_flag("LINGC_LINEAR_TMA", True)   # LINGC_LINEAR_TMA=0 turns it off
 FAILED: list[str] = []   # the first compile failure's message (`launch`); once set, every launch runs the Triton kernel
 BLOCK_M = 16             # rows (the wgmma N); must equal kernels/linear.py BLOCK_M (the workspace layout)
 BLOCK_N = 64             # weight rows a program (the wgmma M)
 BLOCK_K = 128
 MAX_BLOCKS = 4           # the slice's blocks, all in flight before the wait
-PARTIAL_RING = os.environ.get("LINGC_LINEAR_TMA_PARTIAL", "1") == "1"   # longer slices: a ring of up to MAX_BLOCKS
+PARTIAL_RING = env_flag("LINGC_LINEAR_TMA_PARTIAL", True)   # longer slices: a ring of up to MAX_BLOCKS
                          # blocks, its first fill before the wait (one-wave grids only; `ring_blocks`). On by default
                          # since 2026-12-06: the one-row KDA projection (3 of 12 blocks early) took the greedy decode
                          # step from 1.135 / 1.132 to 1.122 ms and general decode from 1.144 / 1.146 to 1.137 on the
@@ -95,7 +94,7 @@ PARTIAL_RING = os.environ.get("LINGC_LINEAR_TMA_PARTIAL", "1") == "1"   # longer
 # issue and mbarrier op with a CTA barrier (sm_90 PTX: 11 more bar.sync for a 4-block slice), ~36 for the KDA
 # projection's 12 blocks, on the path after the wait.
 # LINGC_LINEAR_TMA_X=1 turns it on
-X_TMA = os.environ.get("LINGC_LINEAR_TMA_X", "0") == "1"
+X_TMA = env_flag("LINGC_LINEAR_TMA_X", False)
 SMEM_2_CTAS = 110 * 1024  # x slice + weight ring, so that 2 CTAs share an SM as the Triton kernel's 80 KB do
 WARPS = 4                # one warpgroup
 HOPPER = 9               # the compute capability whose wgmma the kernel uses
@@ -123,7 +122,7 @@ EARLY_MAX_ROWS = 16      # the row limit of a launch whose predecessor triggers 
 # still slower than the pair: 6.52 vs 5.18 us at one row, 8.18 vs 5.45 at six (PDL on); the step with the opt-in on,
 # greedy decode +25 us, verify +55 (step-ab-h200-20261205.json). LINGC_LINEAR_TMA_GATED=0 leaves gated launches on
 # the Triton kernels
-GATED_TMA = os.environ.get("LINGC_LINEAR_TMA_GATED", "1") == "1"
+GATED_TMA = env_flag("LINGC_LINEAR_TMA_GATED", True)
 GATED_MAX_ROWS = 16
 GATED_FAILED: list[str] = []   # a GATED compile failure turns off the GATED launches only, not the plain ones
 

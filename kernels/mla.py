@@ -92,14 +92,13 @@ off no GDC call is emitted (the Triton interpreter cannot run them, kernels.md s
 from __future__ import annotations
 
 import math
-import os
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from lingc.knobs import env_int
+from lingc.knobs import env_flag, env_int
 from lingc.kernels import mla_gluon, workspace
 from lingc.kernels.pdl import (late_trigger, pdl_launch_next, pdl_supported, pdl_trigger, pdl_trigger_late, pdl_wait,
                                pdl_wait_late, prefetch_l2)
@@ -174,7 +173,7 @@ COMBINE_ONE_STEP = env_int("LINGC_MLA_COMBINE_ONE_STEP", 1)
 # 2.5869-2.5888 and NEXTN 3.772 / 3.770 vs 3.762: a loss on verify, so off. It cannot follow T: a verify query must
 # keep a decode step's bits (row invariance, the greedy parity). LINGC_MLA_COMBINE_ABSORB=1 turns it on. Needs
 # M * H <= CA_COUNTERS (else the two launches run)
-COMBINE_ABSORB = os.environ.get("LINGC_MLA_COMBINE_ABSORB", "0") == "1"
+COMBINE_ABSORB = env_flag("LINGC_MLA_COMBINE_ABSORB", False)
 CA_COUNTERS = 1 << 12    # ticket counters, one per (query, head): 16 KiB a device (kernels/workspace.py)
 # The absorptions' blocks do not enter their sums (the same bits at any value). H100, 2026-12-06
 # (step-ab-h100-20261206-launch-shapes.json): QA_BLOCK_R 32 or 128 cost greedy verify 20-30 us; VA_BLOCK_V 8 or 32 level
@@ -182,7 +181,7 @@ QA_BLOCK_R = 64          # q_absorb: latent columns per program (grid H x R/64 =
 VA_BLOCK_V = 16          # v_absorb: value rows per program (grid H x Vd/16 = 128 at real size)
 GEMV_WARPS = 4
 # q_absorb's early path (EARLY: under PDL, its q load and sum before the wait); LINGC_MLA_QABSORB_EARLY=0 turns it off
-QA_EARLY = os.environ.get("LINGC_MLA_QABSORB_EARLY", "1") == "1"
+QA_EARLY = env_flag("LINGC_MLA_QABSORB_EARLY", True)
 # q_absorb's entry trigger (under PDL): the split launches when q_absorb starts, not when it has passed its wait, so
 # the split's pre-wait cache reads overlap q_absorb and mla_prep's tail. Safe because the split reads nothing before
 # its wait that the two launches before it write: the positions and the page table come from the step's head, and
@@ -192,17 +191,17 @@ QA_EARLY = os.environ.get("LINGC_MLA_QABSORB_EARLY", "1") == "1"
 # level (1.147 / 1.140 against 1.145); PDL on == off over the whole step (greedy tokens) and mla_attention alone 13.8
 # against 15.6 us at one query, 22.8 against 24.8 at six (kernels-mla-gluon-entry-h200-20261204.json against -bf16-).
 # LINGC_MLA_QABSORB_ENTRY=0 turns it off
-QA_ENTRY = os.environ.get("LINGC_MLA_QABSORB_ENTRY", "1") == "1"
+QA_ENTRY = env_flag("LINGC_MLA_QABSORB_ENTRY", True)
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
 # the split's pre-wait L2 prefetch: off by default (the H200 step measured slower with it and the MoE down-GEMM's on,
 # kernels/moe.py DOWN_PREFETCH); LINGC_MLA_PREFETCH=1 turns it on
-SPLIT_PREFETCH = os.environ.get("LINGC_MLA_PREFETCH", "0") == "1"
+SPLIT_PREFETCH = env_flag("LINGC_MLA_PREFETCH", False)
 # the split and the combine read their query's position before the PDL wait (under PDL; why that is safe: the module
 # docstring's PDL placement), so the split's post-wait chain starts at the page-table load and the
 # combine's at its partials (H200 stall samples at 6 queries: the pos load was ~3% of the split's, 2026-12-03,
 # bench/device_ncu.py). Same bits. LINGC_MLA_EARLY_POS=0 turns it off
-EARLY_POS = os.environ.get("LINGC_MLA_EARLY_POS", "1") == "1"
+EARLY_POS = env_flag("LINGC_MLA_EARLY_POS", True)
 PREFETCH_LINE = tl.constexpr(64)   # cache elements per prefetch request (128 B of bf16)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

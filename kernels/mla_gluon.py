@@ -56,11 +56,10 @@ rows 16-byte aligned. Elsewhere kernels/mla.py's Triton split runs; CPU tests co
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from lingc.knobs import env_flag
 from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
 
@@ -74,7 +73,7 @@ try:  # Gluon ships with Triton >= 3.5
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-ENABLED = os.environ.get("LINGC_MLA_GLUON", "1") == "1"   # LINGC_MLA_GLUON=0: kernels/mla.py's Triton split
+ENABLED = env_flag("LINGC_MLA_GLUON", True)   # LINGC_MLA_GLUON=0: kernels/mla.py's Triton split
 FAILED: list[str] = []   # the first compile failure's message; once set, every launch runs the Triton split
 TILE_ROWS = 64           # the wgmma M: QPP = TILE_ROWS // H queries a program
 SPLIT = 128              # cache rows a program (kernels/mla.py SPLIT_ROWS must equal it)
@@ -94,7 +93,7 @@ SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
 # decode level (1.149 / 1.150 against 1.150). Isolated (the split alone, cold, PDL off): 6 queries 11.9 against 13.7 us,
 # 1 query level (10.2 against 9.9-10.1); stored in the accumulator's layout bf16 was slower (16.3 us at 6 queries).
 # LINGC_MLA_PARTIAL_BF16=0 keeps fp32 partials (the Triton split's)
-PARTIAL_BF16 = os.environ.get("LINGC_MLA_PARTIAL_BF16", "1") == "1"
+PARTIAL_BF16 = env_flag("LINGC_MLA_PARTIAL_BF16", True)
 
 
 def smem_bytes(r: int, rr: int) -> int:

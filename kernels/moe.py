@@ -81,6 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lingc.knobs import env_flag
 from lingc.kernels import moe_tma, router_gluon
 from lingc.kernels.pdl import (late_trigger, pdl_launch_next, pdl_supported, pdl_trigger, pdl_trigger_late, pdl_wait,
                                pdl_wait_late, prefetch_l2)
@@ -124,7 +125,7 @@ DOWN_PAIRS_CONFIG = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=
 # the down-GEMM's pre-wait L2 prefetch: off by default. With it and the MLA split's on, the H200 decode step measured
 # 1.538 ms against 1.485 without both (bench/results/step-ab-h200-20261130-c.json); with it alone 1.474 against 1.413
 # (NEXTN 4.079 vs 3.987 ms; step-ab-h200-20261130-e.json). LINGC_MOE_DOWN_PREFETCH=1 turns it on
-DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
+DOWN_PREFETCH = env_flag("LINGC_MOE_DOWN_PREFETCH", False)
 # the down-GEMM's register preload of its whole weight tile, before its PDL wait, so the tile streams from HBM while
 # the up-GEMM runs. Only at <= PRELOAD_MAX_PAIRS pairs (a decode step's 9) and K <= PRELOAD_MAX_K: the H200 step
 # (bench/results/step-ab-h200-20261201.json) measured decode 1.328 vs 1.356 ms with it, but verify (54 pairs, ~2000
@@ -132,7 +133,7 @@ DOWN_PREFETCH = os.environ.get("LINGC_MOE_DOWN_PREFETCH", "0") == "1"
 # order of dots), so the pair count may choose it. PDL launches only: without PDL nothing overlaps the preload and
 # the unpipelined chunk loop is slower (8.8 vs 6.4 us a launch in the PDL-off attribution,
 # bench/results/launches-h200-20261201.json). LINGC_MOE_DOWN_PRELOAD=0 turns it off.
-DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
+DOWN_PRELOAD = env_flag("LINGC_MOE_DOWN_PRELOAD", True)
 # TILE_PREFETCH: after the wait and the expert lookup, each program asks L2 for its whole [BLOCK_N, K] weight tile
 # (one prefetch.global.L2 a 128 B line: 96 KB a decode up-GEMM program, all 28 MB of the step's picks at once) before
 # its K loop streams the tile 3 stages deep; nothing else streams then (the router has finished), so it only brings the
@@ -141,8 +142,8 @@ DOWN_PRELOAD = os.environ.get("LINGC_MOE_DOWN_PRELOAD", "1") == "1"
 # only, 1.3754 / 2.9247 with the down-GEMM's, against 1.3371 / 2.6375, step-ab-prefetch-h100-20261205.json): the line
 # prefetches issued ahead of the K loop delay it. The down-GEMM's applies where it does not preload (verify's pair
 # grid). Never changes bits (a hint). LINGC_MOE_UP_TILE_PREFETCH=1 / LINGC_MOE_DOWN_TILE_PREFETCH=1
-UP_TILE_PREFETCH = os.environ.get("LINGC_MOE_UP_TILE_PREFETCH", "0") == "1"
-DOWN_TILE_PREFETCH = os.environ.get("LINGC_MOE_DOWN_TILE_PREFETCH", "0") == "1"
+UP_TILE_PREFETCH = env_flag("LINGC_MOE_UP_TILE_PREFETCH", False)
+DOWN_TILE_PREFETCH = env_flag("LINGC_MOE_DOWN_TILE_PREFETCH", False)
 # the up-GEMM's shared-expert tile before the PDL wait (shared_last, SHARED_EARLY in _moe_gemm_kernel; moe_up_act at
 # one token, moe_up_act_pairs at any): the fused shared expert's 3 MB of w13 stream while the router routes, off the
 # up-GEMM's post-wait path. Same bits. It paid behind router.py's ~3 us pick-chain router (greedy decode 1.199 ->

@@ -49,12 +49,12 @@ PDL: nothing is loaded before `pdl_wait()` (the experts come from block_expert);
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lingc.knobs import env_flag
 from lingc.kernels.moe import (COMBINE_ORDER, DOWN_CONFIG, FP_OPTIONS, MIN_TILE_M, SEQUENTIAL, UP_CONFIG, _check_align,
                                _combine_row, _float_dtype, _gemm_tile, _interpreting, _out, _preload_tile,
                                preload_chunks)
@@ -62,7 +62,7 @@ from lingc.kernels import workspace
 from lingc.kernels.pdl import pdl_supported, pdl_trigger, pdl_wait
 
 CTAS_PER_SM = 4               # programs per SM at most (the weight stream wants several tiles in flight per SM)
-DOWN_PRELOAD = os.environ.get("LINGC_MOE_FUSED_PRELOAD", "1") == "1"   # module docstring; 0 for the A/B
+DOWN_PRELOAD = env_flag("LINGC_MOE_FUSED_PRELOAD", True)   # module docstring; 0 for the A/B
 WORKSPACE_COUNTERS = 1 << 14  # int32 counters per device: up_count[blocks] + down_count[h strips] + done
 
 

@@ -41,11 +41,9 @@ prefetches). Gluon has no interpreter: CPU tests compile it for sm_90 offline an
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from lingc.knobs import env_int
+from lingc.knobs import env_flag, env_int
 from lingc.kernels.pdl import TRIGGER
 from lingc.kernels.gluon_launch import guarded, major as _major
 
@@ -61,7 +59,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or its Hopper modules) the T
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-MOE_UP_TMA = os.environ.get("LINGC_MOE_UP_TMA", "0") == "1"
+MOE_UP_TMA = env_flag("LINGC_MOE_UP_TMA", False)
 FAILED: list[str] = []   # the first compile failure's message; once set, every launch runs the Triton kernel
 BLOCK_N = 64             # w13 rows a program (the wgmma M): 32 gate + 32 up, interleaved
 BLOCK_K = 128

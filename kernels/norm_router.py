@@ -44,11 +44,10 @@ program's reload of the logits through L2 cost about what the kernel boundary di
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from lingc.knobs import env_flag
 from lingc.kernels import router as router_kernels, router_gluon
 from lingc.kernels import linear as linear_kernels
 from lingc.kernels.gluon_launch import guarded
@@ -66,7 +65,7 @@ try:  # Gluon ships with Triton >= 3.5
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-ENABLED = os.environ.get("LINGC_NORM_ROUTER_GLUON", "1") == "1"
+ENABLED = env_flag("LINGC_NORM_ROUTER_GLUON", True)
 FAILED: list[str] = []       # the first compile failure's message; once set, every launch runs the two kernels
 MAX_HIDDEN = 8192            # next_pow2(h) a program's registers hold (with one gate row at least)
 WEIGHT_ELEMENTS = 8192       # gate values a program holds (EPP x next_pow2(h); 2-byte weights, half that for fp32)

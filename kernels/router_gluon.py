@@ -36,11 +36,10 @@ Where it runs (`eligible`): CUDA sm_90+, Gluon importable, LINGC_ROUTER_GLUON no
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from lingc.knobs import env_flag
 from lingc.kernels.pdl import TRIGGER, late_trigger
 from lingc.kernels.gluon_launch import guarded, major as _major
 from lingc.kernels.workspace import indexed
@@ -53,8 +52,8 @@ try:  # Gluon ships with Triton >= 3.5
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-ENABLED = os.environ.get("LINGC_ROUTER_GLUON", "1") == "1"   # LINGC_ROUTER_GLUON=0: router.py's kernels everywhere
-ALIGN = os.environ.get("LINGC_ROUTER_GLUON_ALIGN", "1") == "1"   # router_align at one row too (0: router_topk only)
+ENABLED = env_flag("LINGC_ROUTER_GLUON", True)   # LINGC_ROUTER_GLUON=0: router.py's kernels everywhere
+ALIGN = env_flag("LINGC_ROUTER_GLUON_ALIGN", True)   # router_align at one row too (0: router_topk only)
 FAILED: list[str] = []       # the first compile failure's message; once set, router.py's kernels run
 MAX_WARPS = 8                # E = 32 x warps, one expert a thread
 FILL = gl.constexpr(16) if HAVE_GLUON else 16   # sentinel cells a thread per loop step (router_align)

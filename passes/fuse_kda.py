@@ -76,13 +76,13 @@ kda_fused_verify -> gated_rmsnorm and, in prefill, kda_conv_qkv -> kda_chunk -> 
 from __future__ import annotations
 
 import operator
-import os
 import re
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from lingc.knobs import env_flag
 from lingc.ops import OPS
 from lingc.ops.kda import COMMIT_MULTI_PAIRS
 from lingc.program import Program
@@ -91,7 +91,7 @@ from lingc.passes.matchers import base_buffer as _base, calls, carried_meta, is_
 
 # rewrite 4 (decode's kda_conv_qkv + kda_recurrent -> kda_fused_decode); LINGC_KDA_FUSED_DECODE=0 keeps the two
 # launches (an A/B knob for bench/device_step.py: the one launch measured slower alone on the H200, kernels/kda.py)
-FUSED_DECODE = os.environ.get("LINGC_KDA_FUSED_DECODE", "1") != "0"
+FUSED_DECODE = env_flag("LINGC_KDA_FUSED_DECODE", True)
 
 aten = torch.ops.aten
 HEAD_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}

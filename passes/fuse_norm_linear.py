@@ -59,13 +59,12 @@ head's squares in the GEMV's block layout, not the gated_rmsnorm kernel's, with 
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from lingc.knobs import env_int
+from lingc.knobs import env_flag, env_int
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
@@ -81,7 +80,7 @@ MAX_WEIGHT_ELEMENTS = env_int("LINGC_NORM_LINEAR_MAX_WEIGHT", 1 << 20)  # larger
 # runs kernels/linear_tma.py's Gluon kernel (GATED: the weight ring fills before the wait as o_proj's does); still
 # slower: 6.52 vs 5.18 us alone at one row, greedy decode +25 us and verify +55 in the step (2026-12-05,
 # step-ab-h200-20261205.json; A/B: bench/device_step.py --variant 'gated:lingc.passes.fuse_norm_linear.GATED=True')
-GATED = os.environ.get("LINGC_NORM_LINEAR_GATED", "0") == "1"
+GATED = env_flag("LINGC_NORM_LINEAR_GATED", False)
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)   # keep the values and their order
 
 

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from lingc.knobs import env_flag
 from lingc.ops import OPS
 from lingc.ops.norm_router import MAX_ROWS
 from lingc.passes.base import Pass
@@ -182,7 +182,7 @@ class FuseNormRouter(Pass):
              "fuse_align_into_moe", "fuse_combine_norm")
     changes_numerics = True      # on the GPU: the fused kernel's own fp32 order (module docstring)
     tolerance = 0.01             # as fuse_norm_linear's (a normed element may move by one bf16 rounding)
-    in_all = os.environ.get("LINGC_FUSE_NORM_ROUTER", "0") == "1"   # opt-in: level / slower on the H200 (docstring)
+    in_all = env_flag("LINGC_FUSE_NORM_ROUTER", False)   # opt-in: level / slower on the H200 (docstring)
 
     def apply(self, program: Program) -> dict[str, Any]:
         fused: list[str] = []

@@ -66,6 +66,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from lingc.knobs import env_flag
 from lingc.ops import OPS
 from lingc.passes.base import Pass
 from lingc.passes.matchers import KEEP_META, carried_meta, is_free, output_getitem
@@ -85,8 +86,8 @@ WEIGHTS = True                 # the projections' hints above (False: only the e
 # asks L2 for the picked experts' w13 from 132 programs at once, beside the up-GEMM's own pipelined loads; EXPERT_W2
 # adds their w2 (the down-GEMM's) after it on the side stream. Bench A/B knobs, off: measured slower (verify +370 /
 # +485 us on an H100, module docstring; LINGC_PREFETCH_EXPERTS=1, LINGC_PREFETCH_EXPERT_W2=1 turn them on)
-EXPERTS = os.environ.get("LINGC_PREFETCH_EXPERTS", "0") == "1"
-EXPERT_W2 = os.environ.get("LINGC_PREFETCH_EXPERT_W2", "0") == "1"
+EXPERTS = env_flag("LINGC_PREFETCH_EXPERTS", False)
+EXPERT_W2 = env_flag("LINGC_PREFETCH_EXPERT_W2", False)
 EXPERT_MAX_TOKENS = 16        # no experts' hint above this many tokens (prefill's picks cover most experts: no gain)
 UP_GEMMS = ("moe_up", "moe_up_act", "moe_up_act_pairs")
 DOWN_GEMMS = ("moe_down", "moe_down_pairs")
@@ -230,7 +231,7 @@ class PrefetchWeights(Pass):
              "draft_vocab", "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "fuse_relay_cat", "pdl")
     changes_numerics = False
     # opt-in (`--passes all,prefetch_weights` or LINGC_PREFETCH_WEIGHTS=1): every form measured slower (docstring)
-    in_all = os.environ.get("LINGC_PREFETCH_WEIGHTS", "0") == "1"
+    in_all = env_flag("LINGC_PREFETCH_WEIGHTS", False)
 
     def apply(self, program: Program) -> dict[str, Any]:
         inserted: list[dict[str, Any]] = []

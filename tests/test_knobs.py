@@ -1,4 +1,4 @@
-"""lingc/knobs.py: integer LINGC_* environment knobs, and the error a bad one gives at import."""
+"""lingc/knobs.py: the LINGC_* environment knobs (integers, on / off switches), and the error a bad one gives."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lingc.knobs import env_int
+from lingc.knobs import env_flag, env_int
 
 
 def test_env_int_reads_the_variable_or_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,3 +36,30 @@ def test_a_kernel_module_with_a_bad_knob_fails_at_import_naming_it() -> None:
                           env=env, timeout=300)
     assert proc.returncode != 0
     assert "LINGC_MLA_COMBINE_ONE_STEP='on': want an integer (default 1)" in proc.stderr
+
+
+@pytest.mark.parametrize("raw,want", [("1", True), ("true", True), (" ON ", True), ("Yes", True),
+                                      ("0", False), ("false", False), ("off", False), ("NO", False)])
+def test_env_flag_spellings(raw: str, want: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LINGC_TEST_FLAG", raw)
+    assert env_flag("LINGC_TEST_FLAG", not want) is want
+
+
+def test_env_flag_default_and_typos(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset or empty: the default. Anything else is an error naming the variable: before, every value but "1" was
+    silently "off" (and for LINGC_KDA_FUSED_DECODE every value but "0" silently "on")."""
+    monkeypatch.delenv("LINGC_TEST_FLAG", raising=False)
+    assert env_flag("LINGC_TEST_FLAG", True) is True and env_flag("LINGC_TEST_FLAG", False) is False
+    monkeypatch.setenv("LINGC_TEST_FLAG", "")
+    assert env_flag("LINGC_TEST_FLAG", True) is True
+    monkeypatch.setenv("LINGC_TEST_FLAG", "2")
+    with pytest.raises(ValueError, match=r"LINGC_TEST_FLAG='2': want 1 or 0 .*default 1\)"):
+        env_flag("LINGC_TEST_FLAG", True)
+
+
+def test_a_pass_module_with_a_bad_switch_fails_at_import_naming_it() -> None:
+    env = dict(os.environ, LINGC_KDA_FUSED_DECODE="flase")
+    proc = subprocess.run([sys.executable, "-c", "import lingc.passes.fuse_kda"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "LINGC_KDA_FUSED_DECODE='flase': want 1 or 0" in proc.stderr
