@@ -153,7 +153,9 @@ DOWN_TILE_PREFETCH = env_flag("LINGC_MOE_DOWN_TILE_PREFETCH", False)
 # layer (judged from the device and the stack's routed experts, one fused shared expert assumed); LINGC_MOE_SHARED_EARLY
 # =1 / =0 forces it on / off. Forced on behind the Gluon router on an H100 (2026-12-06): greedy decode 1.3407 against
 # 1.3175-1.3193 ms (step-ab-h100-20261206-launch-shapes.json)
-SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "auto")
+SHARED_EARLY = os.environ.get("LINGC_MOE_SHARED_EARLY", "auto").strip().lower() or "auto"
+if SHARED_EARLY not in ("auto", "1", "0"):
+    raise ValueError(f"environment variable LINGC_MOE_SHARED_EARLY={SHARED_EARLY!r}: want auto, 1 or 0")
 # Where the SHARED_EARLY rows let the next kernel launch: in pdl_wait, after their compute. Triggering at entry
 # instead (the routed rows still trigger after their wait) measured level on the H200 (decode 1.199 / 1.189 against
 # 1.190-1.193 ms, NEXTN level; bench/results/step-ab-h200-20261203-b.json), so that knob was removed.

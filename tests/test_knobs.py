@@ -63,3 +63,11 @@ def test_a_pass_module_with_a_bad_switch_fails_at_import_naming_it() -> None:
                           env=env, timeout=300)
     assert proc.returncode != 0
     assert "LINGC_KDA_FUSED_DECODE='flase': want 1 or 0" in proc.stderr
+
+
+def test_shared_early_takes_auto_1_or_0() -> None:
+    env = dict(os.environ, LINGC_MOE_SHARED_EARLY="always")
+    proc = subprocess.run([sys.executable, "-c", "import lingc.kernels.moe"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "LINGC_MOE_SHARED_EARLY='always': want auto, 1 or 0" in proc.stderr
