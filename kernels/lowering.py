@@ -19,7 +19,18 @@ FAMILIES = ("rmsnorm", "moe_align", "linear", "router", "sample", "filtered_prob
 # ops that run their torch reference even under the triton backend: LINGC_REFERENCE_OPS=embedding,emit_tokens
 # (comma-separated short names) to bisect a kernel, or an A/B (bench/device_step.py --variant sets it); read at
 # lowering time
-REFERENCE_OPS: tuple[str, ...] = tuple(filter(None, os.environ.get("LINGC_REFERENCE_OPS", "").split(",")))
+REFERENCE_OPS: tuple[str, ...] = tuple(filter(None, (x.strip() for x in
+                                                     os.environ.get("LINGC_REFERENCE_OPS", "").split(","))))
+
+
+def reference_ops() -> tuple[str, ...]:
+    """REFERENCE_OPS, checked against the kernel table: a name no kernel lowers (a typo) is an error naming it,
+    where it would otherwise keep every kernel on and bisect nothing."""
+    unknown = sorted(set(REFERENCE_OPS) - set(kernel_table()))
+    if unknown:
+        raise ValueError(f"LINGC_REFERENCE_OPS names {', '.join(unknown)}: no lingc kernel lowers that op "
+                         f"(short names, e.g. embedding,emit_tokens; known: {', '.join(sorted(kernel_table()))})")
+    return REFERENCE_OPS
 
 
 @lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ def kernel_for(target: Any, backend: str = "reference") -> tuple[Callable, str]:
     if backend == "triton" and name.startswith("lingc."):
         from lingc.kernels import lowering
         short = name[len("lingc."):]
-        launcher = None if short in lowering.REFERENCE_OPS else lowering.kernel_table().get(short)
+        launcher = None if short in lowering.reference_ops() else lowering.kernel_table().get(short)
         if launcher is not None:
             return launcher, f"triton:{name[len('lingc.'):]}"
     return target, name

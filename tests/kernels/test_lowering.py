@@ -155,6 +155,16 @@ def test_reference_ops_keep_their_torch_reference(monkeypatch) -> None:
     assert kernel_for(OPS.emit_tokens, "triton")[1] == "triton:emit_tokens"
 
 
+def test_reference_ops_with_an_unknown_name_is_an_error(monkeypatch) -> None:
+    """A name in LINGC_REFERENCE_OPS that no kernel lowers (a typo, or the "lingc." prefix) would leave every kernel
+    on and bisect nothing: lowering refuses it, naming it."""
+    import lingc.kernels.lowering as lowering
+    from lingc.runtime.executor import kernel_for
+    monkeypatch.setattr(lowering, "REFERENCE_OPS", ("embedding", "lingc.emit_tokens"))
+    with pytest.raises(ValueError, match=r"LINGC_REFERENCE_OPS names lingc.emit_tokens: no lingc kernel lowers"):
+        kernel_for(OPS.embedding, "triton")
+
+
 def test_launch_hints_reach_the_triton_launcher_and_bad_ones_are_refused(tiny_partitioned_bf16) -> None:
     """node.meta["lingc.launch"] (docs/ir.md): fuse_shared_expert's shared_last reaches moe_up_act's Triton launch as
     a keyword (never the reference op's), and a hint lingc does not know, from a hand-edited artifact say, is an
