@@ -28,16 +28,6 @@ def test_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None
         env_int("LINGC_TEST_KNOB", 7)
 
 
-def test_a_kernel_module_with_a_bad_knob_fails_at_import_naming_it() -> None:
-    """The kernels read their knobs at import: a malformed one stops the import with the variable's name, where a
-    bare int() said only "invalid literal"."""
-    env = dict(os.environ, LINGC_MLA_COMBINE_ONE_STEP="on")
-    proc = subprocess.run([sys.executable, "-c", "import lingc.kernels.mla"], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode != 0
-    assert "LINGC_MLA_COMBINE_ONE_STEP='on': want an integer (default 1)" in proc.stderr
-
-
 @pytest.mark.parametrize("raw,want", [("1", True), ("true", True), (" ON ", True), ("Yes", True),
                                       ("0", False), ("false", False), ("off", False), ("NO", False)])
 def test_env_flag_spellings(raw: str, want: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,17 +47,15 @@ def test_env_flag_default_and_typos(monkeypatch: pytest.MonkeyPatch) -> None:
         env_flag("LINGC_TEST_FLAG", True)
 
 
-def test_a_pass_module_with_a_bad_switch_fails_at_import_naming_it() -> None:
-    env = dict(os.environ, LINGC_KDA_FUSED_DECODE="flase")
-    proc = subprocess.run([sys.executable, "-c", "import lingc.passes.fuse_kda"], capture_output=True, text=True,
-                          env=env, timeout=300)
+@pytest.mark.parametrize("module,name,value,message", [
+    ("lingc.kernels.mla", "LINGC_MLA_COMBINE_ONE_STEP", "on", "want an integer (default 1)"),
+    ("lingc.passes.fuse_kda", "LINGC_KDA_FUSED_DECODE", "flase", "want 1 or 0"),
+    ("lingc.kernels.moe", "LINGC_MOE_SHARED_EARLY", "always", "want auto, 1 or 0"),
+], ids=["integer", "switch", "shared-early"])
+def test_a_module_with_a_bad_knob_fails_at_import_naming_it(module: str, name: str, value: str, message: str) -> None:
+    """Kernels and passes read their knobs at import: a malformed one stops the import with the variable's name,
+    where a bare int() said only "invalid literal" and a mistyped switch passed for off (or on)."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                          env=dict(os.environ, **{name: value}), timeout=300)
     assert proc.returncode != 0
-    assert "LINGC_KDA_FUSED_DECODE='flase': want 1 or 0" in proc.stderr
-
-
-def test_shared_early_takes_auto_1_or_0() -> None:
-    env = dict(os.environ, LINGC_MOE_SHARED_EARLY="always")
-    proc = subprocess.run([sys.executable, "-c", "import lingc.kernels.moe"], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode != 0
-    assert "LINGC_MOE_SHARED_EARLY='always': want auto, 1 or 0" in proc.stderr
+    assert f"{name}={value!r}: {message}" in proc.stderr
