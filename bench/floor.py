@@ -53,6 +53,12 @@ def launch_bytes(launch: Launch, args: tuple, weight_ids: dict[int, str]) -> Cou
     if op in ("moe_up_act_pairs", "moe_down_pairs"):                        # (a, stack, topk_ids, ...)
         counts["experts"] += int(torch.unique(args[2]).numel()) * _size(args[1][0])
         return counts
+    if op in ("moe_up_act_routed", "moe_down_routed"):   # (a, stack, logits, bias, router args): routes inside
+        _, ids = torch.ops.lingc.router_topk(*args[2:9])
+        counts["experts"] += int(torch.unique(ids).numel()) * _size(args[1][0])
+        if op == "moe_up_act_routed":                                      # the bias, once a layer, as the router's
+            counts["weights"] += _size(args[3])
+        return counts
     if op in MOE_OPS:
         stack = next(a for a in tensors if id(a) in weight_ids)
         block_expert, total = tensors[-2], tensors[-1]                # (..., sorted_pairs, block_expert, total)

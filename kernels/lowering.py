@@ -13,8 +13,8 @@ from functools import lru_cache
 from typing import Callable
 
 # every kernel family module of lingc.kernels that exports LOWERINGS
-FAMILIES = ("rmsnorm", "moe_align", "linear", "router", "sample", "filtered_probs", "moe", "moe_fused", "kda", "mla",
-            "meta", "ep", "allreduce", "norm_router", "l2_prefetch")
+FAMILIES = ("rmsnorm", "moe_align", "linear", "router", "sample", "filtered_probs", "moe", "moe_fused", "moe_routed",
+            "kda", "mla", "meta", "ep", "allreduce", "norm_router", "l2_prefetch")
 
 # ops that run their torch reference even under the triton backend: LINGC_REFERENCE_OPS=embedding,emit_tokens
 # (comma-separated short names) to bisect a kernel, or an A/B (bench/device_step.py --variant sets it); read at

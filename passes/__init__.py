@@ -21,6 +21,7 @@ from lingc.passes.fuse_norm_router import FuseNormRouter
 from lingc.passes.fuse_projections import FuseProjections
 from lingc.passes.fuse_relay import FuseRelay
 from lingc.passes.fuse_relay_cat import FuseRelayCat
+from lingc.passes.fuse_router_into_moe import FuseRouterIntoMoe
 from lingc.passes.fuse_shared_expert import FuseSharedExpert
 from lingc.passes.fuse_simulate_accept import FuseSimulateAccept
 from lingc.passes.fuse_swiglu import FuseSwiglu
@@ -36,7 +37,7 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (SpecializeGreedy, Specializ
                                                      FuseAddNorm, FuseMoeAlign, FuseSharedExpert, FuseMoe, FuseKda,
                                                      FuseNormLinear, FuseCombineNorm, FuseMla, FuseRelay, FuseRelayCat,
                                                      FuseEmit, FuseSimulateAccept, FuseCatNorm, FuseEmbedNorm,
-                                                     FuseAlignIntoMoe, DraftVocab, FuseNormRouter, Pdl,
+                                                     FuseAlignIntoMoe, FuseRouterIntoMoe, DraftVocab, FuseNormRouter, Pdl,
                                                      PrefetchWeights)}
 # passes that run only through their own flag, never through --passes or `all`: `tp` (compile --tp N) runs
 # after every pass above, with the degree as its argument, then fuse_all_reduce_norm on the all_reduces it

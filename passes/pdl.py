@@ -70,12 +70,14 @@ def _router_chain(topk: fx.Node) -> list[fx.Node]:
 
 def _moe_chain(align: fx.Node) -> list[fx.Node]:
     """The MoE chain from its align (moe_align, or router_align: that one ends the router chain), or from
-    fuse_align_into_moe's moe_up_act_pairs (the router_topk before it ends the router chain)."""
-    chain = [align] if align.target in (OPS.moe_align, OPS.moe_up_act_pairs) else []
-    steps = ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,), (OPS.moe_down, OPS.moe_down_pairs),
-             (OPS.moe_combine, OPS.combine_add_rmsnorm))
+    fuse_align_into_moe's moe_up_act_pairs (the router_topk before it ends the router chain), or from
+    fuse_router_into_moe's moe_up_act_routed (no router launch before it)."""
+    starts = (OPS.moe_up_act_pairs, OPS.moe_up_act_routed)      # a pair or routed chain starts at its up-GEMM
+    chain = [align] if align.target in (OPS.moe_align, *starts) else []
+    steps = ((OPS.moe_up, OPS.moe_up_act, OPS.moe_fused), (OPS.silu_and_mul,),
+             (OPS.moe_down, OPS.moe_down_pairs, OPS.moe_down_routed), (OPS.moe_combine, OPS.combine_add_rmsnorm))
     node = align
-    for wanted in steps[2:] if align.target is OPS.moe_up_act_pairs else steps:   # a pair chain starts at its up
+    for wanted in steps[2:] if align.target in starts else steps:
         nxt = next((c for c in consumers(node) if c.target in wanted), None)
         if nxt is None:
             if wanted == (OPS.silu_and_mul,):
@@ -122,7 +124,7 @@ def _safe_to_hoist(node: fx.Node, members: set[fx.Node]) -> bool:
 # start only after the kernel two back has completed (kernels/pdl.py). Indices are the op's positional arguments.
 PREWAIT_INPUTS = {"kda_fused_decode": (8, 9, 10, 13, 14), "kda_fused_verify": (8, 9, 10, 13, 14),
                   "moe_down": (2, 3, 4), "moe_down_pairs": (2,), "mla_attention": (0,), "moe_up_act": (0,),
-                  "moe_up_act_pairs": (0,)}
+                  "moe_up_act_pairs": (0,), "moe_down_routed": (2,)}
 SHARED_LAST_PREWAIT = ("moe_up_act", "moe_up_act_pairs")   # x early only with fuse_shared_expert's shared_last hint
 
 
@@ -270,7 +272,7 @@ class Pdl(Pass):
     after = ("fuse_swiglu", "fuse_moe_align", "fuse_projections", "fuse_add_norm", "bf16_router", "partition", "tp",
              "fuse_index_chains", "capture_metadata", "fuse_kda", "fuse_shared_expert", "fuse_norm_linear", "fuse_moe",
              "fuse_combine_norm", "fuse_relay", "fuse_mla", "fuse_cat_norm", "draft_vocab", "fuse_align_into_moe",
-             "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "fuse_relay_cat")
+             "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "fuse_relay_cat", "fuse_router_into_moe")
     changes_numerics = False
 
     def apply(self, program: Program) -> dict[str, Any]:
@@ -282,7 +284,8 @@ class Pdl(Pass):
         for gname, graph in program.graphs.items():
             found: list[tuple[str, list[fx.Node]]] = []
             found += [("router", _router_chain(n)) for op in ("router_topk", "router_align") for n in calls(graph, op)]
-            found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align", "moe_up_act_pairs")
+            found += [("moe", _moe_chain(n)) for op in ("moe_align", "router_align", "moe_up_act_pairs",
+                                                         "moe_up_act_routed")
                       for n in calls(graph, op)]
             found += [("moe", _moe_chain(n)) for n in calls(graph, "add_rmsnorm_router") if n.args[11]]   # aligned
             found += [("kda", _kda_chain(n))

@@ -74,6 +74,7 @@ from lingc.passes.base import Pass
 from lingc.passes.fuse_align_into_moe import unfuse as unfuse_pairs
 from lingc.passes.fuse_combine_norm import unfuse as unfuse_combine_norm
 from lingc.passes.fuse_norm_router import unfuse as unfuse_norm_router
+from lingc.passes.fuse_router_into_moe import unfuse as unfuse_routed
 from lingc.passes.fuse_moe import unfuse
 from lingc.passes.matchers import KEEP_META, calls, carried_meta, consumers, get_weight_node, output_getitem
 
@@ -239,6 +240,8 @@ def _insert_collective(graph: fx.Graph, node: fx.Node, op: Any, args: tuple, suf
 def _rewrite_moe(program: Program, graph: fx.Graph, combine: fx.Node, tp: int) -> fx.Node:
     """moe_combine and its align -> ep_align + ep_combine (the module docstring); returns the ep_combine."""
     down = combine.args[0]
+    if down.target is operator.getitem and down.args[0].target is OPS.moe_down_routed:
+        down = unfuse_routed(graph, down.args[0], int(program.weights[down.args[0].args[1].target].shape[0]))
     if down.target is OPS.moe_down_pairs:          # fuse_align_into_moe: back to moe_align + the aligned GEMMs
         down = unfuse_pairs(graph, down, int(program.weights[down.args[1].target].shape[0]))
     if down.target is not OPS.moe_down:

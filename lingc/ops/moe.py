@@ -265,6 +265,9 @@ register("moe_down")
 # token. Past them the launchers align the ids themselves, and fuse_align_into_moe leaves such layers aligned.
 PAIR_GRID_TOKENS = 16
 PAIR_GRID_PICKS = 32
+# The routed kernels (lingc.kernels.moe_routed: one token, the router inside the GEMMs) rank the routed experts with
+# an [E, E] count in every program: up to this many; fuse_router_into_moe leaves larger routers (Ling-3.0-flash) alone
+ROUTED_MAX_EXPERTS = 256
 
 
 @torch.library.custom_op("lingc::moe_up_act_pairs", mutates_args=())
@@ -302,6 +305,44 @@ def _(act, w2, topk_ids):
 
 
 register("moe_down_pairs")
+
+
+@torch.library.custom_op("lingc::moe_up_act_routed", mutates_args=())
+def moe_up_act_routed(x: torch.Tensor, w13_interleaved: torch.Tensor, logits: torch.Tensor,
+                      expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                      routed_scaling_factor: float, fused_shared: int, limit: float) -> torch.Tensor:
+    """moe_up_act_pairs over router_topk's ids, the router inside the GEMM (fuse_router_into_moe, one token):
+    x [N, h], logits [N, E] -> [N*(k+S), I]. The same values as router_topk then moe_up_act_pairs."""
+    _, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, fused_shared)
+    return moe_up_act_pairs(x, w13_interleaved, ids, limit)
+
+
+@moe_up_act_routed.register_fake
+def _(x, w13_interleaved, logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, fused_shared,
+      limit):
+    return x.new_empty((x.shape[0] * (top_k + fused_shared), w13_interleaved.shape[1] // 2))
+
+
+register("moe_up_act_routed")
+
+
+@torch.library.custom_op("lingc::moe_down_routed", mutates_args=())
+def moe_down_routed(act: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, expert_bias: torch.Tensor,
+                    n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
+                    fused_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(moe_down_pairs(act, w2, ids), weights) of router_topk(logits, ...), the router inside the GEMM
+    (fuse_router_into_moe): act [N*(k+S), I] -> ([N*(k+S), h], [N, k+S] fp32), the combine's weights."""
+    weights, ids = router_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, fused_shared)
+    return moe_down_pairs(act, w2, ids), weights
+
+
+@moe_down_routed.register_fake
+def _(act, w2, logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor, fused_shared):
+    return (act.new_empty((act.shape[0], w2.shape[1])),
+            logits.new_empty((logits.shape[0], top_k + fused_shared), dtype=torch.float32))
+
+
+register("moe_down_routed")
 
 
 @torch.library.custom_op("lingc::moe_combine", mutates_args=())
