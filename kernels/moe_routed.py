@@ -57,8 +57,8 @@ from lingc.ops.moe import ROUTED_MAX_EXPERTS as MAX_EXPERTS   # [E, E] int64 com
 
 
 @triton.jit
-def _route_ranks(logits_ptr, bias_ptr, GS, n_group, topk_group, G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr,
-                 E_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CG: tl.constexpr):
+def _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP: tl.constexpr, G_BLOCK: tl.constexpr,
+                 GS_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CG: tl.constexpr):
     """router_topk's selection of one row by ranks: (e, rank, selected, score), each [E_BLOCK]: expert ids, the rank
     among the kept groups' experts (picks are rank 0, 1, ...), whether rank < top_k is a pick (the caller compares),
     the unbiased score. CG: the logits through L2 (.cg), for loads before the PDL wait."""
@@ -79,10 +79,10 @@ def _route_ranks(logits_ptr, bias_ptr, GS, n_group, topk_group, G_BLOCK: tl.cons
     first = NO_ID - (tl.max(key2, axis=1) & 0xFFFFFFFF).to(tl.int32)
     m2 = tl.max(tl.where(eid2 == first[:, None], float("-inf"), biased2), axis=1)
     gscore = tl.where(gvalid, m1 + m2, float("-inf"))                                 # [G_BLOCK]
-    # keep group i if fewer than topk_group groups beat it (higher score, or equal score and lower id)
+    # group i's rank: how many groups beat it (higher score, or equal score and lower id); the TOPK_GROUP best stay
     beats = (gscore[None, :] > gscore[:, None]) | ((gscore[None, :] == gscore[:, None]) & (g[None, :] < g[:, None]))
-    keep = gvalid & (tl.sum(beats.to(tl.int32), axis=1) < topk_group)                 # [G_BLOCK]
-    # every expert's rank among the kept groups' experts: one count over the order keys
+    # every expert's rank among the kept groups' experts: counted one kept group at a time (TOPK_GROUP x GS
+    # compares an expert; the [E, E] count at once held 238 registers a thread on sm_90 and halved the occupancy)
     e = tl.arange(0, E_BLOCK)
     evalid = e < GS * n_group
     if CG:
@@ -91,10 +91,22 @@ def _route_ranks(logits_ptr, bias_ptr, GS, n_group, topk_group, G_BLOCK: tl.cons
         x = tl.load(logits_ptr + e, mask=evalid, other=0.0).to(tl.float32)
     score = tl.sigmoid(x)
     biased = score + tl.load(bias_ptr + e, mask=evalid, other=0.0).to(tl.float32)
-    kept = tl.sum(((e[:, None] // GS == g[None, :]) & keep[None, :]).to(tl.int32), axis=1) > 0
-    cand = evalid & kept
-    key = tl.where(cand, _order_key(biased, e, NO_ID), -(2**63))                      # [E_BLOCK]
-    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)                 # keys are distinct (the id)
+    key = _order_key(biased, e, NO_ID)                                                # [E_BLOCK]
+    grank = tl.sum(beats.to(tl.int32), axis=1)                                        # [G_BLOCK], a permutation
+    rank = tl.zeros([E_BLOCK], dtype=tl.int32)
+    cand = e < 0
+    for q in tl.static_range(TOPK_GROUP):
+        kg = tl.sum(tl.where(gvalid & (grank == q), g, 0), axis=0)                    # the group of rank q
+        jj = kg * GS + j
+        jvalid = j < GS
+        if CG:
+            xj = tl.load(logits_ptr + jj, mask=jvalid, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            xj = tl.load(logits_ptr + jj, mask=jvalid, other=0.0).to(tl.float32)
+        bj = tl.sigmoid(xj) + tl.load(bias_ptr + jj, mask=jvalid, other=0.0).to(tl.float32)
+        kj = tl.where(jvalid, _order_key(bj, jj, NO_ID), -(2**63))                    # [GS_BLOCK]
+        rank += tl.sum((kj[None, :] > key[:, None]).to(tl.int32), axis=1)
+        cand = cand | (evalid & (e // GS == kg))
     return e, tl.where(cand, rank, E_BLOCK), score
 
 
@@ -112,13 +124,13 @@ def _route_weights(rank, score, scale, TOP_K: tl.constexpr, SHARED: tl.constexpr
 
 
 @triton.jit
-def _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, topk_group, TOP_K: tl.constexpr,
+def _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                  G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
                  CG: tl.constexpr):
     """Pair m's expert: pick m of the routing (m < TOP_K), else fused shared expert num_routed + m - TOP_K."""
     expert = num_routed + m - TOP_K
     if m < TOP_K:
-        e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, topk_group, G_BLOCK, GS_BLOCK, E_BLOCK,
+        e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP, G_BLOCK, GS_BLOCK, E_BLOCK,
                                       NO_ID, CG)
         expert = tl.max(tl.where(rank == m, e, -1), axis=0)
     return expert.to(tl.int64)
@@ -126,9 +138,8 @@ def _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, topk_group, T
 
 @triton.jit
 def _moe_routed_kernel(a_ptr, w_ptr, out_ptr, logits_ptr, bias_ptr, weights_ptr,
-                       num_routed, N, K, stride_am, stride_we, stride_wn, stride_om, GS, n_group, topk_group,
-                       scale, limit,
-                       TOP_K: tl.constexpr, SHARED: tl.constexpr, A_PAIRS: tl.constexpr,
+                       num_routed, N, K, stride_am, stride_we, stride_wn, stride_om, GS, n_group, scale, limit,
+                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, A_PAIRS: tl.constexpr,
                        G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
                        NO_ID: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -144,13 +155,13 @@ def _moe_routed_kernel(a_ptr, w_ptr, out_ptr, logits_ptr, bias_ptr, weights_ptr,
     if WEIGHTS:
         wts = tl.zeros([K_BLOCK], dtype=tl.float32)
     if PREWAIT:
-        expert = _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, topk_group, TOP_K, G_BLOCK, GS_BLOCK,
+        expert = _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, TOPK_GROUP, TOP_K, G_BLOCK, GS_BLOCK,
                               E_BLOCK, NO_ID, True)
         if K_CHUNKS > 0:
             ws = _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K, K_CHUNKS)
         if WEIGHTS:
             if pid_n == 0 and m == 0:
-                e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, topk_group, G_BLOCK, GS_BLOCK,
+                e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP, G_BLOCK, GS_BLOCK,
                                               E_BLOCK, NO_ID, True)
                 wts = _route_weights(rank, score, scale, TOP_K, SHARED, K_BLOCK)
         if PDL:
@@ -158,11 +169,11 @@ def _moe_routed_kernel(a_ptr, w_ptr, out_ptr, logits_ptr, bias_ptr, weights_ptr,
     else:
         if PDL:
             pdl_wait()
-        expert = _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, topk_group, TOP_K, G_BLOCK, GS_BLOCK,
+        expert = _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, TOPK_GROUP, TOP_K, G_BLOCK, GS_BLOCK,
                               E_BLOCK, NO_ID, False)
         if WEIGHTS:
             if pid_n == 0 and m == 0:
-                e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, topk_group, G_BLOCK, GS_BLOCK,
+                e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP, G_BLOCK, GS_BLOCK,
                                               E_BLOCK, NO_ID, False)
                 wts = _route_weights(rank, score, scale, TOP_K, SHARED, K_BLOCK)
     r = tl.arange(0, TILE_M)
@@ -204,9 +215,8 @@ def _launch(op: str, a: torch.Tensor, w: torch.Tensor, logits: torch.Tensor, exp
     gs = num_routed // n_group
     _moe_routed_kernel[(triton.cdiv(n, config.block_n), pairs)](
         a, w, out, logits, expert_bias, weights if weights is not None else logits,
-        num_routed, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), gs, n_group, topk_group,
-        float(scale), float(limit),
-        TOP_K=top_k, SHARED=fused_shared, A_PAIRS=pairs if swiglu else 1,
+        num_routed, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), gs, n_group, float(scale),
+        float(limit), TOPK_GROUP=topk_group, TOP_K=top_k, SHARED=fused_shared, A_PAIRS=pairs if swiglu else 1,
         G_BLOCK=triton.next_power_of_2(n_group), GS_BLOCK=triton.next_power_of_2(gs),
         E_BLOCK=triton.next_power_of_2(num_routed), K_BLOCK=max(2, triton.next_power_of_2(pairs)), NO_ID=_NO_ID,
         TILE_M=MIN_TILE_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,

@@ -104,8 +104,8 @@ import lingc.kernels.moe_routed as K
 down = sys.argv[1] == "down"
 sig = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32",
            num_routed="i32", N="i32", K="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_om="i32",
-           GS="i32", n_group="i32", topk_group="i32", scale="fp32", limit="fp32")
-const = dict(TOP_K=8, SHARED=1, A_PAIRS=1 if down else 9, G_BLOCK=8, GS_BLOCK=16, E_BLOCK=128, K_BLOCK=16,
+           GS="i32", n_group="i32", scale="fp32", limit="fp32")
+const = dict(TOPK_GROUP=4, TOP_K=8, SHARED=1, A_PAIRS=1 if down else 9, G_BLOCK=8, GS_BLOCK=16, E_BLOCK=128, K_BLOCK=16,
              NO_ID=1 << 30, TILE_M=16, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, SWIGLU=not down, HAS_LIMIT=False,
              IEEE_DOT=False, LIBDEVICE_EXP=True, PDL=True, PREWAIT=down, K_CHUNKS=4 if down else 0, WEIGHTS=down)
 sig.update({k: "constexpr" for k in const})
