@@ -7,7 +7,7 @@ groups, top-8, the fused shared expert), three paths, PDL-launched as in the ste
     pairs     router_topk -> moe_up_act_pairs -> moe_down_pairs (verify's path: greedy parity needs its bits)
 must give the same act, expert rows and weights bit for bit. Then aligned and routed are timed: a CUDA graph of
 CALLS calls, each on its own weight copy (cold: COPIES copies of the stacks), replay medians (bench/timing.py), each
-path twice.
+path twice, then each of the five launches alone (`alone_us`: a graph of CALLS of it, PDL between them).
 
     python3 bench/moe_routed_check.py [--json OUT]       # a GPU; about half a minute
 """
@@ -87,6 +87,23 @@ def run(dev: torch.device) -> dict:
         t = graph_time_or_none([lambda c=c: fn(c) for c in range(CALLS)])
         out["times"][name] = t                       # per call (graph_time_us divides by the calls)
     print(json.dumps(out["times"]), flush=True)
+    # each launch alone (a graph of CALLS of it, PDL between them): where a difference sits
+    align = [router.router_align(lg[c], bias, *r, E + 1, BLOCK_M, 1, pdl=True) for c in range(CALLS)]
+    acts = [moe.moe_up_act(xs[c], w13[c % COPIES], *align[c][2:], TOP_K + 1, BLOCK_M, 0.0, pdl=True)
+            for c in range(CALLS)]
+    alone = {
+        "router_align": lambda c: router.router_align(lg[c], bias, *r, E + 1, BLOCK_M, 1, pdl=True),
+        "moe_up_act": lambda c: moe.moe_up_act(xs[c], w13[c % COPIES], *align[c][2:], TOP_K + 1, BLOCK_M, 0.0,
+                                               pdl=True),
+        "moe_down": lambda c: moe.moe_down(acts[c], w2[c % COPIES], *align[c][2:], BLOCK_M, pdl=True),
+        "moe_up_act_routed": lambda c: moe_routed.moe_up_act_routed(xs[c], w13[c % COPIES], lg[c], bias, *r, 1, 0.0,
+                                                                    pdl=True),
+        "moe_down_routed": lambda c: moe_routed.moe_down_routed(acts[c], w2[c % COPIES], lg[c], bias, *r, 1,
+                                                                pdl=True),
+    }
+    out["alone_us"] = {name: graph_time_or_none([lambda c=c, f=f: f(c) for c in range(CALLS)])
+                       for name, f in alone.items()}
+    print(json.dumps(out["alone_us"]), flush=True)
     return out
 
 

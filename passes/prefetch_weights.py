@@ -172,7 +172,8 @@ def insert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
 def _expert_ids(graph: fx.Graph, up: fx.Node) -> fx.Node | None:
     """The router's expert ids [N, k] an up-GEMM's pairs come from: moe_up_act_pairs' own argument; for the aligned
     GEMMs the ids that moe_align read, or output 1 of router_align (3 of add_rmsnorm_router), the getitem made here
-    if nothing read it yet. None for another source."""
+    if nothing read it yet. None for another source (fuse_router_into_moe's moe_up_act_routed, not an UP_GEMMS op,
+    never gets here: its ids exist only inside the GEMMs, so its layers get no experts' hint)."""
     if up.target is OPS.moe_up_act_pairs:
         return up.args[2]
     pairs = up.args[2]
@@ -228,7 +229,8 @@ class PrefetchWeights(Pass):
     after = ("partition", "specialize_greedy", "fuse_swiglu", "fuse_index_chains", "capture_metadata", "bf16_router",
              "fuse_projections", "fuse_add_norm", "fuse_moe_align", "fuse_shared_expert", "fuse_moe", "fuse_kda",
              "fuse_norm_linear", "fuse_combine_norm", "fuse_mla", "fuse_relay", "fuse_cat_norm", "fuse_align_into_moe",
-             "draft_vocab", "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "fuse_relay_cat", "pdl")
+             "draft_vocab", "fuse_norm_router", "fuse_embed_norm", "fuse_simulate_accept", "fuse_relay_cat",
+             "fuse_router_into_moe", "pdl")
     changes_numerics = False
     # opt-in (`--passes all,prefetch_weights` or LINGC_PREFETCH_WEIGHTS=1): every form measured slower (docstring)
     in_all = env_flag("LINGC_PREFETCH_WEIGHTS", False)

@@ -206,14 +206,18 @@ UPS = ("moe_up", "moe_up_act", "moe_up_act_pairs")
 
 @pytest.fixture(scope="module")
 def expert_programs(tiny_partitioned: Program, programs):
-    """`all` + prefetch_weights with only the experts' hints (w13 and w2); `before` is `all` alone."""
+    """`all` + prefetch_weights with only the experts' hints (w13 and w2); `before` is `all` alone. Both without
+    fuse_router_into_moe: its one-token layers have no router ids to hint from (they live inside the GEMMs)."""
+    from lingc.passes.fuse_router_into_moe import FuseRouterIntoMoe
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FuseRouterIntoMoe, "in_all", False)
+        before = PassManager(["all"]).run(tiny_partitioned).program
         mp.setattr(PW, "WEIGHTS", False)
         mp.setattr(PW, "EXPERTS", True)
         mp.setattr(PW, "EXPERT_W2", True)
         result = PassManager(["all", "prefetch_weights"]).run(tiny_partitioned)
     record = next(r for r in result.records if r.name == "prefetch_weights")
-    return programs[0], result.program, record
+    return before, result.program, record
 
 
 def _ups(graph):
