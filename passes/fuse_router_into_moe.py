@@ -36,6 +36,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from lingc.knobs import env_flag
 from lingc.modules import MOE_BLOCK_M
 from lingc.ops import OPS
 from lingc.ops.moe import ROUTED_MAX_EXPERTS
@@ -141,6 +142,8 @@ class FuseRouterIntoMoe(Pass):
     after = ("partition", "fuse_swiglu", "fuse_moe_align", "fuse_shared_expert", "fuse_moe", "bf16_router",
              "fuse_norm_linear", "fuse_combine_norm", "specialize_greedy", "fuse_align_into_moe", "fuse_norm_router")
     changes_numerics = False
+    # opt-in (`--passes all,fuse_router_into_moe` or LINGC_FUSE_ROUTER_INTO_MOE=1): slower on an H100 (docstring)
+    in_all = env_flag("LINGC_FUSE_ROUTER_INTO_MOE", False)
 
     def apply(self, program: Program) -> dict[str, Any]:
         routed: list[str] = []

@@ -3,7 +3,7 @@
 Op counts per graph (one-token graphs rewritten, verify / extend / prefill left alone), the rewritten nodes'
 arguments and names, bit-exact programs in fp32 and bf16, the skip reasons (more than one token, the ids read, too
 many routed experts), the PDL chain and pre-wait rule, the tp pass's unfuse (bit-exact back to the aligned form), and
-`all` end to end.
+its place in the pass order (opt-in).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def test_rewritten_nodes(before, routed, graph):
         old_router = old_up.args[2].args[0]
         assert old_up.target is OPS.moe_up_act and old_router.target is OPS.router_align
         # router_align(logits, bias, g, kg, k, scale, E, BM, S) -> (logits, bias, g, kg, k, scale, S)
-        route = [str(a) for a in (*old_router.args[:6], old_router.args[8])]
+        shared = old_router.args[8] if len(old_router.args) > 8 else 0
+        route = [str(a) for a in (*old_router.args[:6], shared)]
         assert [str(a) for a in up.args] == [str(old_up.args[0]), str(old_up.args[1]), *route, str(old_up.args[7])]
         down = next(u for u in up.users if u.target is OPS.moe_down_routed)
         assert old[down.name].target is OPS.moe_down and [str(a) for a in down.args[2:]] == route
@@ -135,11 +136,13 @@ def test_unfuse_restores_the_aligned_layer_bit_exact(before):
     assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items()}
 
 
-def test_in_all_and_after_the_moe_passes():
+def test_opt_in_and_after_the_moe_passes():
+    """Opt-in (measured slower on an H100, the pass's docstring): `all` leaves it out; named, it runs after the MoE
+    passes and before pdl."""
     from lingc.passes import PASSES
     from lingc.passes.manager import resolve
-    order = [p.name for p in resolve(["all"], PASSES)]
-    assert "fuse_router_into_moe" in order
+    assert "fuse_router_into_moe" not in [p.name for p in resolve(["all"], PASSES)]
+    order = [p.name for p in resolve(["all", "fuse_router_into_moe"], PASSES)]
     for earlier in ("fuse_moe_align", "fuse_shared_expert", "fuse_swiglu", "fuse_align_into_moe", "fuse_combine_norm"):
         assert order.index(earlier) < order.index("fuse_router_into_moe")
     assert order.index("fuse_router_into_moe") < order.index("pdl")

@@ -30,7 +30,8 @@ def test_prewait_indices_name_the_early_inputs():
     names = [a.name for a in OPS.kda_fused_decode._schema.arguments]
     want = {"kda_fused_decode": ["conv_q_pool", "conv_k_pool", "conv_v_pool", "state_pool", "slots"],
             "moe_down": ["sorted_pairs", "block_expert", "total"], "moe_down_pairs": ["topk_ids"],
-            "mla_attention": ["q_nope"], "moe_up_act": ["x"], "moe_up_act_pairs": ["x"]}
+            "mla_attention": ["q_nope"], "moe_up_act": ["x"], "moe_up_act_pairs": ["x"],
+            "moe_down_routed": ["logits"]}
     want["kda_fused_verify"] = want["kda_fused_decode"]
     for short, idx in PREWAIT_INPUTS.items():
         args = [a.name for a in getattr(OPS, short)._schema.arguments]
