@@ -30,6 +30,19 @@ alone in its row tile: the bits of decode's aligned moe_up_act / moe_down for th
 not depend on its block). Checked in the interpreter against router_topk + the pair grid, bit for bit; on the GPU by
 the step's greedy parity (NEXTN == plain decoding: verify runs router_topk + the pair grid).
 
+Measured slower, so the pass is opt-in (H100, one token, Ling-3.0-tiny's shapes, bench/moe_routed_check.py: cold
+weights, CUDA-graph replay of 16 calls, PDL; the same bits as both other paths over 16 routings each time). The
+whole layer (router_align -> up -> down against up -> down, routed): 20.6 against 29.2 us with one [E, E] count of
+int64 keys a program (238 / 207 registers a thread: half the occupancy; `kernels-moe-routed-h100-20261206.json`),
+20.6 against 25.4 us counting one kept group at a time (this form, 96 / 126 registers; `-b.json`, `-d.json`), 20.8
+against 30.1 us with every load issued first and all G groups counted (`-c.json`, not kept). Alone (`-d.json`):
+router_align 2.16 us, the aligned up-GEMM 12.78, the routed one 15.40; the aligned down-GEMM 7.29, the routed one
+13.43. So routing one row in a Triton program costs ~2.6 us on the up-GEMM's path (its reductions and layout changes:
+26-38 CTA barriers and 290-560 shuffles in the sm_90 PTX, against the Gluon router's whole launch of 2.16), more than
+the launch it removes; the step agreed: greedy decode 1.520 / 1.518 ms against 1.306 with the first form
+(`step-ab-h100-20261206-router-into-moe.json`, greedy parity held). What would make it pay: routing code with
+chosen layouts (kernels/router_gluon.py's `_route` inside a Gluon GEMM), under ~0.5 us.
+
 Where it runs: one token (x with one row), E <= MAX_EXPERTS routed experts (an [E, E] count per program: Ling-3.0-
 tiny's 128 is 128 compares a thread at 4 warps; Ling-3.0-flash's 512 would be 2048, so the pass leaves such layers
 aligned). Any other call runs router_topk + the pair-grid kernels (two more launches, the same values).
@@ -57,58 +70,56 @@ from lingc.ops.moe import ROUTED_MAX_EXPERTS as MAX_EXPERTS   # [E, E] int64 com
 
 
 @triton.jit
-def _load_f32(ptrs, mask, CG: tl.constexpr):
-    """fp32 values (0 where masked); CG: through L2 only (.cg), for loads before the PDL wait."""
-    if CG:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP: tl.constexpr, G_BLOCK: tl.constexpr,
                  GS_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CG: tl.constexpr):
-    """router_topk's selection of one row by ranks: (e, rank, score), each [E_BLOCK]: expert ids, the rank among the
-    kept groups' experts (E_BLOCK for the others; the picks are ranks 0, 1, ...), the unbiased score.
-    CG: the logits through L2 (.cg), for loads before the PDL wait. Every load is issued first, in one round trip:
-    the [G, GS] tile, the [E] vector and each group's [GS] row (layouts the compares use without a reload)."""
+    """router_topk's selection of one row by ranks: (e, rank, selected, score), each [E_BLOCK]: expert ids, the rank
+    among the kept groups' experts (picks are rank 0, 1, ...), whether rank < top_k is a pick (the caller compares),
+    the unbiased score. CG: the logits through L2 (.cg), for loads before the PDL wait."""
     g = tl.arange(0, G_BLOCK)
     j = tl.arange(0, GS_BLOCK)
-    e = tl.arange(0, E_BLOCK)
     gvalid = g < n_group
-    jvalid = j < GS
-    evalid = e < GS * n_group
-    valid2 = gvalid[:, None] & jvalid[None, :]
+    valid2 = gvalid[:, None] & (j < GS)[None, :]
     eid2 = tl.where(valid2, g[:, None] * GS + j[None, :], NO_ID)                      # [G_BLOCK, GS_BLOCK]
-    x2 = _load_f32(logits_ptr + eid2, valid2, CG)
-    b2 = _load_f32(bias_ptr + eid2, valid2, False)
-    x = _load_f32(logits_ptr + e, evalid, CG)
-    b = _load_f32(bias_ptr + e, evalid, False)
-    rows = ()
-    for q in tl.static_range(G_BLOCK):
-        rows = rows + (_load_f32(logits_ptr + q * GS + j, jvalid & (q < n_group), CG),
-                       _load_f32(bias_ptr + q * GS + j, jvalid & (q < n_group), False))
-    # group score: the best biased score plus the best of the others (the best's lane, lowest id first, excluded)
+    if CG:
+        x2 = tl.load(logits_ptr + eid2, mask=valid2, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        x2 = tl.load(logits_ptr + eid2, mask=valid2, other=0.0).to(tl.float32)
+    b2 = tl.load(bias_ptr + eid2, mask=valid2, other=0.0).to(tl.float32)
     biased2 = tl.where(valid2, tl.sigmoid(x2) + b2, float("-inf"))
     key2 = tl.where(valid2, _order_key(biased2, eid2, NO_ID), -(2**63))
+    # group score: the best biased score plus the best of the others (the best's lane, lowest id first, excluded)
     m1 = tl.max(biased2, axis=1)
     first = NO_ID - (tl.max(key2, axis=1) & 0xFFFFFFFF).to(tl.int32)
     m2 = tl.max(tl.where(eid2 == first[:, None], float("-inf"), biased2), axis=1)
     gscore = tl.where(gvalid, m1 + m2, float("-inf"))                                 # [G_BLOCK]
-    # group i is kept if fewer than TOPK_GROUP groups beat it (higher score, or equal score and lower id)
+    # group i's rank: how many groups beat it (higher score, or equal score and lower id); the TOPK_GROUP best stay
     beats = (gscore[None, :] > gscore[:, None]) | ((gscore[None, :] == gscore[:, None]) & (g[None, :] < g[:, None]))
-    keep = (gvalid & (tl.sum(beats.to(tl.int32), axis=1) < TOPK_GROUP)).to(tl.int32)   # [G_BLOCK]
-    # every expert's rank among the kept groups' experts, one group's [GS] keys at a time (GS compares an expert a
-    # group: the [E, E] count at once held 238 registers a thread on sm_90 and halved the occupancy)
+    # every expert's rank among the kept groups' experts: counted one kept group at a time (TOPK_GROUP x GS
+    # compares an expert; the [E, E] count at once held 238 registers a thread on sm_90 and halved the occupancy)
+    e = tl.arange(0, E_BLOCK)
+    evalid = e < GS * n_group
+    if CG:
+        x = tl.load(logits_ptr + e, mask=evalid, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(logits_ptr + e, mask=evalid, other=0.0).to(tl.float32)
     score = tl.sigmoid(x)
-    key = _order_key(score + b, e, NO_ID)                                             # [E_BLOCK]
+    biased = score + tl.load(bias_ptr + e, mask=evalid, other=0.0).to(tl.float32)
+    key = _order_key(biased, e, NO_ID)                                                # [E_BLOCK]
+    grank = tl.sum(beats.to(tl.int32), axis=1)                                        # [G_BLOCK], a permutation
     rank = tl.zeros([E_BLOCK], dtype=tl.int32)
     cand = e < 0
-    for q in tl.static_range(G_BLOCK):
-        kept = tl.max(tl.where(g == q, keep, 0), axis=0) > 0                          # group q's
-        kj = tl.where(jvalid, _order_key(tl.sigmoid(rows[2 * q]) + rows[2 * q + 1], q * GS + j, NO_ID), -(2**63))
-        wins = tl.sum((kj[None, :] > key[:, None]).to(tl.int32), axis=1)
-        rank += tl.where(kept, wins, 0)
-        cand = cand | (kept & evalid & (e // GS == q))
+    for q in tl.static_range(TOPK_GROUP):
+        kg = tl.sum(tl.where(gvalid & (grank == q), g, 0), axis=0)                    # the group of rank q
+        jj = kg * GS + j
+        jvalid = j < GS
+        if CG:
+            xj = tl.load(logits_ptr + jj, mask=jvalid, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            xj = tl.load(logits_ptr + jj, mask=jvalid, other=0.0).to(tl.float32)
+        bj = tl.sigmoid(xj) + tl.load(bias_ptr + jj, mask=jvalid, other=0.0).to(tl.float32)
+        kj = tl.where(jvalid, _order_key(bj, jj, NO_ID), -(2**63))                    # [GS_BLOCK]
+        rank += tl.sum((kj[None, :] > key[:, None]).to(tl.int32), axis=1)
+        cand = cand | (evalid & (e // GS == kg))
     return e, tl.where(cand, rank, E_BLOCK), score
 
 

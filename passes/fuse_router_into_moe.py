@@ -22,6 +22,11 @@ a program) and the down-GEMM writes the combine's weights, so a MoE layer runs o
 trip fewer. Values: the ops are router_topk + the pair-grid GEMMs (lingc/ops/moe.py), the same picks, weights and
 pair rows as router_align + moe_up_act + moe_down: numerics unchanged (the kernels run decode's aligned tiles).
 
+Opt-in (LINGC_FUSE_ROUTER_INTO_MOE=1 or `--passes all,fuse_router_into_moe`): measured slower on an H100. The
+routing in a Triton program costs more than the router launch it removes (kernels/moe_routed.py's docstring: one MoE
+layer 20.6 -> 25.4 us alone in the kept form; greedy decode 1.306 -> 1.520 ms with the first form,
+bench/results/step-ab-h100-20261206-router-into-moe.json, greedy parity held).
+
 Left alone: layers on more than one token a call (verify, extend, prefill: fuse_align_into_moe's pair grid or the
 aligned GEMMs), more than ROUTED_MAX_EXPERTS routed experts (Ling-3.0-flash's 512), layers whose router is not a
 router_align read only by one moe_up_act + moe_down and the weights' readers (fuse_moe's moe_fused, fuse_norm_router's
