@@ -95,14 +95,15 @@ def test_order_respects_after_regardless_of_user_order(requested, expected):
 
 
 def test_all_expands_to_every_registered_pass():
-    """Every pass but the opt-in ones (in_all = False: fuse_moe, draft_vocab, fuse_norm_router, prefetch_weights,
-    specialize_sampling), which run only when named."""
+    """Every pass but the opt-in ones (in_all = False: fuse_moe, draft_vocab, fuse_norm_router, fuse_router_into_moe,
+    prefetch_weights, specialize_sampling), which run only when named."""
     order = names(resolve(["all"], PASSES))
     opt_in = {n for n, p in PASSES.items() if not p.in_all}
-    assert opt_in == {"fuse_moe", "draft_vocab", "fuse_norm_router", "prefetch_weights", "specialize_sampling"}
+    assert opt_in == {"fuse_moe", "draft_vocab", "fuse_norm_router", "fuse_router_into_moe", "prefetch_weights",
+                      "specialize_sampling"}
     assert set(order) == set(PASSES) - opt_in and len(order) == len(PASSES) - len(opt_in)
-    with_opt_in = names(resolve(["all", "fuse_moe", "draft_vocab", "fuse_norm_router", "prefetch_weights",
-                                 "specialize_sampling"], PASSES))
+    with_opt_in = names(resolve(["all", "fuse_moe", "draft_vocab", "fuse_norm_router", "fuse_router_into_moe",
+                                 "prefetch_weights", "specialize_sampling"], PASSES))
     # the L2 hints go around the scheduled launches: after pdl; the sampling copies before partition splits them
     assert set(with_opt_in) == set(PASSES) and with_opt_in[-2:] == ["pdl", "prefetch_weights"]
     assert with_opt_in.index("specialize_sampling") < with_opt_in.index("partition")
