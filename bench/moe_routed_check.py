@@ -14,17 +14,14 @@ path twice, then each of the five launches alone (`alone_us`: a graph of CALLS o
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import cold_copies, graph_time_or_none  # noqa: E402
+from timing import check_main, cold_copies, graph_time_or_none  # noqa: E402
 
 H, INTER, E, N_GROUP, TOPK_GROUP, TOP_K, SCALE, BLOCK_M = 1536, 512, 128, 8, 4, 8, 2.5, 16
 SEEDS = 16
@@ -108,15 +105,7 @@ def run(dev: torch.device) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "python": platform.python_version(),
-              "commit": os.environ.get("LINGC_COMMIT", "unknown"),
-              "command": "bench/moe_routed_check.py " + " ".join(sys.argv[1:]), **run(dev)}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    check_main("moe_routed_check.py", __doc__, run)
 
 
 if __name__ == "__main__":

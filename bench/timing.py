@@ -110,3 +110,23 @@ def kernel_row(kernel: str, shape: str, ok: bool, max_abs_err: float, bit_exact:
     return {"kernel": kernel, "shape": shape, "ok": bool(ok and pdl_equal), "max_abs_err": float(max_abs_err),
             "bit_exact": bool(bit_exact), "pdl_equal": bool(pdl_equal), "time_us": time_us,
             "ref_time_us": ref_time_us, "bytes": int(bytes_), "gbps": gbps, **extra}
+
+
+def check_main(script: str, doc: str, run: Callable[[torch.device], dict]) -> None:
+    """A one-GPU check script's main: `--json OUT` (optional), then run(cuda) under the result header every bench
+    JSON carries (GPU, torch, Python, LINGC_COMMIT, the command)."""
+    import argparse
+    import json
+    import os
+    import platform
+    import sys
+    from pathlib import Path
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    result = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "python": platform.python_version(),
+              "commit": os.environ.get("LINGC_COMMIT", "unknown"),
+              "command": f"bench/{script} " + " ".join(sys.argv[1:]), **run(dev)}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))

@@ -44,7 +44,7 @@ from lingc.modules import MOE_BLOCK_M
 from lingc.ops.moe import PAIR_GRID_PICKS, PAIR_GRID_TOKENS
 from lingc.program import Program, TensorMeta
 from lingc.passes.base import Pass
-from lingc.passes.matchers import KEEP_META, calls, carried_meta, getitems, output_getitem
+from lingc.passes.matchers import KEEP_META, align_readers, calls, carried_meta, getitems, output_getitem
 
 # Layers run on fewer tokens a call keep the aligned GEMMs. H200, Ling-3.0-tiny, one process (bench/device_step.py
 # --variant, bench/results/step-ab-h200-20261202.json): with every layer paired, verify 2.444 / 2.442 -> 2.390 /
@@ -53,19 +53,14 @@ from lingc.passes.matchers import KEEP_META, calls, carried_meta, getitems, outp
 MIN_TOKENS = 2
 
 
-def _layer(src: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
+def _layer(src: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | str:
     """(router, its align's readers = the up-GEMM and down-GEMM) for a router_align or moe_align, or why not."""
     if any(u.target is not operator.getitem for u in src.users):
         return f"{src.name}: a reader takes its outputs as a tuple"
-    first = 2 if src.target is OPS.router_align else 0             # sorted_pairs, block_expert, total
-    reads = getitems(src)
-    aligned = [g for i in range(first, first + 3) for g in reads.get(i, [])]
-    readers = list(dict.fromkeys(u for g in aligned for u in g.users))
-    ups = [r for r in readers if r.target is OPS.moe_up_act]
-    downs = [r for r in readers if r.target is OPS.moe_down]
-    if len(ups) != 1 or len(downs) != 1 or len(readers) != 2:
-        return f"{src.name}: its blocks are read by {sorted(str(r.target) for r in readers)}, not one moe_up_act " \
-               "and one moe_down"
+    found = align_readers(src, 2 if src.target is OPS.router_align else 0)      # sorted_pairs, block_expert, total
+    if isinstance(found, str):
+        return found
+    up, down = found
     if src.target is OPS.router_align:
         router = src
     else:
@@ -73,20 +68,20 @@ def _layer(src: fx.Node) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
         router = ids.args[0] if ids.target is operator.getitem else None
         if router is None or router.target is not OPS.router_topk or ids.args[1] != 1:
             return f"{src.name}: its ids do not come from a router_topk"
-    if downs[0].args[0] is not ups[0]:
-        return f"{downs[0].name} does not read {ups[0].name}"
+    if down.args[0] is not up:
+        return f"{down.name} does not read {up.name}"
     top_k = _pairs_per_token(router)
-    if ups[0].args[5] != top_k or ups[0].args[6] != MOE_BLOCK_M:
-        return f"{ups[0].name}: {ups[0].args[5]} pairs a token in blocks of {ups[0].args[6]}, the router gives " \
+    if up.args[5] != top_k or up.args[6] != MOE_BLOCK_M:
+        return f"{up.name}: {up.args[5]} pairs a token in blocks of {up.args[6]}, the router gives " \
                f"{top_k} (blocks of {MOE_BLOCK_M} wanted)"
     if top_k > PAIR_GRID_PICKS:
-        return f"{ups[0].name}: {top_k} pairs a token, past PAIR_GRID_PICKS = {PAIR_GRID_PICKS}"
-    pairs = getattr(ups[0].meta.get("lingc.tensor"), "shape", (None,))[0]
+        return f"{up.name}: {top_k} pairs a token, past PAIR_GRID_PICKS = {PAIR_GRID_PICKS}"
+    pairs = getattr(up.meta.get("lingc.tensor"), "shape", (None,))[0]
     if isinstance(pairs, int) and pairs // top_k < MIN_TOKENS:
-        return f"{ups[0].name}: {pairs // top_k} token(s) a call, below MIN_TOKENS = {MIN_TOKENS}"
+        return f"{up.name}: {pairs // top_k} token(s) a call, below MIN_TOKENS = {MIN_TOKENS}"
     if isinstance(pairs, int) and pairs // top_k > PAIR_GRID_TOKENS:     # the launchers would align twice
-        return f"{ups[0].name}: {pairs // top_k} tokens a call, past PAIR_GRID_TOKENS = {PAIR_GRID_TOKENS}"
-    return router, ups[0], downs[0]
+        return f"{up.name}: {pairs // top_k} tokens a call, past PAIR_GRID_TOKENS = {PAIR_GRID_TOKENS}"
+    return router, up, down
 
 
 def _router_topk(graph: fx.Graph, router: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -47,7 +47,7 @@ from lingc.ops import OPS
 from lingc.ops.moe import ROUTED_MAX_EXPERTS
 from lingc.program import Program
 from lingc.passes.base import Pass
-from lingc.passes.matchers import carried_meta, calls, getitems
+from lingc.passes.matchers import align_readers, calls, carried_meta, getitems
 
 
 def _layer(router: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | str:
@@ -57,14 +57,10 @@ def _layer(router: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | str:
     reads = getitems(router)
     if reads.get(1):
         return f"{router.name}: its expert ids are read ({', '.join(g.name for g in reads[1])})"
-    aligned = [g for i in (2, 3, 4) for g in reads.get(i, [])]
-    readers = list(dict.fromkeys(u for g in aligned for u in g.users))
-    ups = [r for r in readers if r.target is OPS.moe_up_act]
-    downs = [r for r in readers if r.target is OPS.moe_down]
-    if len(ups) != 1 or len(downs) != 1 or len(readers) != 2:
-        return f"{router.name}: its blocks are read by {sorted(str(r.target) for r in readers)}, not one " \
-               "moe_up_act and one moe_down"
-    up, down = ups[0], downs[0]
+    found = align_readers(router, 2)
+    if isinstance(found, str):
+        return found
+    up, down = found
     if down.args[0] is not up:
         return f"{down.name} does not read {up.name}"
     shared = router.args[8] if len(router.args) > 8 else 0

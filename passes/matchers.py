@@ -69,6 +69,20 @@ def getitems(node: fx.Node) -> dict[int, list[fx.Node]]:
     return out
 
 
+def align_readers(src: fx.Node, first: int) -> tuple[fx.Node, fx.Node] | str:
+    """(moe_up_act, moe_down) when exactly those two read the align outputs of `src` (its getitems first .. first + 2:
+    sorted_pairs, block_expert, total; first = 2 for router_align, 0 for moe_align), or why not."""
+    reads = getitems(src)
+    aligned = [g for i in range(first, first + 3) for g in reads.get(i, [])]
+    readers = list(dict.fromkeys(u for g in aligned for u in g.users))
+    ups = [r for r in readers if r.target is OPS.moe_up_act]
+    downs = [r for r in readers if r.target is OPS.moe_down]
+    if len(ups) != 1 or len(downs) != 1 or len(readers) != 2:
+        return f"{src.name}: its blocks are read by {sorted(str(r.target) for r in readers)}, not one moe_up_act " \
+               "and one moe_down"
+    return ups[0], downs[0]
+
+
 def output_getitem(graph: fx.Graph, node: fx.Node, index: int, name: str,
                    keep: tuple[str, ...] = KEEP_META) -> fx.Node:
     """A getitem of output `index` of multi-output `node`: the first existing one, else one made right after `node`,
