@@ -19,9 +19,9 @@ GEMMs' expert-id load goes with it).
 
 Routing by ranks, not picks (kernels/router_gluon.py's idea in Triton): group scores as router.py's `_route_rows`
 (the best biased score of each group plus the best of the others, exact maxima, one add), the topk_group best groups
-kept (ties to the lower group id), then every expert's rank among the kept groups' experts from one [E, E] count of
-the order keys (router.py's `_order_key`: biased score descending, ties to the lower id). Pick m is the candidate of
-rank m. Every step is an exact comparison, max or integer count, and the scores are the same `tl.sigmoid` of the
+kept (ties to the lower group id), then every expert's rank among the kept groups' experts: its order key
+(router.py's `_order_key`: biased score descending, ties to the lower id) against each kept group's GS keys in turn,
+the group's row reloaded once its id is known. Pick m is the candidate of rank m. Every step is an exact comparison, max or integer count, and the scores are the same `tl.sigmoid` of the
 same logits plus the same bias, so the picks are router_topk's. The weights (program (0, 0) of the down-GEMM): the k
 picked unbiased scores summed one by one in pick order, score / (total + 1e-20) * scale, then 1.0 for the S shared
 pairs: router.py's fp32 operations in router.py's order, so router_topk's bits. The GEMM tiles are kernels/moe.py's
@@ -43,9 +43,8 @@ the launch it removes; the step agreed: greedy decode 1.520 / 1.518 ms against 1
 (`step-ab-h100-20261206-router-into-moe.json`, greedy parity held). What would make it pay: routing code with
 chosen layouts (kernels/router_gluon.py's `_route` inside a Gluon GEMM), under ~0.5 us.
 
-Where it runs: one token (x with one row), E <= MAX_EXPERTS routed experts (an [E, E] count per program: Ling-3.0-
-tiny's 128 is 128 compares a thread at 4 warps; Ling-3.0-flash's 512 would be 2048, so the pass leaves such layers
-aligned). Any other call runs router_topk + the pair-grid kernels (two more launches, the same values).
+Where it runs: one token (x with one row), E <= MAX_EXPERTS routed experts (each program ranks all E: at
+Ling-3.0-flash's 512 that is 4 experts a thread at 4 warps, untried, so the pass leaves such layers aligned). Any other call runs router_topk + the pair-grid kernels (two more launches, the same values).
 
 PDL (shared/docs/kernels.md section 1.5): the up-GEMM loads nothing before its wait (the logits and x are the gate
 GEMV's outputs, the launch just before). The down-GEMM loads the expert bias and the logits (.cg, through L2) before
@@ -66,15 +65,15 @@ from lingc.kernels.moe import (DOWN_CONFIG, DOWN_PRELOAD, FP_OPTIONS, MIN_TILE_M
 from lingc.kernels.pdl import pdl_trigger, pdl_wait
 from lingc.kernels.router import _NO_ID, _check, _check_shared, _order_key, router_topk
 import lingc.ops  # noqa: F401  (registers torch.ops.lingc.*)
-from lingc.ops.moe import ROUTED_MAX_EXPERTS as MAX_EXPERTS   # [E, E] int64 compares a program; past it: unfused
+from lingc.ops.moe import ROUTED_MAX_EXPERTS as MAX_EXPERTS   # experts a program ranks; past it: unfused
 
 
 @triton.jit
 def _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP: tl.constexpr, G_BLOCK: tl.constexpr,
                  GS_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NO_ID: tl.constexpr, CG: tl.constexpr):
-    """router_topk's selection of one row by ranks: (e, rank, selected, score), each [E_BLOCK]: expert ids, the rank
-    among the kept groups' experts (picks are rank 0, 1, ...), whether rank < top_k is a pick (the caller compares),
-    the unbiased score. CG: the logits through L2 (.cg), for loads before the PDL wait."""
+    """router_topk's selection of one row by ranks: (e, rank, score), each [E_BLOCK]: expert ids, the rank among the
+    kept groups' experts (E_BLOCK for the others; the picks are ranks 0, 1, ...), the unbiased score. CG: the logits
+    through L2 (.cg), for loads before the PDL wait."""
     g = tl.arange(0, G_BLOCK)
     j = tl.arange(0, GS_BLOCK)
     gvalid = g < n_group

@@ -265,8 +265,8 @@ register("moe_down")
 # token. Past them the launchers align the ids themselves, and fuse_align_into_moe leaves such layers aligned.
 PAIR_GRID_TOKENS = 16
 PAIR_GRID_PICKS = 32
-# The routed kernels (lingc.kernels.moe_routed: one token, the router inside the GEMMs) rank the routed experts with
-# an [E, E] count in every program: up to this many; fuse_router_into_moe leaves larger routers (Ling-3.0-flash) alone
+# The routed kernels (lingc.kernels.moe_routed: one token, the router inside the GEMMs) rank every routed expert in
+# every program: up to this many; fuse_router_into_moe leaves larger routers (Ling-3.0-flash's 512) alone
 ROUTED_MAX_EXPERTS = 256
 
 
