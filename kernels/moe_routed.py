@@ -136,16 +136,22 @@ def _route_weights(rank, score, scale, TOP_K: tl.constexpr, SHARED: tl.constexpr
 
 
 @triton.jit
-def _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                 G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NO_ID: tl.constexpr,
-                 CG: tl.constexpr):
-    """Pair m's expert: pick m of the routing (m < TOP_K), else fused shared expert num_routed + m - TOP_K."""
+def _route_pair(logits_ptr, bias_ptr, m, first, num_routed, GS, n_group, scale, TOPK_GROUP: tl.constexpr,
+                TOP_K: tl.constexpr, SHARED: tl.constexpr, G_BLOCK: tl.constexpr, GS_BLOCK: tl.constexpr,
+                E_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, NO_ID: tl.constexpr, WEIGHTS: tl.constexpr,
+                CG: tl.constexpr):
+    """(pair m's expert, the combine's [K_BLOCK] weights where WEIGHTS and `first`, else zeros) from one routing:
+    pick m for m < TOP_K, else fused shared expert num_routed + m - TOP_K (no routing)."""
     expert = num_routed + m - TOP_K
+    wts = tl.zeros([K_BLOCK], dtype=tl.float32)
     if m < TOP_K:
         e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP, G_BLOCK, GS_BLOCK, E_BLOCK,
                                       NO_ID, CG)
         expert = tl.max(tl.where(rank == m, e, -1), axis=0)
-    return expert.to(tl.int64)
+        if WEIGHTS:
+            if first:
+                wts = _route_weights(rank, score, scale, TOP_K, SHARED, K_BLOCK)
+    return expert.to(tl.int64), wts
 
 
 @triton.jit
@@ -164,37 +170,26 @@ def _moe_routed_kernel(a_ptr, w_ptr, out_ptr, logits_ptr, bias_ptr, weights_ptr,
     m = tl.program_id(1)
     num_pairs = TOP_K + SHARED
     ws = ()
-    if WEIGHTS:
-        wts = tl.zeros([K_BLOCK], dtype=tl.float32)
+    first = (pid_n == 0) & (m == 0)
     if PREWAIT:
-        expert = _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, TOPK_GROUP, TOP_K, G_BLOCK, GS_BLOCK,
-                              E_BLOCK, NO_ID, True)
+        expert, wts = _route_pair(logits_ptr, bias_ptr, m, first, num_routed, GS, n_group, scale, TOPK_GROUP, TOP_K,
+                                  SHARED, G_BLOCK, GS_BLOCK, E_BLOCK, K_BLOCK, NO_ID, WEIGHTS, True)
         if K_CHUNKS > 0:
             ws = _preload_expert_tile(w_ptr, expert, pid_n, N, K, stride_we, stride_wn, BLOCK_N, BLOCK_K, K_CHUNKS)
-        if WEIGHTS:
-            if pid_n == 0 and m == 0:
-                e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP, G_BLOCK, GS_BLOCK,
-                                              E_BLOCK, NO_ID, True)
-                wts = _route_weights(rank, score, scale, TOP_K, SHARED, K_BLOCK)
         if PDL:
             pdl_wait()
     else:
         if PDL:
             pdl_wait()
-        expert = _pair_expert(logits_ptr, bias_ptr, m, num_routed, GS, n_group, TOPK_GROUP, TOP_K, G_BLOCK, GS_BLOCK,
-                              E_BLOCK, NO_ID, False)
-        if WEIGHTS:
-            if pid_n == 0 and m == 0:
-                e, rank, score = _route_ranks(logits_ptr, bias_ptr, GS, n_group, TOPK_GROUP, G_BLOCK, GS_BLOCK,
-                                              E_BLOCK, NO_ID, False)
-                wts = _route_weights(rank, score, scale, TOP_K, SHARED, K_BLOCK)
+        expert, wts = _route_pair(logits_ptr, bias_ptr, m, first, num_routed, GS, n_group, scale, TOPK_GROUP, TOP_K,
+                                  SHARED, G_BLOCK, GS_BLOCK, E_BLOCK, K_BLOCK, NO_ID, WEIGHTS, False)
     r = tl.arange(0, TILE_M)
     pairs = tl.where(r == 0, m, num_pairs)                                            # pair m alone in its tile
     _gemm_tile_rows(a_ptr, w_ptr, out_ptr, expert, pairs, pid_n, num_pairs, N, K, stride_am, stride_we, stride_wn,
                     stride_om, limit, A_PAIRS, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, HAS_LIMIT, IEEE_DOT,
                     LIBDEVICE_EXP, False, ws, K_CHUNKS)
     if WEIGHTS:
-        if pid_n == 0 and m == 0:
+        if first:
             kk = tl.arange(0, K_BLOCK)
             tl.store(weights_ptr + kk, wts, mask=kk < num_pairs)
     if PDL:
