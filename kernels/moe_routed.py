@@ -38,7 +38,7 @@ int64 keys a program (238 / 207 registers a thread: half the occupancy; `kernels
 against 30.1 us with every load issued first and all G groups counted (`-c.json`, not kept). Alone (`-d.json`):
 router_align 2.16 us, the aligned up-GEMM 12.78, the routed one 15.40; the aligned down-GEMM 7.29, the routed one
 13.43. So routing one row in a Triton program costs ~2.6 us on the up-GEMM's path (its reductions and layout changes:
-30-38 CTA barriers and 289-557 shuffles in the sm_90 PTX, against the Gluon router's whole launch of 2.16), more than
+30-38 CTA barriers and 53-557 shuffles in the sm_90 PTX, against the Gluon router's whole launch of 2.16), more than
 the launch it removes; the step agreed: greedy decode 1.520 / 1.518 ms against 1.306 with the first form
 (`step-ab-h100-20261206-router-into-moe.json`, greedy parity held). What would make it pay: routing code with
 chosen layouts (kernels/router_gluon.py's `_route` inside a Gluon GEMM), under ~0.5 us.
