@@ -50,8 +50,9 @@ from lingc.passes.base import Pass
 from lingc.passes.matchers import align_readers, calls, carried_meta, getitems
 
 
-def _layer(router: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | str:
-    """(moe_up_act, moe_down, the weights' getitems) of a one-token router_align, or why not."""
+def _layer(router: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node, list[fx.Node]] | str:
+    """(moe_up_act, moe_down, the weights' getitems) of a one-token router_align, or why not (order: the graph's
+    node positions, for the weights' readers)."""
     if any(u.target is not operator.getitem for u in router.users):
         return f"{router.name}: a reader takes its outputs as a tuple"
     reads = getitems(router)
@@ -74,7 +75,6 @@ def _layer(router: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | str:
     if routed > ROUTED_MAX_EXPERTS:
         return f"{router.name}: {routed} routed experts, past ROUTED_MAX_EXPERTS = {ROUTED_MAX_EXPERTS}"
     weights = reads.get(0, [])
-    order = {n: i for i, n in enumerate(router.graph.nodes)}
     early = [u.name for w in weights for u in w.users if order[u] < order[down]]
     if early:
         return f"{router.name}: its weights are read before {down.name} ({', '.join(early)})"
@@ -150,8 +150,9 @@ class FuseRouterIntoMoe(Pass):
         routed: list[str] = []
         skipped: list[str] = []
         for gname, graph in program.graphs.items():
+            order = {n: i for i, n in enumerate(graph.nodes)}     # rewrites add nodes only after the down-GEMM
             for router in calls(graph, "router_align"):
-                found = _layer(router)
+                found = _layer(router, order)
                 if isinstance(found, str):
                     skipped.append(f"{gname}: {found}")
                     continue

@@ -208,3 +208,15 @@ def test_tp_stage_keeps_everything_on_the_weights_device(all_fp32):
     ranks = run_tp_stage(CompileResult(program, list(all_fp32.stages)), 2)
     assert {str(w.device) for rank in ranks for w in rank.values()} == {"meta"}
     assert all(str(w.device) == "cpu" for w in all_fp32.program.weights.values())     # the original is untouched
+
+
+def test_tp_shards_fuse_router_into_moe_layers(tiny_ckpt):
+    """With the opt-in fuse_router_into_moe the tp pass turns each routed layer back into router_align + the aligned
+    GEMMs before sharding it (passes/fuse_router_into_moe.py `unfuse`): no routed op is left, and TP-2 matches TP-1."""
+    before = compiled(tiny_ckpt, torch.float32, ["all", "fuse_router_into_moe"])
+    assert op_counts(before.program.graphs["decode"]).get("lingc.moe_down_routed")
+    result, ranks = with_tp(before, 2)
+    counts = [op_counts(g) for g in result.program.graphs.values()]
+    assert not any(c.get(op) for c in counts for op in ("lingc.moe_up_act_routed", "lingc.moe_down_routed"))
+    report = verify_tp(before.program, rank_programs(result.program, ranks), TensorParallel.tolerance)
+    assert report["ok"], {g: r["problems"] for g, r in report["graphs"].items() if r["problems"]}
