@@ -21,6 +21,8 @@ launches they replace (mla_prep; mla_attention with its gate; ok = bit-exact) cl
     python3 bench/kernel_mla.py --tiles [--json ...]   # the split at SPLIT_TILE_ROWS 16 and 64 only
     python3 bench/kernel_mla.py --gluon [--json ...]   # the Gluon split (kernels/mla_gluon.py) against the Triton one
     python3 bench/kernel_mla.py --combine-absorb [--json ...]   # COMBINE_ABSORB on and off (kernels/mla.py)
+    python3 bench/kernel_mla.py --qa-tile [--json ...]          # QA_TILE (q_absorb's tile form) on and off
+    python3 bench/kernel_mla.py --va-tile [--json ...]          # VA_TILE (v_absorb's tile form) on and off
 """
 
 from __future__ import annotations
@@ -361,20 +363,20 @@ def gluon_rows() -> list[dict]:
     return rows
 
 
-def combine_absorb_rows() -> list[dict]:
-    """mla_attention with COMBINE_ABSORB (kernels/mla.py: the combine and v_absorb in one launch) on and off, 1 and 6
-    queries at context 8192: the attention row's checks (reference tolerance, row invariance, PDL on == off,
-    determinism) and time for each, and the on row's largest difference from the off row's output."""
+def flag_rows(flag: str, on_name: str, off_name: str) -> list[dict]:
+    """mla_attention with the boolean kernels/mla.py flag `flag` on and off, 1 and 6 queries at context 8192: the
+    attention row's checks (reference tolerance, row invariance, PDL on == off, determinism) and time for each, and
+    the on row's largest difference from the off row's output (`max_diff_<off_name>`)."""
     import lingc.kernels.mla as K
 
-    saved = K.COMBINE_ABSORB
+    saved = getattr(K, flag)
     rows = []
     try:
         for T, ctx in CASES[:2]:
             c = _case(T, ctx, 1, seed=13 + T)
             outs = {}
-            for name, on in (("combine-absorb", True), ("two-launches", False)):
-                K.COMBINE_ABSORB = on
+            for name, on in ((on_name, True), (off_name, False)):
+                setattr(K, flag, on)
                 r = _attention_rows(T, ctx, sweep=[])[0]
                 outs[name] = K.mla_attention(c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"],
                                              c["positions"], SCALE)
@@ -382,11 +384,11 @@ def combine_absorb_rows() -> list[dict]:
                                           "pdl_equal", "deterministic", "ok")}
                 keep.update(kernel=f"mla_attention[{name}]", T=T, ctx=ctx)
                 rows.append(keep)
-            rows[-2]["max_diff_two_launches"] = (outs["combine-absorb"].float()
-                                                 - outs["two-launches"].float()).abs().max().item()
+            rows[-2][f"max_diff_{off_name.replace('-', '_')}"] = (outs[on_name].float()
+                                                                   - outs[off_name].float()).abs().max().item()
             del c
     finally:
-        K.COMBINE_ABSORB = saved
+        setattr(K, flag, saved)
     return rows
 
 
@@ -399,10 +401,22 @@ if __name__ == "__main__":
                     help="only mla_attention with the Gluon split against the Triton split (checks, time, bits)")
     ap.add_argument("--combine-absorb", action="store_true",
                     help="only mla_attention with COMBINE_ABSORB on and off (checks, time, bits)")
+    ap.add_argument("--qa-tile", action="store_true",
+                    help="only mla_attention with q_absorb's tile form (QA_TILE) on and off (checks, time, bits)")
+    ap.add_argument("--va-tile", action="store_true",
+                    help="only mla_attention with v_absorb's tile form (VA_TILE) on and off (checks, time, bits)")
     args = ap.parse_args()
     if args.combine_absorb:
         import lingc  # noqa: F401  (registers the reference ops)
-        all_rows = combine_absorb_rows()
+        all_rows = flag_rows("COMBINE_ABSORB", "combine-absorb", "two-launches")
+    elif args.qa_tile:
+        import lingc  # noqa: F401  (registers the reference ops)
+        all_rows = flag_rows("QA_TILE", "qa-tile", "qa-per-query")
+        if args.va_tile:
+            all_rows += flag_rows("VA_TILE", "va-tile", "va-per-query")
+    elif args.va_tile:
+        import lingc  # noqa: F401  (registers the reference ops)
+        all_rows = flag_rows("VA_TILE", "va-tile", "va-per-query")
     elif args.gluon:
         import lingc  # noqa: F401  (registers the reference ops)
         all_rows = gluon_rows()

@@ -192,6 +192,18 @@ QA_EARLY = env_flag("LINGC_MLA_QABSORB_EARLY", True)
 # against 15.6 us at one query, 22.8 against 24.8 at six (kernels-mla-gluon-entry-h200-20261204.json against -bf16-).
 # LINGC_MLA_QABSORB_ENTRY=0 turns it off
 QA_ENTRY = env_flag("LINGC_MLA_QABSORB_ENTRY", True)
+# q_absorb's tile form (QA_TILE): program (h, rblock, m-tile) runs its QA_TILE_M queries as the rows of one dot on one
+# load of its weight slice (tensor cores for 2-byte inputs), where the per-query form runs a program per query (an fp32
+# FMA sum): a 6-query verify launches 128 programs instead of 768 and reads each 16 KB slice once instead of six times
+# (12.6 MB of L2 reads, beside the split's early cache copies, QA_ENTRY). A numerics change of q_lat (the dot's fp32
+# summation order instead of the FMA tree), row invariant either way. LINGC_MLA_QABSORB_TILE=0: the per-query form
+QA_TILE = env_flag("LINGC_MLA_QABSORB_TILE", False)
+QA_TILE_M = 16           # queries an absorb tile (tl.dot's minimum M); more queries run more tiles
+# v_absorb's tile form (VA_TILE): the same for v_absorb, program (h, vblock, m-tile), [QA_TILE_M, R] x [R, VA_BLOCK_V]
+# on one load of its weight slice. Its dot takes o_lat in the cache dtype, so the combine stores o_lat rounded to it
+# (bf16: one more rounding than the fp32 o_lat of the per-query form): a numerics change of the output, row
+# invariant either way. LINGC_MLA_VABSORB_TILE=1 turns it on
+VA_TILE = env_flag("LINGC_MLA_VABSORB_TILE", False)
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
 # the split's pre-wait L2 prefetch: off by default (the H200 step measured slower with it and the MoE down-GEMM's on,
@@ -210,11 +222,15 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, stride_w,
+def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, M, T, stride_qb, stride_qt, stride_qh, stride_w,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, HEAD_ROWS: tl.constexpr,
                      BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                     ENTRY: tl.constexpr = False):
-    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m).
+                     ENTRY: tl.constexpr = False, TILE_M: tl.constexpr = 0, IEEE: tl.constexpr = False):
+    """q_lat[m, h, rblock] = sum_n q_nope[m, h, n] * kv_b[h*HEAD_ROWS + n, rblock]; program (h, rblock, m), or with
+    TILE_M > 0 (QA_TILE) program (h, rblock, m-tile): the tile's TILE_M queries as the rows of one dot
+    [TILE_M, N] x [N, BLOCK_R] on one load of the weight slice (IEEE: fp32 inputs and an IEEE dot, for fp32 caches and
+    the interpreter). A row of the dot depends only on its own query's q, so a query's bits do not depend on M or on
+    its slot in the tile (rows past M are zero and stored nowhere).
     EARLY (under PDL): q is loaded (through L2) and the sum run before the wait. q_nope's writer, the q projection,
     is two launches back (mla_prep or the cache write sits between; the pdl pass launches mla_attention without PDL
     where the launch just before it produced or wrote q_nope, passes/pdl.py PREWAIT_INPUTS). ENTRY (under PDL): the
@@ -223,24 +239,41 @@ def _q_absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_qb, stride_qt, stride_qh, 
     if PDL and ENTRY:
         pdl_launch_next()
     h = tl.program_id(0)
-    m = tl.program_id(2)
     offs_n = tl.arange(0, BLOCK_NOPE)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_n, mask_r = offs_n < N, offs_r < R
     w_rows = (h * HEAD_ROWS + offs_n).to(tl.int64)
     w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
-                mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_NOPE, BLOCK_R]
+                mask=mask_n[:, None] & mask_r[None, :], other=0.0)                     # [BLOCK_NOPE, BLOCK_R]
     if PDL and not EARLY:
         pdl_wait()
-    b, t = m // T, m % T
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
-                mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)           # [BLOCK_NOPE]
-    q_lat = tl.sum(q[:, None] * w, axis=0)                                             # [BLOCK_R]
+    if TILE_M > 0:
+        offs_m = tl.program_id(2) * TILE_M + tl.arange(0, TILE_M)
+        mask_m = offs_m < M
+        b, t = offs_m // T, offs_m % T
+        q = tl.load(q_ptr + b.to(tl.int64)[:, None] * stride_qb + (t * stride_qt + h * stride_qh)[:, None]
+                    + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0,
+                    cache_modifier=".cg")                                              # [TILE_M, BLOCK_NOPE]
+        if IEEE:
+            q_lat = tl.dot(q.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            q_lat = tl.dot(q, w)                                                       # [TILE_M, BLOCK_R] fp32
+        rows = (offs_m * H + h).to(tl.int64)
+        out_ptrs = out_ptr + rows[:, None] * R + offs_r[None, :]
+        out_mask = mask_m[:, None] & mask_r[None, :]
+    else:
+        m = tl.program_id(2)
+        b, t = m // T, m % T
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh + offs_n,
+                    mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)       # [BLOCK_NOPE]
+        q_lat = tl.sum(q[:, None] * w.to(tl.float32), axis=0)                         # [BLOCK_R]
+        out_ptrs = out_ptr + (m * H + h).to(tl.int64) * R + offs_r
+        out_mask = mask_r
     if PDL:
         if EARLY:     # the load and the sum ran before the wait; only the store (q_lat may reuse freed memory) after
             pdl_wait()
         pdl_trigger()
-    tl.store(out_ptr + (m * H + h).to(tl.int64) * R + offs_r, q_lat.to(out_ptr.dtype.element_ty), mask=mask_r)
+    tl.store(out_ptrs, q_lat.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -521,36 +554,61 @@ def _combine_absorb_kernel(part_o_ptr, part_ml_ptr, pos_ptr, w_ptr, pv_ptr, coun
 
 
 @triton.jit
-def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, T, stride_w, stride_gb, stride_gt, stride_gh,
+def _v_absorb_kernel(olat_ptr, w_ptr, out_ptr, g_ptr, M, T, stride_w, stride_gb, stride_gt, stride_gh,
                      H: tl.constexpr, N: tl.constexpr, R: tl.constexpr, VD: tl.constexpr, HEAD_ROWS: tl.constexpr,
                      BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
-                     ENTRY_TRIGGER: tl.constexpr):
-    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m).
+                     ENTRY_TRIGGER: tl.constexpr, TILE_M: tl.constexpr = 0, IEEE: tl.constexpr = False):
+    """out[m, h, vblock] = sum_r kv_b[h*HEAD_ROWS + N + vblock, r] * o_lat[m, h, r]; program (h, vblock, m), or with
+    TILE_M > 0 (VA_TILE) program (h, vblock, m-tile): the tile's TILE_M queries' o_lat rows (in the cache dtype, as
+    the combine stores them there) as one dot [TILE_M, R] x [R, BLOCK_V] on one load of the weight slice (IEEE: fp32
+    inputs and an IEEE dot); a query's bits depend only on its own row.
     GATE (fuse_mla): then out * sigmoid(g[m, h]) with the gate kernel's arithmetic on the rounded output."""
     if PDL:
         if ENTRY_TRIGGER:   # the next launch (the dense projection) reads only weights before its wait (kernels/pdl.py)
             pdl_launch_next()
     h = tl.program_id(0)
-    m = tl.program_id(2)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     mask_v, mask_r = offs_v < VD, offs_r < R
     w_rows = (h * HEAD_ROWS + N + offs_v).to(tl.int64)
     w = tl.load(w_ptr + w_rows[:, None] * stride_w + offs_r[None, :],
-                mask=mask_v[:, None] & mask_r[None, :], other=0.0).to(tl.float32)      # [BLOCK_V, BLOCK_R]
+                mask=mask_v[:, None] & mask_r[None, :], other=0.0)                     # [BLOCK_V, BLOCK_R]
+    if TILE_M == 0:
+        w = w.to(tl.float32)           # before the wait, as the per-query form always did
+    ty = out_ptr.dtype.element_ty
     if PDL:
         pdl_wait()
-    o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0)   # [BLOCK_R] fp32
-    if GATE:
-        b, t = m // T, m % T
-        g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh).to(tl.float32)
-    if PDL:
-        pdl_trigger()
-    out = tl.sum(w * o[None, :], axis=1)                                               # [BLOCK_V]
-    if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
-        ty = out_ptr.dtype.element_ty
-        out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)
-    tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+    if TILE_M > 0:
+        offs_m = tl.program_id(2) * TILE_M + tl.arange(0, TILE_M)
+        mask_m = offs_m < M
+        rows = (offs_m * H + h).to(tl.int64)
+        o = tl.load(olat_ptr + rows[:, None] * R + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+                    other=0.0)                                                         # [TILE_M, BLOCK_R]
+        if GATE:
+            b, t = offs_m // T, offs_m % T
+            g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh, mask=mask_m,
+                        other=0.0).to(tl.float32)
+        if PDL:
+            pdl_trigger()
+        if IEEE:
+            out = tl.dot(o.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            out = tl.dot(o, tl.trans(w))                                               # [TILE_M, BLOCK_V] fp32
+        if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
+            out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[:, None] * VD + offs_v[None, :], out.to(ty), mask=mask_m[:, None] & mask_v[None, :])
+    else:
+        m = tl.program_id(2)
+        o = tl.load(olat_ptr + (m * H + h).to(tl.int64) * R + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        if GATE:
+            b, t = m // T, m % T
+            g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + t * stride_gt + h * stride_gh).to(tl.float32)
+        if PDL:
+            pdl_trigger()
+        out = tl.sum(w * o[None, :], axis=1)                                           # [BLOCK_V]
+        if GATE:   # round as the ungated kernel stores, then the gate kernel's product (rounded by the store)
+            out = out.to(ty).to(tl.float32) * _head_gate(g).to(ty).to(tl.float32)
+        tl.store(out_ptr + (m * H + h).to(tl.int64) * VD + offs_v, out.to(ty), mask=mask_v)
 
 
 # --------------------------------------------------------------------------------- cache write, rope, gate
@@ -846,10 +904,11 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     part_ml = torch.empty((M, S, H, 2), dtype=torch.float32, device=dev)               # [M, S, H, (m, l)]
     pdl, launch = _launch_opts(pdl, dev)
     head_rows = N + Vd
-    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), M)](
-        q_nope, kv_b, q_lat, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
+    qa_tile = QA_TILE_M if QA_TILE else 0
+    _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), triton.cdiv(M, qa_tile) if qa_tile else M)](
+        q_nope, kv_b, q_lat, M, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
         H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
-        ENTRY=QA_ENTRY,
+        ENTRY=QA_ENTRY, TILE_M=qa_tile, IEEE=fp32 or _interpreting(),
         num_warps=GEMV_WARPS, **launch)
     gluon = gluon and mla_gluon.launch(
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, B, T, S, capacity, scale * LOG2E, pdl)
@@ -876,15 +935,16 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
             ENTRY_TRIGGER=pdl and entry_trigger, EARLY_POS=EARLY_POS, ONE_STEP=M <= COMBINE_ONE_STEP,
             num_warps=GEMV_WARPS, **launch)
         return out
-    o_lat = torch.empty((M, H, R), dtype=torch.float32, device=dev)                    # [M, H, R]
+    va_tile = QA_TILE_M if VA_TILE else 0                  # the tile form's o_lat in the cache dtype (its dot's input)
+    o_lat = torch.empty((M, H, R), dtype=kv_pages.dtype if va_tile else torch.float32, device=dev)   # [M, H, R]
     _combine_kernel[(M * H, triton.cdiv(R, combine_block_r))](
         part_o, part_ml, positions, o_lat, T, S, positions.stride(0), positions.stride(1),
         H=H, R=R, SPLIT=split_rows, S_POW2=_pow2(S, MIN_DOT), BLOCK_S=combine_block_s, BLOCK_R=combine_block_r, PDL=pdl,
         EARLY_POS=EARLY_POS, ONE_STEP=M <= COMBINE_ONE_STEP, num_warps=GEMV_WARPS, **launch)
-    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), M)](
-        o_lat, kv_b, out, g, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
+    _v_absorb_kernel[(H, triton.cdiv(Vd, VA_BLOCK_V), triton.cdiv(M, va_tile) if va_tile else M)](
+        o_lat, kv_b, out, g, M, T, kv_b.stride(0), *g_strides, H=H, N=N, R=R, VD=Vd, HEAD_ROWS=head_rows,
         BLOCK_V=VA_BLOCK_V, BLOCK_R=block_r, GATE=gate is not None, PDL=pdl, ENTRY_TRIGGER=pdl and entry_trigger,
-        num_warps=GEMV_WARPS, **launch)
+        TILE_M=va_tile, IEEE=fp32 or _interpreting(), num_warps=GEMV_WARPS, **launch)
     return out
 
 

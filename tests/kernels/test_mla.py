@@ -133,6 +133,33 @@ def test_attention_row_invariance(split: dict, dtype: torch.dtype, tile: int, mo
     assert torch.equal(_attend(bigger, **split), chain), "the cache capacity changed a query's bits"
 
 
+ABSORB_TILES = {"qa": ("QA_TILE",), "va": ("VA_TILE",), "qa+va": ("QA_TILE", "VA_TILE")}
+
+
+@pytest.mark.parametrize("flags", ABSORB_TILES.values(), ids=ABSORB_TILES.keys())
+@dtypes
+def test_absorb_tiles_match_reference_and_keep_row_invariance(flags: tuple[str, ...], dtype: torch.dtype,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The absorptions' tile forms (QA_TILE / VA_TILE: a program's queries as the rows of one dot; VA_TILE's combine
+    stores o_lat in the cache dtype): within the reference's tolerance, with and without the gate, and row invariant,
+    including a tile boundary: 3 requests x 6 queries = 18 queries span two 16-row tiles (QA_TILE_M), so queries of
+    request 2 sit in the second tile in the batch and in the first alone; each query of a chain equals its T=1 call."""
+    for flag in flags:
+        monkeypatch.setattr(mla, flag, True)
+    c = _case(3, 6, dtype, seed=91)
+    rtol, atol = ATTN_TOL[dtype]
+    chain = _attend(c)
+    assert not chain.isnan().any()
+    torch.testing.assert_close(chain, _reference(c), rtol=rtol, atol=atol)
+    logits = (4 * torch.randn(3, 6, H, generator=torch.Generator().manual_seed(5))).to(dtype)
+    assert torch.equal(_attend(c, gate=logits), sigmoid_gate(chain, logits))
+    for b in range(3):
+        assert torch.equal(_attend(_rows(c, slice(b, b + 1), slice(None)))[0], chain[b]), f"request {b} alone"
+        for t in (0, 5):
+            single = _attend(_rows(c, slice(b, b + 1), slice(t, t + 1)))
+            assert torch.equal(single[0, 0], chain[b, t]), f"query ({b}, {t}) differs from its T=1 call"
+
+
 @pytest.mark.parametrize("split", [SPLITS["split16"], SPLITS["default"]], ids=["split16", "default"])
 @dtypes
 def test_combine_in_one_step_has_the_loops_bits(split: dict, dtype: torch.dtype,

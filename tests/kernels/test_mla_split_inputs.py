@@ -41,28 +41,34 @@ def test_the_combine_reads_bf16_partials_as_their_values() -> None:
 
 
 _PROBE = """
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import lingc.kernels.mla as K
-sig = dict(q_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", T="i32", stride_qb="i32", stride_qt="i32", stride_qh="i32",
-           stride_w="i32", H="constexpr", N="constexpr", R="constexpr", HEAD_ROWS="constexpr", BLOCK_NOPE="constexpr",
-           BLOCK_R="constexpr", PDL="constexpr", EARLY="constexpr", ENTRY="constexpr")
+sig = dict(q_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", M="i32", T="i32", stride_qb="i32", stride_qt="i32",
+           stride_qh="i32", stride_w="i32")
 const = dict(H=16, N=128, R=512, HEAD_ROWS=256, BLOCK_NOPE=128, BLOCK_R=K.QA_BLOCK_R, PDL=True, EARLY=True,
-             ENTRY=True)
+             ENTRY=True, TILE_M=int(sys.argv[1]), IEEE=False)
+sig.update({k: "constexpr" for k in const})
 ptx = triton.compile(ASTSource(fn=K._q_absorb_kernel, signature=sig, constexprs=const),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": K.GEMV_WARPS}).asm["ptx"]
 lines = [l.strip().split(" ", 1)[-1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines()]
 find = lambda s: [i for i, l in enumerate(lines) if l.startswith(s)]
-print(find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), find("ld.global"), sep="|")
+print(find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents"), find("ld.global"),
+      sum(l.startswith("mma.sync") for l in lines), sep="|")
 """
 
 
-def test_q_absorb_entry_trigger_comes_first() -> None:
+@pytest.mark.parametrize("tile_m", [0, 16], ids=["per-query", "tile"])
+def test_q_absorb_entry_trigger_comes_first(tile_m: int) -> None:
+    """Both forms of q_absorb (QA_TILE): the trigger first, then the loads, and the tile form's dot on tensor cores
+    (before the wait: EARLY) where the per-query form has none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=Path(__file__).resolve().parent)
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(tile_m)], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    waits, triggers, loads = (eval(part) for part in proc.stdout.strip().splitlines()[-1].split("|"))
+    waits, triggers, loads, mmas = (eval(part) for part in proc.stdout.strip().splitlines()[-1].split("|"))
     assert len(waits) == 1 and triggers and loads, (waits, triggers, loads)
     assert triggers[0] < min(loads) and triggers[0] < waits[0]     # at entry: before the weight and q loads
+    assert (mmas > 0) == (tile_m > 0), mmas
