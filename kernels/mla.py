@@ -13,7 +13,8 @@ kernels/mla_gluon.py's wgmma kernel where it applies, four queries' heads a tile
 memory before the PDL wait, its partial O in bf16, other bits than the Triton split below but row invariant the same
 way):
     1. q_absorb   grid (H, R/QA_BLOCK_R, M) q_lat[m, h] = q_nope[m, h] @ W_uk[h]      fp32 sum, stored in the
-                                            cache dtype (it is an MMA operand in stage 2)
+                                            cache dtype (it is an MMA operand in stage 2); QA_TILE (opt-in): grid
+                                            (H, R/QA_BLOCK_R, cdiv(M, 16)), 16 queries as one dot's rows
     2. split      grid (B*cdiv(T,QPP), S)   one program = QPP consecutive queries of a request, all H heads, the
                                             cache rows [s*SPLIT_ROWS, (s+1)*SPLIT_ROWS) that any of them sees:
                                             scores q_lat.c_kv + q_rope.k_rope on tensor cores ([QPP*H, R] x
@@ -22,7 +23,9 @@ way):
                                             fp32 online softmax (exp2), o[h] = sum p c_kv; writes the unnormalised
                                             partial (m, l, o[H, R]) in fp32
     3. combine    grid (M*H, R/CB_BLOCK_R)  o_lat = sum_s 2^(m_s - max) o_s / sum_s 2^(m_s - max) l_s (fp32)
-    4. v_absorb   grid (H, Vd/VA_BLOCK_V, M) out[m, h] = W_uv[h] @ o_lat[m, h]          fp32 sum, one rounding;
+    4. v_absorb   grid (H, Vd/VA_BLOCK_V, M) out[m, h] = W_uv[h] @ o_lat[m, h]          fp32 sum, one rounding
+                                            (VA_TILE, opt-in: 16 queries a program as one dot's rows, o_lat
+                                            stored by 3 in the cache dtype);
                                             with a gate (GATE, fuse_mla) then out * sigmoid(g[m, h]), the
                                             sigmoid_gate kernel's arithmetic on the rounded output (_head_gate)
 Why four: the absorptions read the 4 MB kv_b weight (2 MB each half); a split program needs all H heads'
