@@ -199,14 +199,22 @@ QA_ENTRY = env_flag("LINGC_MLA_QABSORB_ENTRY", True)
 # load of its weight slice (tensor cores for 2-byte inputs), where the per-query form runs a program per query (an fp32
 # FMA sum): a 6-query verify launches 128 programs instead of 768 and reads each 16 KB slice once instead of six times
 # (12.6 MB of L2 reads, beside the split's early cache copies, QA_ENTRY). A numerics change of q_lat (the dot's fp32
-# summation order instead of the FMA tree), row invariant either way. Off until timed on a GPU (none was lent on
-# 2026-12-06, docs/measurements.md); LINGC_MLA_QABSORB_TILE=1 turns it on
+# summation order instead of the FMA tree), row invariant either way. Off: faster alone but not in the step. H100
+# (2026-12-06, 8c002b6): mla_attention alone 20.15 vs 22.30 us at 6 queries, 14.27 vs 14.78 at one
+# (bench/results/kernels-mla-absorb-tiles-h100-20261206.json), but greedy decode 1.3207-1.3225 ms against
+# 1.3151-1.3187 with it alone and verify level (step-ab-h100-20261206-absorb-tiles-b.json). A likely cause, not
+# measured: the dot stages its operands in shared memory (20 KB a CTA against 1 KB), so the Gluon split (221 KB a
+# CTA), which launches at q_absorb's entry (QA_ENTRY), cannot start its early cache copies on an SM that holds a
+# q_absorb CTA. LINGC_MLA_QABSORB_TILE=1 turns it on
 QA_TILE = env_flag("LINGC_MLA_QABSORB_TILE", False)
 QA_TILE_M = 16           # queries an absorb tile (tl.dot's minimum M); more queries run more tiles
 # v_absorb's tile form (VA_TILE): the same for v_absorb, program (h, vblock, m-tile), [QA_TILE_M, R] x [R, VA_BLOCK_V]
 # on one load of its weight slice. Its dot takes o_lat in the cache dtype, so the combine stores o_lat rounded to it
 # (bf16: one more rounding than the fp32 o_lat of the per-query form): a numerics change of the output, row
-# invariant either way. Off until timed on a GPU; LINGC_MLA_VABSORB_TILE=1 turns it on
+# invariant either way. Off: H100 (2026-12-06) alone 19.98 vs 21.34 us at 6 queries, 14.98 vs 14.85 at one, but
+# greedy decode 1.3207-1.3221 ms against 1.3151-1.3187 and verify level or slower in the step (same files; 16 KB of
+# shared memory a CTA beside the dense projection's early TMA ring, likely the same cause). With both on: decode
+# +6-10 us, verify level (step-ab-h100-20261206-absorb-tiles.json). LINGC_MLA_VABSORB_TILE=1 turns it on
 VA_TILE = env_flag("LINGC_MLA_VABSORB_TILE", False)
 MIN_DOT = 16             # tl.dot wants every dim >= 16: heads and rope dims are padded up to this
 LOG2E = 1.4426950408889634
