@@ -205,7 +205,8 @@ QA_ENTRY = env_flag("LINGC_MLA_QABSORB_ENTRY", True)
 # 1.3151-1.3187 with it alone and verify level (step-ab-h100-20261206-absorb-tiles-b.json). A likely cause, not
 # measured: the dot stages its operands in shared memory (20 KB a CTA against 1 KB), so the Gluon split (221 KB a
 # CTA), which launches at q_absorb's entry (QA_ENTRY), cannot start its early cache copies on an SM that holds a
-# q_absorb CTA. LINGC_MLA_QABSORB_TILE=1 turns it on
+# q_absorb CTA: 216 + 20 KB (+ 1 KB reserved a CTA) exceed an SM's 228 KB, where 216 + 1 KB fit. A tile whose
+# operands take under ~10 KB (QA_BLOCK_R 16) would test that. LINGC_MLA_QABSORB_TILE=1 turns it on
 QA_TILE = env_flag("LINGC_MLA_QABSORB_TILE", False)
 QA_TILE_M = 16           # queries an absorb tile (tl.dot's minimum M); more queries run more tiles
 # v_absorb's tile form (VA_TILE): the same for v_absorb, program (h, vblock, m-tile), [QA_TILE_M, R] x [R, VA_BLOCK_V]
