@@ -409,14 +409,10 @@ if __name__ == "__main__":
     if args.combine_absorb:
         import lingc  # noqa: F401  (registers the reference ops)
         all_rows = flag_rows("COMBINE_ABSORB", "combine-absorb", "two-launches")
-    elif args.qa_tile:
+    elif args.qa_tile or args.va_tile:
         import lingc  # noqa: F401  (registers the reference ops)
-        all_rows = flag_rows("QA_TILE", "qa-tile", "qa-per-query")
-        if args.va_tile:
-            all_rows += flag_rows("VA_TILE", "va-tile", "va-per-query")
-    elif args.va_tile:
-        import lingc  # noqa: F401  (registers the reference ops)
-        all_rows = flag_rows("VA_TILE", "va-tile", "va-per-query")
+        all_rows = (flag_rows("QA_TILE", "qa-tile", "qa-per-query") if args.qa_tile else []) + \
+            (flag_rows("VA_TILE", "va-tile", "va-per-query") if args.va_tile else [])
     elif args.gluon:
         import lingc  # noqa: F401  (registers the reference ops)
         all_rows = gluon_rows()
