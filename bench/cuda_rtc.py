@@ -26,25 +26,33 @@ CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 def nvrtc_candidates() -> list[str]:
-    """Where libnvrtc may be, in the order tried."""
+    """Where libnvrtc may be, in the order tried: LINGC_NVRTC, the sonames (a CUDA build of torch may have loaded one
+    already), then the CUDA wheels' copies under every sys.path / site-packages root (nvidia/*/lib, nvidia/cu13/lib)."""
     out = [os.environ["LINGC_NVRTC"]] if os.environ.get("LINGC_NVRTC") else []
+    out += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
     roots = list(sys.path) + site.getsitepackages() + [site.getusersitepackages()]
     for root in dict.fromkeys(roots):
-        out += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")), reverse=True)
-        out += sorted(glob.glob(os.path.join(root, "nvidia", "*", "*", "lib", "libnvrtc.so*")), reverse=True)
-    return [p for p in out if "builtins" not in os.path.basename(p)] + ["libnvrtc.so.13", "libnvrtc.so.12",
-                                                                         "libnvrtc.so"]
+        for pattern in (("nvidia", "*", "lib"), ("nvidia", "*", "*", "lib")):
+            out += sorted(glob.glob(os.path.join(root, *pattern, "libnvrtc.so*")), reverse=True)
+    return [p for p in dict.fromkeys(out) if "builtins" not in os.path.basename(p)]
 
 
 def nvrtc() -> ctypes.CDLL:
-    """The first libnvrtc that loads (nvrtc_candidates), or a RuntimeError naming what was tried."""
+    """The first libnvrtc that loads (nvrtc_candidates), or a RuntimeError naming what was tried. A library given by
+    path has its directory's libnvrtc-builtins loaded first (globally), which NVRTC opens at compile time."""
     tried = []
     for path in nvrtc_candidates():
         try:
+            if os.sep in path:
+                for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+                    try:
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                    except OSError:
+                        pass
             return ctypes.CDLL(path)
         except OSError as err:
             tried.append(f"{path} ({err})")
-    raise RuntimeError("no libnvrtc could be loaded; set LINGC_NVRTC to its path. Tried: " + "; ".join(tried[:6]))
+    raise RuntimeError("no libnvrtc could be loaded; set LINGC_NVRTC to its path. Tried: " + "; ".join(tried[:8]))
 
 
 def compile_cuda(source: str, name: str, arch: str = "sm_90a", options: tuple[str, ...] = (),
@@ -102,7 +110,8 @@ class Kernel:
         self.cuda = ctypes.CDLL("libcuda.so.1")
         self.name = name
         import torch
-        torch.cuda.init()                       # a current context for the module
+        torch.zeros(1, device="cuda")           # the primary context, current on this thread, for the module
+        torch.cuda.synchronize()
         self.module, self.func = ctypes.c_void_p(), ctypes.c_void_p()
         self._check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), binary), "cuModuleLoadData")
         self._check(self.cuda.cuModuleGetFunction(ctypes.byref(self.func), self.module, name.encode()),
