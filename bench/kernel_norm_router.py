@@ -50,6 +50,22 @@ def _args(inputs: tuple, rows: int) -> tuple:
     return (res, x, nw, EPS, gate, bias, N_GROUP, TOPK_GROUP, TOP_K, SCALE, *align, SHARED)
 
 
+def compare(row: dict, got: tuple, want: tuple) -> torch.Tensor:
+    """Fold one seed's add_rmsnorm_router outputs (normed, new_residual, weights, ids, ...) against the two kernels'
+    into row's residual_bit_equal, normed_max_abs_err, id_mismatch_rows and weights_max_abs_err (rows whose id sets
+    agree); returns which rows' id sets agree."""
+    row["residual_bit_equal"] &= torch.equal(got[1], want[1])
+    row["normed_max_abs_err"] = max(row["normed_max_abs_err"], (got[0].float() - want[0].float()).abs().max().item())
+    ids, order = got[3].long().sort(-1)
+    ids_ref, order_ref = want[3].long().sort(-1)
+    same = (ids == ids_ref).all(-1)
+    row["id_mismatch_rows"] += int((~same).sum())
+    if same.any():
+        w, w_ref = got[2].gather(1, order)[same], want[2].gather(1, order_ref)[same]
+        row["weights_max_abs_err"] = max(row["weights_max_abs_err"], (w - w_ref).abs().max().item())
+    return same
+
+
 def check(rows: int, dev: torch.device) -> dict:
     from lingc.kernels import norm_router as NR
     from lingc.kernels.moe_align import moe_align
@@ -67,17 +83,8 @@ def check(rows: int, dev: torch.device) -> dict:
             want = NR.add_rmsnorm_router(*args, pdl=True)                         # the two kernels
         finally:
             NR.ENABLED = enabled
-        row["residual_bit_equal"] &= torch.equal(got[1], want[1])
+        compare(row, got, want)
         row["normed_bit_equal"] &= torch.equal(got[0], want[0])
-        row["normed_max_abs_err"] = max(row["normed_max_abs_err"],
-                                        (got[0].float() - want[0].float()).abs().max().item())
-        ids, order = got[3].long().sort(-1)
-        ids_ref, order_ref = want[3].long().sort(-1)
-        same = (ids == ids_ref).all(-1)
-        row["id_mismatch_rows"] += int((~same).sum())
-        if same.any():
-            w, w_ref = got[2].gather(1, order)[same], want[2].gather(1, order_ref)[same]
-            row["weights_max_abs_err"] = max(row["weights_max_abs_err"], (w - w_ref).abs().max().item())
         again = NR.add_rmsnorm_router(*args, pdl=True)
         row["deterministic"] &= all(torch.equal(a, b) for a, b in zip(got, again))
         row["pdl_equal"] &= all(torch.equal(a, b) for a, b in zip(got, NR.add_rmsnorm_router(*args)))
