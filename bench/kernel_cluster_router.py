@@ -331,10 +331,15 @@ def main() -> None:
               "commit": os.environ.get("LINGC_COMMIT", "unknown"),
               "command": "python3 bench/kernel_cluster_router.py " + " ".join(sys.argv[1:]), "rows": []}
     for cluster in (int(c) for c in args.cluster.split(",")):
-        router = ClusterRouter(cluster)
         for rows in (1, 6):
-            row = {"cluster": cluster, **check(router, rows, dev)}
-            row.update(time_rows(router, rows, dev))
+            try:
+                router = ClusterRouter(cluster)
+                row = {"cluster": cluster, **check(router, rows, dev)}
+                row.update(time_rows(router, rows, dev))
+            except RuntimeError as err:      # a compile or launch failure: say so and go on with the next size
+                result["rows"].append({"cluster": cluster, "rows": rows, "ok": False, "error": str(err)})
+                print(f"cluster {cluster:2d} rows {rows}: {err}", flush=True)
+                continue
             result["rows"].append(row)
             print(f"cluster {cluster:2d} rows {rows} {row['form']:12} cluster {row['cluster_time_us']:6.2f} / "
                   f"{row['cluster_time_us_repeat']:6.2f} us, ticket {row['ticket_time_us']:6.2f}, two kernels "
