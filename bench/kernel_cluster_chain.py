@@ -8,7 +8,7 @@ distributed shared memory (DSMEM: `mapa` + `st.shared::cluster`) and the hardwar
 (`barrier.cluster.arrive.release` / `wait.acquire`). Neither Triton 3.6 nor Gluon 3.6 exposes them (Triton's own
 multi-CTA layouts fail to compile a plain reduction for sm_90: TritonGPUPlanCTAPass), so this probe compiles a
 small CUDA C++ kernel with NVRTC and launches it with cuLaunchKernelEx and a cluster-dimension attribute
-(bench/cuda_rtc.py).
+(kernels/cuda_rtc.py).
 
 One launch runs `stages` dependent handoffs; each stage every CTA derives a value from the last stage's result, and:
     barrier    the cluster barrier alone (no data: the floor of any cluster handoff)
@@ -39,8 +39,9 @@ import sys
 
 import torch
 
+from lingc.kernels.cuda_rtc import Kernel, compile_cuda
+
 sys.path.insert(0, os.path.dirname(__file__))
-from cuda_rtc import Kernel, compile_cuda  # noqa: E402
 from timing import graph_time_us  # noqa: E402
 
 MODES = {"barrier": 0, "allgather": 1, "gather": 2, "global": 3}
@@ -115,7 +116,7 @@ extern "C" __global__ void cluster_chain(unsigned* out, unsigned* gbuf, int stag
 """
 
 class ClusterChain:
-    """cluster_chain compiled for this GPU (bench/cuda_rtc.py), launched with a cluster dimension."""
+    """cluster_chain compiled for this GPU (kernels/cuda_rtc.py), launched with a cluster dimension."""
 
     def __init__(self) -> None:
         major, minor = torch.cuda.get_device_capability()

@@ -33,6 +33,8 @@ router's warp count). The logits follow lingc.linear: x cast to the gate's dtype
 dtype, then widened to fp32 (what add_rmsnorm_linear with out_dtype fp32 returns).
 
 LINGC_NORM_ROUTER_GLUON=0 keeps the two kernels (the launcher's fallback) wherever the pass has fused the op.
+LINGC_NORM_ROUTER_CLUSTER=1 runs kernels/norm_router_cluster.py's CUDA C++ kernel first where it is eligible: the same
+op on one thread-block cluster a row, the logits handed on through distributed shared memory instead of the ticket.
 
 Measured on the H200 (2026-12-05, bench/kernel_norm_router.py, kernels-norm-router-h200-20261205-b.json): over 4
 seeds the same ids, weights, normed and new_residual bits as the two kernels, row invariant, deterministic, PDL on ==
@@ -48,7 +50,7 @@ import torch
 import triton
 
 from lingc.knobs import env_flag
-from lingc.kernels import router as router_kernels, router_gluon
+from lingc.kernels import norm_router_cluster, router as router_kernels, router_gluon
 from lingc.kernels import linear as linear_kernels
 from lingc.kernels.gluon_launch import guarded
 from lingc.kernels.pdl import TRIGGER, pdl_supported
@@ -190,8 +192,9 @@ def add_rmsnorm_router(residual: torch.Tensor, x: torch.Tensor, norm_weight: tor
                        gate_weight: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int,
                        top_k: int, routed_scaling_factor: float, num_experts: int, block_m: int, fused_shared: int,
                        *, pdl: bool = False) -> tuple[torch.Tensor, ...]:
-    """torch.ops.lingc.add_rmsnorm_router's outputs: the fused Gluon kernel where `eligible`, else
-    add_rmsnorm_linear's kernel (fp32 logits) then router_align's (block_m > 0) or router_topk's."""
+    """torch.ops.lingc.add_rmsnorm_router's outputs: the cluster kernel (kernels/norm_router_cluster.py, opt-in) or the
+    fused Gluon kernel where eligible, else add_rmsnorm_linear's kernel (fp32 logits) then router_align's (block_m > 0)
+    or router_topk's."""
     if residual.shape != x.shape or gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[-1] \
             or norm_weight.shape != (x.shape[-1],):
         raise ValueError(f"add_rmsnorm_router: want residual and x [..., h] of one shape, norm_weight [h] and "
@@ -200,6 +203,12 @@ def add_rmsnorm_router(residual: torch.Tensor, x: torch.Tensor, norm_weight: tor
     if block_m < 0:
         raise ValueError(f"add_rmsnorm_router: block_m must be >= 0 (0: the router_topk form), got {block_m}")
     pdl = pdl and pdl_supported(x.device)
+    if norm_router_cluster.eligible(x, gate_weight, n_group, topk_group, top_k, fused_shared):
+        out = norm_router_cluster.add_rmsnorm_router(residual, x, norm_weight, eps, gate_weight, expert_bias, n_group,
+                                                     topk_group, top_k, routed_scaling_factor, num_experts, block_m,
+                                                     fused_shared, pdl)
+        if out is not None:
+            return out
     if eligible(x, gate_weight, n_group, topk_group, top_k):
         out = _fused(residual, x, norm_weight, eps, gate_weight, expert_bias, n_group, topk_group, top_k,
                      routed_scaling_factor, num_experts, block_m, fused_shared, pdl)

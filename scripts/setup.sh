@@ -16,3 +16,14 @@ if [ ! -f .venv/fla-core/fla/ops/kda/naive.py ]; then
   pip download -q --no-deps "fla-core==0.6.0" -d .venv/fla-core
   python -m zipfile -e .venv/fla-core/fla_core-0.6.0-py3-none-any.whl .venv/fla-core
 fi
+# NVRTC for the offline compile tests of the CUDA C++ kernels (kernels/cuda_rtc.py; a CUDA build of torch brings its
+# own libnvrtc on a GPU machine), unpacked into .venv/nvrtc; without it those tests skip.
+if [ ! -f .venv/nvrtc/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 ]; then
+  mkdir -p .venv/nvrtc
+  if pip download -q --no-deps "nvidia-cuda-nvrtc-cu12==12.9.86" -d .venv/nvrtc; then
+    python -m zipfile -e .venv/nvrtc/nvidia_cuda_nvrtc_cu12-12.9.86-*.whl .venv/nvrtc
+    rm -f .venv/nvrtc/*.whl
+  else
+    echo "setup.sh: could not download nvidia-cuda-nvrtc-cu12; the CUDA C++ compile tests will skip" >&2
+  fi
+fi

@@ -1,8 +1,9 @@
-"""CUDA C++ kernels for probes that Triton cannot express: NVRTC compile and cuLaunchKernelEx with launch attributes.
+"""CUDA C++ kernels where Triton cannot express them: NVRTC compile and cuLaunchKernelEx with launch attributes.
 
 Triton 3.6 and Gluon 3.6 expose neither a thread-block cluster's barrier nor distributed shared memory on Hopper, and
-Triton's launcher sets no cluster dimension for a num_ctas = 1 kernel. For probes of those (bench/kernel_cluster_chain.py)
-this module compiles CUDA C++ source with NVRTC (the libnvrtc a CUDA build of torch depends on; torch's own helper,
+Triton's launcher sets no cluster dimension for a num_ctas = 1 kernel. For kernels that need them
+(kernels/norm_router_cluster.py; the probes bench/kernel_cluster_chain.py and bench/kernel_cluster_router.py) this
+module compiles CUDA C++ source with NVRTC (the libnvrtc a CUDA build of torch depends on; torch's own helper,
 torch.cuda._utils._nvrtc_compile, needs a CUDA toolkit's include directory, which the device image need not have) and
 launches it with the driver's cuLaunchKernelEx, whose attributes carry the cluster dimension and PDL's programmatic
 stream serialisation (ctypes on libcuda, as kernels/carveout.py does). A launch on torch's current stream is captured
@@ -13,6 +14,7 @@ libnvrtc is found: LINGC_NVRTC names one, else the CUDA wheels' copies in site-p
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import site
@@ -55,10 +57,22 @@ def nvrtc() -> ctypes.CDLL:
     raise RuntimeError("no libnvrtc could be loaded; set LINGC_NVRTC to its path. Tried: " + "; ".join(tried[:8]))
 
 
+@functools.lru_cache(maxsize=None)
+def nvrtc_available() -> bool:
+    """Whether a libnvrtc loads here (cached)."""
+    try:
+        nvrtc()
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
 def compile_cuda(source: str, name: str, arch: str = "sm_90a", options: tuple[str, ...] = (),
                  ptx: bool = False) -> bytes:
     """NVRTC-compile `source` (CUDA C++, its kernels extern "C") for `arch` (sm_XX[a]): the cubin, or with ptx=True
-    the PTX (for compute_XX[a]). A compile error raises with NVRTC's log and the file name `name`.cu."""
+    the PTX (for compute_XX[a]). A compile error raises with NVRTC's log and the file name `name`.cu. Cached per
+    (source, name, arch, options, ptx) for the process."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
 

@@ -1,4 +1,4 @@
-"""bench/cuda_rtc.py's launch structs match cuda.h, its library search fails with a message naming what it tried, and
+"""kernels/cuda_rtc.py's launch structs match cuda.h, its library search fails with a message naming what it tried, and
 the cluster probe's value model (bench/kernel_cluster_chain.py) is the kernel's arithmetic."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import cuda_rtc  # noqa: E402
+from lingc.kernels import cuda_rtc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import kernel_cluster_chain  # noqa: E402
 
 
