@@ -9,6 +9,8 @@ distributed shared memory and the hardware cluster barrier, which Triton 3.6 and
 C++ compiled by NVRTC at the first launch (about a second a shape) and launched with cuLaunchKernelEx.
 
     cluster (one row), CTA r of CLUSTER, THREADS = h / 8 threads, thread i holding h columns [8i, 8i + 8):
+        at entry: a relaxed cluster arrive, waited for right before the first DSMEM store (a CTA may store into rank
+            0's shared memory only once rank 0 runs)
         before the PDL wait: its E / CLUSTER gate rows' columns (16 B a row) and the norm weight's; rank 0 the bias
         after it (then the trigger, lingc's early placement): the row's residual and x columns, new_residual =
             residual + x (one fp32 add, rounded to bf16), the sum of squares (a warp tree, then the warps' partials
@@ -102,6 +104,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_router_cluster(
     __shared__ int pick_id[TOPK];
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    // every CTA of the cluster must have started before any stores into rank 0's shared memory: arrive now, wait
+    // right before the stores (the weight loads and the norm hide it)
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int row = blockIdx.y;
     const int col = tid * 8;
@@ -156,6 +161,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_router_cluster(
         for (int j = 0; j < EPC; ++j) red_s[warp][j] = part[j];
     }
     __syncthreads();
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");    // the cluster has started (the arrive above)
     if (tid < EPC) {
         float s = 0.f;
 #pragma unroll

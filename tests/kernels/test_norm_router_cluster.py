@@ -1,7 +1,8 @@
 """kernels/norm_router_cluster.py without a GPU: which shapes and devices it takes, that kernels/norm_router.py's
 launcher falls back to its own paths where it does not run, and its CUDA C++ compiled by NVRTC for sm_90a offline
 (the libnvrtc scripts/setup.sh unpacks into .venv/nvrtc): weights loaded before the one PDL wait, the rows after it
-with coherent loads, the logits handed on by mapa + st.shared::cluster before one cluster barrier. Its numbers are
+with coherent loads, the logits handed on by mapa + st.shared::cluster after the cluster has started and before one
+cluster barrier. Its numbers are
 checked on the GPU (bench/kernel_cluster_router.py)."""
 
 from __future__ import annotations
@@ -93,10 +94,13 @@ def test_sm90a_code(nvrtc, cluster):
     rows = [m.start() for m in re.finditer(r"ld\.global\.v4\.u32", body)]
     assert len(rows) == 2 and min(rows) > trigger
     # the logits go to rank 0's shared memory, then one cluster barrier (release / acquire) before the routing
+    # after a relaxed arrive at entry and its wait (the cluster has started: DSMEM stores are legal)
     mapa, store = body.index("mapa.shared::cluster"), body.index("st.shared::cluster.f32")
+    started, started_wait = body.index("barrier.cluster.arrive.relaxed"), body.index("barrier.cluster.wait.aligned")
     arrive, wait_c = body.index("barrier.cluster.arrive.release"), body.index("barrier.cluster.wait.acquire")
+    assert started < min(weights) and min(rows) < started_wait < store
     assert min(rows) < mapa < store < arrive < wait_c
-    assert body.count("barrier.cluster.arrive") == 1
+    assert body.count("barrier.cluster.arrive") == 2 and body.count("barrier.cluster.wait") == 2
 
 
 def test_sm90a_cubin_builds(nvrtc):
