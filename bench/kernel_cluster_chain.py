@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from lingc.kernels.cuda_rtc import Kernel, compile_cuda
+from lingc.kernels.cuda_rtc import CLUSTER_HELPERS, Kernel, compile_cuda
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import graph_time_us  # noqa: E402
@@ -48,20 +48,7 @@ MODES = {"barrier": 0, "allgather": 1, "gather": 2, "global": 3}
 THREADS = 128
 MAX_CLUSTER = 16
 
-SOURCE = r"""
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void st_remote(const void* local, unsigned rank, unsigned v) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
-    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(v) : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
+SOURCE = CLUSTER_HELPERS + r"""
 __device__ __forceinline__ unsigned ld_cluster(const unsigned* p) {
     unsigned v;
     asm volatile("ld.relaxed.cluster.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -85,18 +72,18 @@ extern "C" __global__ void cluster_chain(unsigned* out, unsigned* gbuf, int stag
             cluster_sync();
             acc = acc * 3u + 1u;
         } else if (mode == 1) {
-            if (threadIdx.x < nrank) st_remote(&slot[b][rank], threadIdx.x, v);
+            if (threadIdx.x < nrank) st_cluster(&slot[b][rank], threadIdx.x, v);
             cluster_sync();
             unsigned sum = 0;
             for (unsigned r = 0; r < nrank; ++r) sum += slot[b][r];
             acc = sum;
         } else if (mode == 2) {
-            if (threadIdx.x == 0) st_remote(&slot[b][rank], 0, v);
+            if (threadIdx.x == 0) st_cluster(&slot[b][rank], 0, v);
             cluster_sync();
             if (rank == 0) {
                 unsigned sum = 0;
                 for (unsigned r = 0; r < nrank; ++r) sum += slot[b][r];
-                if (threadIdx.x < nrank) st_remote(&result[b], threadIdx.x, sum);
+                if (threadIdx.x < nrank) st_cluster(&result[b], threadIdx.x, sum);
             }
             cluster_sync();
             acc = result[b];

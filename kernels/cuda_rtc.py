@@ -27,6 +27,26 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
+# Device helpers for cluster kernels, prepended to their sources: a shared-memory address as the 32-bit shared window
+# address, a store of one 32-bit value into CTA `rank`'s copy of a shared variable (mapa + st.shared::cluster), and
+# the cluster barrier with release / acquire semantics (every thread of every CTA of the cluster)
+CLUSTER_HELPERS = r"""
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void st_cluster(const void* local, unsigned rank, unsigned v) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(v) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+"""
+
+
 def nvrtc_candidates() -> list[str]:
     """Where libnvrtc may be, in the order tried: LINGC_NVRTC, the sonames (a CUDA build of torch may have loaded one
     already), then the CUDA wheels' copies under every sys.path / site-packages root (nvidia/*/lib, nvidia/cu13/lib)."""

@@ -56,7 +56,7 @@ FAILED: list[str] = []
 VEC = 8                      # bf16 columns a thread: one 16-byte load a gate row
 MAX_HIDDEN = 8192            # THREADS = h / 8 <= 1024
 
-SOURCE = r"""
+SOURCE = cuda_rtc.CLUSTER_HELPERS + r"""
 typedef unsigned short bf16_t;
 #define NEG_INF __int_as_float(0xff800000)
 #define THREADS (H / 8)
@@ -75,20 +75,6 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void st_rank0(const float* local, float v) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(smem_addr(local)));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS) norm_router_cluster(
         const bf16_t* res, const bf16_t* x,                        // written by the launch before: plain loads
         const bf16_t* __restrict__ nw, const bf16_t* __restrict__ gate, const float* __restrict__ bias,
@@ -166,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_router_cluster(
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < WARPS; ++i) s += red_s[i][tid];
-        st_rank0(&logits_s[rank * EPC + tid], __uint_as_float(rnd(s) << 16));
+        st_cluster(&logits_s[rank * EPC + tid], 0, rnd(s) << 16);   // bf16 logit as fp32 bits
     }
     if (rank == 0) {
         uint4 o, q;

@@ -95,7 +95,7 @@ def test_sm90a_code(nvrtc, cluster):
     assert len(rows) == 2 and min(rows) > trigger
     # the logits go to rank 0's shared memory, then one cluster barrier (release / acquire) before the routing
     # after a relaxed arrive at entry and its wait (the cluster has started: DSMEM stores are legal)
-    mapa, store = body.index("mapa.shared::cluster"), body.index("st.shared::cluster.f32")
+    mapa, store = body.index("mapa.shared::cluster"), body.index("st.shared::cluster.u32")
     started, started_wait = body.index("barrier.cluster.arrive.relaxed"), body.index("barrier.cluster.wait.aligned")
     arrive, wait_c = body.index("barrier.cluster.arrive.release"), body.index("barrier.cluster.wait.acquire")
     assert started < min(weights) and min(rows) < started_wait < store
