@@ -58,7 +58,7 @@ from floor import launch_bytes  # noqa: E402
 from timing import hbm_bandwidth_gbps  # noqa: E402
 
 LAYER = re.compile(r"layers\.\d+\.")
-HINT_KERNELS = ("_l2_prefetch_kernel", "_l2_prefetch_experts_kernel")   # side-stream hints (kernels/l2_prefetch.py)
+HINT_KERNELS = ("_l2_prefetch_kernel", "_l2_prefetch_experts_kernel", "_l2_prefetch_pages_kernel")   # side-stream hints (kernels/l2_prefetch.py)
 SAMPLING: dict | None = None     # --sampled: device_step.SAMPLED, the request every run and replay is reset to
 LATENCY_SHARE = 0.5       # by_kind: a group is latency-bound where its floor is under this share of its time
 LATENCY_FLOOR_US = 1.0    # ... and under this many us a launch

@@ -16,6 +16,11 @@ l2_prefetch_experts (a router's picks, read on the device): the same grid over t
 the bytes [p * CHUNK, min((p + 1) * CHUNK, nbytes)) of expert ids[i // PIECES] (p = i % PIECES), CHUNK about one
 16 B-rounded piece a thread, so a piece never spans two experts; one bulk prefetch a thread a step, never PDL.
 
+l2_prefetch_pages (MLA's paged latent cache, read on the device: the page table and the positions): grid (P, B); a
+request's pieces are its MP pages x PIECES, CHUNK sized for the capacity as the experts kernel sizes it, and the
+pieces past its visible pages (0 .. max_t positions[b, t] // PS) prefetch nothing. The split reads those rows ~5 us
+later (prefetch_weights' MLA_CACHE places the hint), when only 64 CTAs (a split each) stream them at 8192 rows.
+
 How it runs in a step: the runtime launches it on a side stream that forks after the launches before it and joins at
 the graph's end (runtime/executor.py), never PDL-launched: a grid that issued prefetches stays alive until they land
 (on the H200 its time was the prefetch's transfer time), so on the chain's stream it would hold up the next launch's
@@ -182,6 +187,72 @@ def l2_prefetch_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int = -
         NP_POW2=triton.next_power_of_2(pairs) if pairs <= DEDUPE_MAX_PAIRS else 1, num_warps=THREADS // 32)
 
 
+@triton.jit
+def _l2_prefetch_pages_kernel(pages_ptr, rows_ptr, pos_ptr, rec_ptr, T, MP, PS, NUM_PAGES, page_bytes, stride_page,
+                              stride_rb, stride_pb, CHUNK: tl.constexpr, PIECES: tl.constexpr, THREADS: tl.constexpr,
+                              ITERS: tl.constexpr, T_POW2: tl.constexpr, EVICT_LAST: tl.constexpr = False,
+                              RECORD: tl.constexpr = False):
+    """Request b = program_id(1): its visible pages j = 0 .. max_t positions[b, t] // PS (none where no position is
+    >= 0), piece i of the MP * PIECES the bytes [p * CHUNK, min((p + 1) * CHUNK, page_bytes)) of page page_rows[b, i //
+    PIECES] (p = i % PIECES), one cp.async.bulk.prefetch.L2 a thread a step; a page id outside [0, NUM_PAGES)
+    prefetches nothing. RECORD (tests, the interpreter): each thread's (byte offset from pages_ptr, size) stored at
+    rec_ptr [B, ITERS * P * THREADS, 2] instead."""
+    b = tl.program_id(1)
+    offs_t = tl.arange(0, T_POW2)
+    pos = tl.max(tl.load(pos_ptr + b * stride_pb + offs_t, mask=offs_t < T, other=-1), axis=0).to(tl.int64)
+    visible = tl.where(pos >= 0, tl.minimum(pos // PS + 1, MP), 0)
+    first = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64)
+    for it in tl.static_range(ITERS):
+        i = first + it * tl.num_programs(0) * THREADS
+        j = i // PIECES
+        live = j < visible
+        page = tl.load(rows_ptr + b * stride_rb + j, mask=live, other=-1).to(tl.int64)
+        ok = live & (page >= 0) & (page < NUM_PAGES)
+        off = (i % PIECES) * CHUNK
+        size = tl.where(ok, tl.minimum(page_bytes - off, CHUNK), 0).to(tl.int32)
+        rel = tl.where(ok, page * stride_page + off, 0)
+        if RECORD:
+            slot = (b * ITERS * tl.num_programs(0) * THREADS + i) * 2
+            tl.store(rec_ptr + slot, rel)
+            tl.store(rec_ptr + slot + 1, size.to(tl.int64))
+        else:
+            _bulk_prefetch(pages_ptr + rel, size, EVICT_LAST)
+
+
+def page_pieces(pages: int, page_bytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> tuple[int, int]:
+    """(CHUNK, PIECES) for up to `pages` pages of page_bytes: as expert_pieces (a piece never spans two pages)."""
+    return expert_pieces(pages, page_bytes, programs, threads)
+
+
+def l2_prefetch_pages(kv_pages: torch.Tensor, page_rows: torch.Tensor, positions: torch.Tensor, *,
+                      programs: int = PROGRAMS, evict_last: bool | None = None) -> None:
+    """Ask L2 for every page request b's queries see: page_rows[b, j] for j <= max_t positions[b, t] // PS (the
+    page table and positions read on the device). A no-op off CUDA, under the interpreter, and where a page is not a
+    whole number of 16 B pieces at a 16 B aligned address (cp.async.bulk.prefetch's rule; a hint may do nothing)."""
+    if kv_pages.device.type != "cuda" or triton.knobs.runtime.interpret or page_rows.numel() == 0:
+        return
+    if kv_pages.dim() < 2 or page_rows.dim() != 2 or positions.dim() != 2 or positions.shape[0] != page_rows.shape[0] \
+            or page_rows.is_floating_point() or positions.is_floating_point():
+        raise ValueError(f"l2_prefetch_pages: want kv_pages [NP, PS, ...], integer page_rows [B, MP] and positions "
+                         f"[B, T], got {list(kv_pages.shape)}, {list(page_rows.shape)} {page_rows.dtype}, "
+                         f"{list(positions.shape)} {positions.dtype}")
+    elem = kv_pages.element_size()
+    page_bytes = kv_pages[0].numel() * elem
+    stride_page = kv_pages.stride(0) * elem
+    if not kv_pages.is_contiguous() or page_bytes % ALIGN or kv_pages.data_ptr() % ALIGN:
+        return
+    B, MP = page_rows.shape
+    T = positions.shape[1]
+    chunk, pieces = page_pieces(MP, page_bytes, programs)
+    grid = (min(programs, -(-MP * pieces // THREADS)), B)
+    _l2_prefetch_pages_kernel[grid](
+        kv_pages.view(-1).view(torch.uint8), page_rows, positions, page_rows,
+        T, MP, kv_pages.shape[1], kv_pages.shape[0], page_bytes, stride_page, page_rows.stride(0), positions.stride(0),
+        CHUNK=chunk, PIECES=pieces, THREADS=THREADS, ITERS=-(-MP * pieces // (grid[0] * THREADS)),
+        T_POW2=triton.next_power_of_2(max(T, 1)), EVICT_LAST=EVICT_LAST if evict_last is None else evict_last,
+        num_warps=THREADS // 32)
+
+
 def _lower(weight: torch.Tensor, start: int, nbytes: int, *, pdl: bool = False) -> None:
     l2_prefetch(weight, start, nbytes, pdl=pdl)
 
@@ -190,4 +261,9 @@ def _lower_experts(weight: torch.Tensor, ids: torch.Tensor, nbytes: int, *, pdl:
     l2_prefetch_experts(weight, ids, nbytes)            # a side-stream hint: never PDL-launched
 
 
-LOWERINGS = {"l2_prefetch": _lower, "l2_prefetch_experts": _lower_experts}
+def _lower_pages(kv_pages: torch.Tensor, page_rows: torch.Tensor, positions: torch.Tensor, *,
+                 pdl: bool = False) -> None:
+    l2_prefetch_pages(kv_pages, page_rows, positions)   # a side-stream hint: never PDL-launched
+
+
+LOWERINGS = {"l2_prefetch": _lower, "l2_prefetch_experts": _lower_experts, "l2_prefetch_pages": _lower_pages}

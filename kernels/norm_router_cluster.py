@@ -34,6 +34,19 @@ Where it runs (`eligible`): LINGC_NORM_ROUTER_CLUSTER=1, CUDA sm_90+, a libnvrtc
 activations and gate, h a multiple of 256 up to 8192 (THREADS = h / 8 whole warps), E routed experts a multiple of 32
 and of the cluster, at most THREADS, in groups of a power of two up to 32 (a group inside a warp), at most 32 groups,
 1-16 rows. Elsewhere, and after a compile or launch failure (warned once), kernels/norm_router.py's paths run.
+
+Measured on an H100 (2026-12-06, fbc1c7a, `LINGC_COMMIT=fbc1c7a bash bench/device_cluster_ab.sh OUT`, one call; the
+pool lent no H200). It checks out: expert ids equal to the two kernels' over the bench's rows, weights within 6e-8,
+normed bit-equal. It is slower alone (bench/results/kernels-cluster-router-h100-20261206.json, PDL on): 5.22 us
+against 3.94 for the two kernels at one row (router_align), 4.69 against 4.48 at six (router_topk); 5.47 / 4.97 at
+clusters of 8. Why (bench/kernel_cluster_chain.py, kernels-cluster-chain-h100-20261206.json): the DSMEM handoff is
+cheap (a cluster barrier 0.43-0.68 us a stage, a DSMEM all-gather 0.76-1.16, gather + scatter through rank 0
+1.42-1.68), but a cluster launch in a PDL chain costs 2.4-3.0 us a link (one cluster of 2-16 CTAs) and 4.3 us at a
+full GPU of clusters, against 0.90 / 1.32 us for plain CTAs: the boundary a cluster kernel sits behind costs more
+than the one it removes. In the step (step-ab-h100-20261206-cluster-router.json, fuse_norm_router in `all`, one
+process, baselines first, between and last): greedy decode 1.3365 / 1.3391 ms against 1.3135-1.3156 (+21 us),
+verify 2.6077 / 2.6074 against 2.6126-2.6136 (-5 us), NEXTN level; greedy parity held (NEXTN == plain, PDL on ==
+off, greedy copies == general graphs). So it stays opt-in and off, and no other cluster fusion is planned on sm_90.
 """
 
 from __future__ import annotations

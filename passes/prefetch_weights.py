@@ -66,7 +66,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from lingc.knobs import env_flag
+from lingc.knobs import env_flag, env_int
 from lingc.ops import OPS
 from lingc.passes.base import Pass
 from lingc.passes.matchers import KEEP_META, carried_meta, is_free, output_getitem
@@ -81,7 +81,7 @@ MAX_BYTES = 32 << 20           # at most this much of one weight (the lm_head's 
 # an earlier hint overlaps more idle time but its lines must survive the streams in between in the 50 MB L2
 ANCHOR_SKIP: Any = os.environ.get("LINGC_PREFETCH_ANCHOR_SKIP", "1")
 ANCHOR_SKIP = int(ANCHOR_SKIP) if ANCHOR_SKIP.strip().isdigit() else ANCHOR_SKIP    # else apply() names the bad value
-WEIGHTS = True                 # the projections' hints above (False: only the experts', for an A/B)
+WEIGHTS = env_flag("LINGC_PREFETCH_WEIGHT_HINTS", True)   # the projections' hints above (False: only the others, for A/Bs)
 # the routed experts' hints: right after each up-GEMM's router (its launch done), l2_prefetch_experts(w13, ids, -1)
 # asks L2 for the picked experts' w13 from 132 programs at once, beside the up-GEMM's own pipelined loads; EXPERT_W2
 # adds their w2 (the down-GEMM's) after it on the side stream. Bench A/B knobs, off: measured slower (verify +370 /
@@ -89,6 +89,14 @@ WEIGHTS = True                 # the projections' hints above (False: only the e
 EXPERTS = env_flag("LINGC_PREFETCH_EXPERTS", False)
 EXPERT_W2 = env_flag("LINGC_PREFETCH_EXPERT_W2", False)
 EXPERT_MAX_TOKENS = 16        # no experts' hint above this many tokens (prefill's picks cover most experts: no gain)
+# MLA's latent cache (MLA_CACHE; off): before each mla_attention of at most CACHE_MAX_TOKENS queries,
+# l2_prefetch_pages(kv_pages, page_rows, positions) right after the CACHE_ANCHOR_SKIP-th streaming launch before it
+# (1: the q_b projection, 2: the q_a / kv_a / gate one, 3: the previous layer's down-GEMM), so the split's 64 CTAs
+# (one a 128-row split at 8192 rows) read the 9.4 MB from L2. Bench A/B knobs (LINGC_PREFETCH_MLA_CACHE=1,
+# LINGC_PREFETCH_CACHE_ANCHOR_SKIP=N)
+MLA_CACHE = env_flag("LINGC_PREFETCH_MLA_CACHE", False)
+CACHE_ANCHOR_SKIP = env_int("LINGC_PREFETCH_CACHE_ANCHOR_SKIP", 1)
+CACHE_MAX_TOKENS = 16
 UP_GEMMS = ("moe_up", "moe_up_act", "moe_up_act_pairs")
 DOWN_GEMMS = ("moe_down", "moe_down_pairs")
 # linear-family ops and the positional index of their weight
@@ -223,6 +231,31 @@ def insert_expert_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
     return added
 
 
+def insert_cache_prefetches(graph: fx.Graph) -> list[dict[str, Any]]:
+    """Insert l2_prefetch_pages(kv_pages, page_rows, positions) for each mla_attention of at most CACHE_MAX_TOKENS
+    queries after the CACHE_ANCHOR_SKIP-th streaming launch before it; returns what it inserted."""
+    plans = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not OPS.mla_attention:
+            continue
+        q = node.args[0].meta.get("lingc.tensor") if isinstance(node.args[0], fx.Node) else None
+        if q is None or len(q.shape) != 4 or int(q.shape[0]) * int(q.shape[1]) > CACHE_MAX_TOKENS:
+            continue
+        start = _window_start(node, CACHE_ANCHOR_SKIP)
+        if start is not None:
+            plans.append((node, start))
+    added = []
+    for node, start in plans:
+        kv_pages, page_rows, positions = node.args[2], node.args[4], node.args[5]
+        with graph.inserting_after(start):
+            hint = graph.call_function(OPS.l2_prefetch_pages, (kv_pages, page_rows, positions))
+        hint.name = graph._graph_namespace.create_name(f"{node.name}_l2_prefetch_pages", None)
+        hint.meta.update(carried_meta(node))
+        added.append({"node": hint.name, "cache": getattr(kv_pages, "name", str(kv_pages)), "after": start.name,
+                      "before": node.name})
+    return added
+
+
 class PrefetchWeights(Pass):
     name = "prefetch_weights"
     summary = "l2_prefetch hints: a big projection's weight streams into L2 while the kernels before it idle the HBM"
@@ -240,13 +273,20 @@ class PrefetchWeights(Pass):
         if not isinstance(ANCHOR_SKIP, int) or ANCHOR_SKIP < 1:
             raise ValueError(f"prefetch_weights: ANCHOR_SKIP (LINGC_PREFETCH_ANCHOR_SKIP) must be an integer of at "
                              f"least 1, got {ANCHOR_SKIP!r}")
+        if CACHE_ANCHOR_SKIP < 1:
+            raise ValueError(f"prefetch_weights: CACHE_ANCHOR_SKIP (LINGC_PREFETCH_CACHE_ANCHOR_SKIP) must be at least "
+                             f"1, got {CACHE_ANCHOR_SKIP!r}")
         experts: list[dict[str, Any]] = []
+        caches: list[dict[str, Any]] = []
         if ENABLED:
             for gname, graph in program.graphs.items():
                 if WEIGHTS:
                     inserted += [{"graph": gname, **row} for row in insert_prefetches(graph)]
                 if EXPERTS:
                     experts += [{"graph": gname, **row} for row in insert_expert_prefetches(graph)]
-        return {"matches": len(inserted) + len(experts), "enabled": ENABLED, "anchor_skip": ANCHOR_SKIP,
-                "weights": WEIGHTS, "experts": EXPERTS, "expert_w2": EXPERT_W2, "prefetches": inserted,
-                "expert_prefetches": experts}
+                if MLA_CACHE:
+                    caches += [{"graph": gname, **row} for row in insert_cache_prefetches(graph)]
+        return {"matches": len(inserted) + len(experts) + len(caches), "enabled": ENABLED, "anchor_skip": ANCHOR_SKIP,
+                "weights": WEIGHTS, "experts": EXPERTS, "expert_w2": EXPERT_W2, "mla_cache": MLA_CACHE,
+                "cache_anchor_skip": CACHE_ANCHOR_SKIP, "prefetches": inserted, "expert_prefetches": experts,
+                "cache_prefetches": caches}

@@ -1,13 +1,17 @@
-"""l2_prefetch, l2_prefetch_experts: scheduling hint ops, asking L2 for weight bytes ahead of the kernel reading them.
+"""l2_prefetch, l2_prefetch_experts, l2_prefetch_pages: scheduling hint ops, asking L2 for bytes ahead of their reader.
 
     l2_prefetch(weight, start, nbytes) -> None
     l2_prefetch_experts(weight [E, ...], ids int [...], nbytes) -> None   the first nbytes of weight[e], e in ids
+    l2_prefetch_pages(kv_pages [NP, PS, L], page_rows [B, MP], positions [B, T]) -> None
+        every page a request's queries see: page_rows[b, j] for j <= max_t positions[b, t] // PS (MLA's latent cache)
 
 Reads nothing, writes nothing, returns nothing: the reference (and every backend without a kernel for it) does
 nothing, so a graph computes the same values with or without it. The prefetch_weights pass places it; the GPU kernel
 is kernels/l2_prefetch.py. `start` / `nbytes` are bytes of weight's storage; the range is clipped to the tensor
 (nbytes -1: to its end), so a later pass that shards the weight (tp) leaves a valid hint. l2_prefetch_experts reads
 its expert ids on the device (the router's picks); the tp pass drops it (a rank's experts are a slice of the ids).
+l2_prefetch_pages reads the page table and positions on the device too (they change every step; the cache rows were
+written by earlier steps, and the one this step writes is coherent in L2 whichever lands first).
 """
 
 from __future__ import annotations
@@ -51,3 +55,18 @@ def _(weight, ids, nbytes):
 
 
 register("l2_prefetch_experts", hint=True)
+
+
+@torch.library.custom_op("lingc::l2_prefetch_pages", mutates_args=())
+def l2_prefetch_pages(kv_pages: torch.Tensor, page_rows: torch.Tensor, positions: torch.Tensor) -> None:
+    """A hint: ask L2 for every cache page request b's queries see (page_rows[b, j], j <= max_t positions[b, t] // PS;
+    pages outside [0, NP) and requests with no position >= 0 are skipped). Nothing to compute here."""
+    return None
+
+
+@l2_prefetch_pages.register_fake
+def _(kv_pages, page_rows, positions):
+    return None
+
+
+register("l2_prefetch_pages", hint=True)
