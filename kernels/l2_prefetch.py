@@ -19,7 +19,9 @@ the bytes [p * CHUNK, min((p + 1) * CHUNK, nbytes)) of expert ids[i // PIECES] (
 l2_prefetch_pages (MLA's paged latent cache, read on the device: the page table and the positions): grid (P, B); a
 request's pieces are its MP pages x PIECES, CHUNK sized for the capacity as the experts kernel sizes it, and the
 pieces past its visible pages (0 .. max_t positions[b, t] // PS) prefetch nothing. The split reads those rows ~5 us
-later (prefetch_weights' MLA_CACHE places the hint), when only 64 CTAs (a split each) stream them at 8192 rows.
+later (prefetch_weights' MLA_CACHE places the hint), when only 64 CTAs (a split each) stream them at 8192 rows; on an
+H100 it then ran ~1 us a layer faster, but the kernels beside the prefetch slower: level or worse in the step, off
+(passes/prefetch_weights.py).
 
 How it runs in a step: the runtime launches it on a side stream that forks after the launches before it and joins at
 the graph's end (runtime/executor.py), never PDL-launched: a grid that issued prefetches stays alive until they land
@@ -229,13 +231,13 @@ def l2_prefetch_pages(kv_pages: torch.Tensor, page_rows: torch.Tensor, positions
     """Ask L2 for every page request b's queries see: page_rows[b, j] for j <= max_t positions[b, t] // PS (the
     page table and positions read on the device). A no-op off CUDA, under the interpreter, and where a page is not a
     whole number of 16 B pieces at a 16 B aligned address (cp.async.bulk.prefetch's rule; a hint may do nothing)."""
-    if kv_pages.device.type != "cuda" or triton.knobs.runtime.interpret or page_rows.numel() == 0:
-        return
     if kv_pages.dim() < 2 or page_rows.dim() != 2 or positions.dim() != 2 or positions.shape[0] != page_rows.shape[0] \
             or page_rows.is_floating_point() or positions.is_floating_point():
         raise ValueError(f"l2_prefetch_pages: want kv_pages [NP, PS, ...], integer page_rows [B, MP] and positions "
                          f"[B, T], got {list(kv_pages.shape)}, {list(page_rows.shape)} {page_rows.dtype}, "
                          f"{list(positions.shape)} {positions.dtype}")
+    if kv_pages.device.type != "cuda" or triton.knobs.runtime.interpret or page_rows.numel() == 0:
+        return
     elem = kv_pages.element_size()
     page_bytes = kv_pages[0].numel() * elem
     stride_page = kv_pages.stride(0) * elem

@@ -55,7 +55,23 @@ bytes at once fill the HBM's queue faster than the GEMM's pipelined loads do (th
 with the hint beside it against 11.58 without (kernel-l2-prefetch-experts-h100-20261205.json; 9.8 us only with a 4-8
 us lead, which the ids do not allow), and in the step greedy decode / verify went to 1.3519 / 3.0048 ms (w13), 1.3662
 / 3.1196 (w13 and w2), 1.3984 / 3.0037 (with the projections' hints) against 1.3371 / 2.6375.
-"""
+
+MLA's latent cache (MLA_CACHE; off): the Gluon split of each mla_attention reads its layer's visible cache rows (9.4 MB
+at 8192 rows) into shared memory from only 64 CTAs (one a 128-row split), so the hint
+
+    L3_attention_q_b_proj_rmsnorm_linear = lingc.rmsnorm_linear(...)                 # the anchor (CACHE_ANCHOR_SKIP 1)
+    L3_attention_mla_attention_l2_prefetch_pages = lingc.l2_prefetch_pages(state_layers_3_kv_pages, page_rows,
+                                                                          positions)
+    ... mla_prep, then L3_attention_mla_attention = lingc.mla_attention(...)
+
+asks L2 for them over the mla_prep and q_absorb launches, whose HBM idles (the page table and positions read on the
+device; kernels/l2_prefetch.py). Measured (2026-12-06, an H100, one process; bench/device_cache_prefetch_ab.sh,
+bench/results/step-ab-h100-20261206-mla-cache-prefetch.json; greedy decode / verify ms): base 1.3242 / 2.6216,
+1.3204 / 2.6215, 1.3216 / 2.6230; after the 1st / 2nd / 3rd streaming launch 1.3240 / 2.6246, 1.3182 / 2.6289,
+1.3219 / 2.6345: decode level, verify slower. The split did run faster from L2 (7.96 / 8.89 us a layer at decode /
+verify against 9.29 / 9.72), but q_absorb (1.74 / 4.71 against 1.02 / 3.01) and the q_b projection (3.72 against 3.35)
+slowed beside the prefetch (launches-h100-20261206-mla-cache-prefetch.json against launches-h100-20261206-b.json):
+most of the split's time is its MMA chain and round trips (kernels/mla_gluon.py), not the cache read."""
 
 from __future__ import annotations
 
@@ -81,7 +97,8 @@ MAX_BYTES = 32 << 20           # at most this much of one weight (the lm_head's 
 # an earlier hint overlaps more idle time but its lines must survive the streams in between in the 50 MB L2
 ANCHOR_SKIP: Any = os.environ.get("LINGC_PREFETCH_ANCHOR_SKIP", "1")
 ANCHOR_SKIP = int(ANCHOR_SKIP) if ANCHOR_SKIP.strip().isdigit() else ANCHOR_SKIP    # else apply() names the bad value
-WEIGHTS = env_flag("LINGC_PREFETCH_WEIGHT_HINTS", True)   # the projections' hints above (False: only the others, for A/Bs)
+# the projections' hints above (False, LINGC_PREFETCH_WEIGHT_HINTS=0: only the others, for A/Bs)
+WEIGHTS = env_flag("LINGC_PREFETCH_WEIGHT_HINTS", True)
 # the routed experts' hints: right after each up-GEMM's router (its launch done), l2_prefetch_experts(w13, ids, -1)
 # asks L2 for the picked experts' w13 from 132 programs at once, beside the up-GEMM's own pipelined loads; EXPERT_W2
 # adds their w2 (the down-GEMM's) after it on the side stream. Bench A/B knobs, off: measured slower (verify +370 /

@@ -6,8 +6,9 @@ predecessor's); without PDL there is no GDC instruction. The bulk path issues on
 the line path one prefetch.global.L2 a 128 B line; EVICT_LAST adds the evict_last policy to each. The experts kernel
 (l2_prefetch_experts) issues one bulk prefetch a thread a step, stores nothing and is never PDL-launched; its RECORD
 path (offsets and sizes stored instead of prefetched) runs in the interpreter, where the pieces must tile each picked
-expert's bytes once. The launchers do nothing off CUDA. Whether a prefetch pays is measured on the H200
-(bench/kernel_l2_prefetch.py, bench/device_prefetch_ab.sh)."""
+expert's bytes once; so does the pages kernel's (l2_prefetch_pages, MLA's latent cache: each visible page once,
+nothing past the last query's page, no invalid page id). The launchers do nothing off CUDA. Whether a prefetch pays
+is measured on the GPU (bench/kernel_l2_prefetch.py, bench/device_prefetch_ab.sh, bench/device_cache_prefetch_ab.sh)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,15 @@ WEIGHT_VARIANTS = [(944, True, True, False), (944, True, False, False), (1024, F
                    (944, True, False, True), (1024, False, False, True)]
 EXPERT_VARIANTS = [(9, 3 << 20, 1, False, True), (9, 3 << 20, 2, False, False), (9, 3 << 20, 1, True, False),
                    (54, 3 << 20, 1, False, True)]
+PAGE_VARIANTS = [(128, 64 * 576 * 2, 1, 8), (512, 64 * 576 * 2, 3, 1)]     # pages (MP), page bytes, iters, T_POW2
 
 _PROBE = r"""
 import json, sys, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from lingc.kernels.l2_prefetch import _l2_prefetch_kernel, _l2_prefetch_experts_kernel, expert_pieces
-weights, experts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+from lingc.kernels.l2_prefetch import (_l2_prefetch_kernel, _l2_prefetch_experts_kernel, _l2_prefetch_pages_kernel,
+                                       expert_pieces, page_pieces)
+weights, experts, pages = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 KEYS = {"trigger": "griddepcontrol.launch_dependents", "wait": "griddepcontrol.wait", "gdc": "griddepcontrol",
         "bulk": "cp.async.bulk.prefetch.L2.global", "line": "prefetch.global.L2", "store": "st.global",
         "policy": "createpolicy.fractional.L2::evict_last", "hinted": "cp.async.bulk.prefetch.L2.global.L2::cache_hint",
@@ -44,7 +47,7 @@ def found(src):
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
     lines = [l.strip() for l in ptx.splitlines() if not l.strip().startswith("//")]
     return {k: [i for i, l in enumerate(lines) if l.startswith(s) or (" " + s) in l] for k, s in KEYS.items()}
-out = {"weights": [], "experts": []}
+out = {"weights": [], "experts": [], "pages": []}
 for chunk, bulk, pdl, last in weights:
     sig = {"ptr": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "THREADS": "constexpr", "BULK": "constexpr",
            "PDL": "constexpr", "EVICT_LAST": "constexpr"}
@@ -59,15 +62,24 @@ for pairs, nbytes, iters, last, dedupe in experts:
     out["experts"].append(found(ASTSource(_l2_prefetch_experts_kernel, sig, {
         "CHUNK": chunk, "PIECES": pieces, "THREADS": 128, "ITERS": iters, "EVICT_LAST": last, "DEDUPE": dedupe,
         "NP_POW2": triton.next_power_of_2(pairs) if dedupe else 1})))
+for mp, page_bytes, iters, t_pow2 in pages:
+    chunk, pieces = page_pieces(mp, page_bytes)
+    sig = {"pages_ptr": "*u8", "rows_ptr": "*i32", "pos_ptr": "*i64", "rec_ptr": "*i32", "T": "i32", "MP": "i32",
+           "PS": "i32", "NUM_PAGES": "i32", "page_bytes": "i64", "stride_page": "i64", "stride_rb": "i32",
+           "stride_pb": "i32", "CHUNK": "constexpr", "PIECES": "constexpr", "THREADS": "constexpr",
+           "ITERS": "constexpr", "T_POW2": "constexpr", "EVICT_LAST": "constexpr"}
+    out["pages"].append(found(ASTSource(_l2_prefetch_pages_kernel, sig, {
+        "CHUNK": chunk, "PIECES": pieces, "THREADS": 128, "ITERS": iters, "T_POW2": t_pow2, "EVICT_LAST": False})))
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, list[dict[str, list[int]]]]:
-    """PTX line numbers of each KEYS instruction, per variant (WEIGHT_VARIANTS, EXPERT_VARIANTS order)."""
+    """PTX line numbers of each KEYS instruction per variant (WEIGHT_, EXPERT_, PAGE_VARIANTS order)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(WEIGHT_VARIANTS), json.dumps(EXPERT_VARIANTS)],
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(WEIGHT_VARIANTS), json.dumps(EXPERT_VARIANTS),
+                           json.dumps(PAGE_VARIANTS)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -179,3 +191,67 @@ def test_expert_pieces_tile_each_picked_expert_once(ids, nbytes: int, experts: i
     else:
         total = sum(b - a for part in covered.values() for a, b in part)
         assert total == len(want_experts) * nbytes
+
+
+# ---- l2_prefetch_pages (MLA's latent cache; prefetch_weights' MLA_CACHE) -------------------------------------------
+
+@pytest.mark.parametrize("variant", PAGE_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_page_prefetch_one_bulk_prefetch_a_step(compiled, variant) -> None:
+    """The pages kernel: ITERS bulk prefetches a thread, no store, no GDC instruction (a side-stream hint)."""
+    f = compiled["pages"][PAGE_VARIANTS.index(variant)]
+    assert len(f["bulk"]) == variant[2] and not f["store"] and not f["gdc"] and not f["policy"]
+
+
+def test_page_launcher_is_a_no_op_off_cuda_and_names_bad_shapes() -> None:
+    pages = torch.zeros(8, 4, 16, dtype=torch.bfloat16)
+    rows = torch.arange(4, dtype=torch.int32).reshape(1, 4)
+    pos = torch.tensor([[5]], dtype=torch.int64)
+    assert P.l2_prefetch_pages(pages, rows, pos) is None and P.LOWERINGS["l2_prefetch_pages"](pages, rows, pos) is None
+    with pytest.raises(ValueError, match=r"want kv_pages \[NP, PS, \.\.\.\], integer page_rows \[B, MP\] and "
+                                         r"positions \[B, T\], got \[8, 4, 16\], \[1, 4\] torch.int32, \[2, 1\]"):
+        P.l2_prefetch_pages(pages, rows, pos.expand(2, 1))
+    with pytest.raises(ValueError, match=r"\[4\] torch.int32"):
+        P.l2_prefetch_pages(pages, rows[0], pos)
+
+
+@pytest.mark.parametrize("positions, page_table", [
+    ([[5 * 64 + 3, 5 * 64 + 4], [-1, 2 * 64]], None),                 # a 2-query chain; a request's first position -1
+    ([[0, 0], [15 * 64 + 63, 15 * 64 + 63]], None),                   # one row; every page (the capacity)
+    ([[-1, -1], [9 * 64, 9 * 64 + 1]], [3, -1, 40, 99]),             # no query; page ids -1 / past NP at j = 1, 3
+])
+def test_page_pieces_tile_each_visible_page_once(positions, page_table) -> None:
+    """The pages kernel's address math in the interpreter (RECORD): request b's pieces tile exactly the pages
+    page_rows[b, j], j <= max_t positions[b, t] // PS (whole pages, 16 B aligned pieces, none spanning two pages),
+    nothing past them, nothing for a page id outside [0, NP), nothing where no position is >= 0."""
+    n_pages, ps, width, mp, programs = 40, 64, 576, 16, 4
+    page_bytes = ps * width * 2
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.stack([torch.randperm(n_pages, generator=gen)[:mp] for _ in range(2)]).to(torch.int32)
+    if page_table is not None:
+        for j, page in enumerate(page_table):
+            rows[1, j] = page
+    pos = torch.tensor(positions, dtype=torch.int64)
+    chunk, pieces = P.page_pieces(mp, page_bytes, programs)
+    grid = (min(programs, -(-mp * pieces // P.THREADS)), 2)
+    iters = -(-mp * pieces // (grid[0] * P.THREADS))
+    rec = torch.full((2 * iters * grid[0] * P.THREADS * 2,), -7, dtype=torch.int64)
+    P._l2_prefetch_pages_kernel[grid](
+        torch.empty(16, dtype=torch.uint8), rows, pos, rec, 2, mp, ps, n_pages, page_bytes, page_bytes, rows.stride(0),
+        pos.stride(0), CHUNK=chunk, PIECES=pieces, THREADS=P.THREADS, ITERS=iters, T_POW2=2, RECORD=True)
+    got = rec.reshape(2, -1, 2)
+    assert (got != -7).all()
+    for b in range(2):
+        last = max(positions[b])
+        want = sorted(p for p in rows[b, :last // ps + 1].tolist() if 0 <= p < n_pages) if last >= 0 else []
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for off, size in got[b].tolist():
+            if size <= 0:
+                continue
+            page = off // page_bytes
+            assert off % P.ALIGN == 0 and size <= chunk and (off + size - 1) // page_bytes == page
+            covered.setdefault(page, []).append((off - page * page_bytes, off - page * page_bytes + size))
+        assert sorted(covered) == want
+        for parts in covered.values():
+            parts.sort()
+            assert parts[0][0] == 0 and parts[-1][1] == page_bytes
+            assert all(a[1] == b_[0] for a, b_ in zip(parts, parts[1:]))   # contiguous, no overlap

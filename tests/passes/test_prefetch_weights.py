@@ -6,7 +6,9 @@ projections, o_proj, the MLA dense and the lm_head): where each hint sits and wh
 launch counts, the reference backend bit-exact and greedy NEXTN == plain decoding with the hints, the IR lint and
 fx's dead-code elimination keeping the result-less op, the JSON round trip, the tp pass sharding around it, the
 ENABLED switch, ANCHOR_SKIP, and the executor lowering the hint as a side-stream launch; then the same for the
-experts' hints (EXPERTS / EXPERT_W2: right after each up-GEMM's router ids, none in prefill, dropped by tp)."""
+experts' hints (EXPERTS / EXPERT_W2: right after each up-GEMM's router ids, none in prefill, dropped by tp) and
+for the MLA cache's (MLA_CACHE: before each mla_attention of up to 16 queries, after a streaming launch, none in
+prefill)."""
 
 from __future__ import annotations
 
@@ -98,7 +100,8 @@ def test_record(programs):
         count(after, g, "l2_prefetch") for g in after.graphs)
 
 
-@pytest.mark.parametrize("fixture", ["programs", "expert_programs"], ids=["weights", "experts"])
+@pytest.mark.parametrize("fixture", ["programs", "expert_programs", "cache_programs"],
+                         ids=["weights", "experts", "mla-cache"])
 def test_reference_exact_and_greedy_parity(request, fixture):
     """With either family of hints: the reference backend's values bit for bit, greedy NEXTN == plain decoding."""
     before, after, _ = request.getfixturevalue(fixture)
@@ -308,4 +311,91 @@ def test_expert_hints_lowered_as_side_launches(expert_programs):
     _, after, _ = expert_programs
     low = lower(after, "verify", backend="triton", pdl=True)
     hints = [x for x in low.launches if x.label == "triton:l2_prefetch_experts"]
+    assert hints and all(x.side and "pdl" not in x.kwargs for x in hints)
+
+
+# ---- the MLA cache's hints (MLA_CACHE, CACHE_ANCHOR_SKIP; a bench A/B knob, off by default) ------------------------
+
+@pytest.fixture(scope="module")
+def cache_programs(tiny_partitioned: Program):
+    """`all` + prefetch_weights with only the cache hints, at the scaled-down stream threshold; `before` is `all`."""
+    before = PassManager(["all"]).run(tiny_partitioned).program
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in SMALL.items():
+            mp.setattr(PW, key, value)
+        mp.setattr(PW, "WEIGHTS", False)
+        mp.setattr(PW, "MLA_CACHE", True)
+        result = PassManager(["all", "prefetch_weights"]).run(tiny_partitioned)
+    record = next(r for r in result.records if r.name == "prefetch_weights")
+    return before, result.program, record
+
+
+def test_cache_hints_off_by_default(programs):
+    _, after, record = programs
+    assert not PW.MLA_CACHE and not record.details["mla_cache"] and not record.details["cache_prefetches"]
+    assert all(count(after, g, "l2_prefetch_pages") == 0 for g in after.graphs)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_cache_hints_sit_after_a_stream_before_each_mla_attention(cache_programs, graph, small):
+    """One hint a mla_attention (the draft's four MTP steps too), naming its cache, page table and positions, right
+    after the nearest streaming launch before it (no stream between), no PDL annotation, its scope."""
+    before, after, record = cache_programs
+    g = after.graphs[graph]
+    targets = calls(g, "mla_attention")
+    hints = calls(g, "l2_prefetch_pages")
+    assert targets and len(hints) == len(targets) and count(after, graph, "l2_prefetch") == 0
+    assert launches(after, graph) == launches(before, graph) + len(hints)
+    rows = {r["before"]: r for r in record.details["cache_prefetches"] if r["graph"] == graph}
+    names = {n.name: n for n in g.nodes}
+    for target in targets:
+        hint = names[rows[target.name]["node"]]
+        assert hint.args == (target.args[2], target.args[4], target.args[5])
+        stream = _launches_before(hint)
+        assert stream.name == rows[target.name]["after"] and PW._streams(stream)
+        assert not _stream_launches_between(hint, target)
+        assert "lingc.pdl" not in hint.meta and hint.meta.get("lingc.scope") == target.meta.get("lingc.scope")
+
+
+def test_cache_hints_skip_prefill_and_anchor_skip(tiny_program, small, monkeypatch):
+    """Prefill's mla_attention (32 queries) gets none; CACHE_ANCHOR_SKIP 2 puts one more stream between hint and
+    target; below 1 is an error naming the variable."""
+    monkeypatch.setattr(PW, "MLA_CACHE", True)
+    monkeypatch.setattr(PW, "WEIGHTS", False)
+    program = only(tiny_program, ("prefill", "decode"))
+    result = PassManager(["all", "prefetch_weights"]).run(program)
+    assert calls(result.program.graphs["prefill"], "mla_attention")
+    assert count(result.program, "prefill", "l2_prefetch_pages") == 0
+    assert count(result.program, "decode", "l2_prefetch_pages") == len(calls(result.program.graphs["decode"],
+                                                                               "mla_attention")) > 0
+    monkeypatch.setattr(PW, "CACHE_ANCHOR_SKIP", 2)
+    earlier = PassManager(["all", "prefetch_weights"]).run(program).program.graphs["decode"]
+    names = {n.name: n for n in earlier.nodes}
+    for hint in calls(earlier, "l2_prefetch_pages"):
+        target = names[hint.name.removesuffix("_l2_prefetch_pages")]
+        assert len(_stream_launches_between(hint, target)) == 1
+    monkeypatch.setattr(PW, "CACHE_ANCHOR_SKIP", 0)
+    with pytest.raises(ValueError, match=r"CACHE_ANCHOR_SKIP \(LINGC_PREFETCH_CACHE_ANCHOR_SKIP\) must be at least 1"):
+        PassManager(["all", "prefetch_weights"]).run(program)
+
+
+def test_cache_hints_lint_dce_json_tp_and_lowering(cache_programs):
+    """The IR lint passes, dead-code elimination keeps the result-less hint, JSON round-trips it, the tp pass keeps
+    it (every rank holds the whole latent cache), and the triton backend lowers it as a side launch without PDL."""
+    from lingc.ir.lint import lint
+    from lingc.runtime.executor import lower
+
+    _, after, _ = cache_programs
+    lint(after)
+    graph = after.copy().graphs["verify"]
+    n = len(calls(graph, "l2_prefetch_pages"))
+    graph.eliminate_dead_code()
+    assert len(calls(graph, "l2_prefetch_pages")) == n > 0
+    loaded = graph_from_json(graph_to_json(after.graphs["decode"]), "decode")
+    assert [(x.name, x.target) for x in loaded.nodes] == [(x.name, x.target) for x in after.graphs["decode"].nodes]
+    result = CompileResult(only(after, ("decode",)))
+    run_tp_stage(result, 2)
+    assert count(result.program, "decode", "l2_prefetch_pages") == count(after, "decode", "l2_prefetch_pages")
+    low = lower(after, "verify", backend="triton", pdl=True)
+    hints = [x for x in low.launches if x.label == "triton:l2_prefetch_pages"]
     assert hints and all(x.side and "pdl" not in x.kwargs for x in hints)
