@@ -21,14 +21,7 @@ echo "== step A/B"
 timeout 360 python3 bench/device_step.py --only all --no-parity --variant "c1:$ON;$P.CACHE_ANCHOR_SKIP=1" \
   --variant 'base2:' --variant "c2:$ON;$P.CACHE_ANCHOR_SKIP=2" --variant "c3:$ON;$P.CACHE_ANCHOR_SKIP=3" \
   --variant 'base3:' --json "$OUT/ab.json" 2>&1 | grep -v Warning | tail -3
-python3 - "$OUT/ab.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["ablation"]:
-    s, n = r.get("step_greedy", {}).get("ms", {}), r.get("nextn_greedy", {}).get("ms", {})
-    print(f"{r['name']:28s} greedy decode {s.get('step_greedy', float('nan')):.4f}  verify "
-          f"{n.get('verify_greedy', float('nan')):.4f}  NEXTN {n.get('total', float('nan')):.4f} ms")
-PY
+python3 bench/device_step.py --rows "$OUT/ab.json"
 echo "== launches with the cache hint (skip $SKIP)"
 LINGC_PREFETCH_MLA_CACHE=1 LINGC_PREFETCH_WEIGHT_HINTS=0 LINGC_PREFETCH_CACHE_ANCHOR_SKIP=$SKIP timeout 170 \
   python3 bench/device_launches.py --pdl --passes all,prefetch_weights --graphs step_greedy,verify_greedy \

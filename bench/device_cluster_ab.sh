@@ -29,15 +29,7 @@ then
   LINGC_NORM_ROUTER_CLUSTER=1 timeout 330 python3 bench/device_step.py --only all --variant "cluster:$F" \
     --variant 'base2:' --variant "cluster2:$F" --variant 'base3:' --parity-passes all,fuse_norm_router \
     --json "$OUT/ab.json" 2>&1 | grep -v Warning | tail -3
-  python3 - "$OUT/ab.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["ablation"]:
-    s, n = r.get("step_greedy", {}).get("ms", {}), r.get("nextn_greedy", {}).get("ms", {})
-    print(f"{r['name']:28s} greedy decode {s.get('step_greedy', float('nan')):.4f}  verify "
-          f"{n.get('verify_greedy', float('nan')):.4f}  NEXTN {n.get('total', float('nan')):.4f} ms")
-print("parity", {k: v for k, v in d.get("greedy_parity", {}).items() if k != "graphs"})
-PY
+  python3 bench/device_step.py --rows "$OUT/ab.json"
 else
   echo "== step A/B skipped: the cluster router did not check out at 16 CTAs"
 fi

@@ -15,6 +15,7 @@ filtered_probs rows run the top-p search that greedy rows skip: the summary's *_
 
     python3 bench/device_step.py --json $OUT/step.json [--peers] [--e2e] [--only all]
         [--variant 'NAME:lingc.kernels.moe.UP_CONFIG={"block_n": 16}' ...] [--no-parity]
+    python3 bench/device_step.py --rows $OUT/ab.json      # no GPU: each row's greedy decode / verify / NEXTN ms
 
 A `--variant` re-runs the "all" row in the same process (weights, trace and compiled kernels shared, ~10-20 s a
 row once compiled) with tunables overridden, then restores them; its row is named "all@NAME". Assignments are
@@ -393,6 +394,20 @@ def end_to_end(program, prompt_len: int, new_tokens: int = 1024, accept: float =
     return out
 
 
+def print_rows(path: str) -> None:
+    """One line per ablation row of a stored result: greedy decode, verify and NEXTN step ms (nan where not run)."""
+    with open(path) as f:
+        result = json.load(f)
+    nan = float("nan")
+    for row in result.get("ablation", []):
+        step, nextn = row.get("step_greedy", {}).get("ms", {}), row.get("nextn_greedy", {}).get("ms", {})
+        print(f"{row['name']:28s} greedy decode {step.get('step_greedy', nan):.4f}  verify "
+              f"{nextn.get('verify_greedy', nan):.4f}  NEXTN {nextn.get('total', nan):.4f} ms")
+    parity = {k: v for k, v in result.get("greedy_parity", {}).items() if k != "graphs"}
+    if parity:
+        print("parity", parity)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="step.json")
@@ -426,10 +441,15 @@ def main() -> None:
                     "engines and, with --e2e, shard N-2 (or the only one) the end-to-end run's")
     ap.add_argument("--ab-rows", action="store_true",
                     help=f"also run the A/B rows after 'all' ({', '.join(AB_ROWS)})")
+    ap.add_argument("--rows", default=None, metavar="FILE",
+                    help="no GPU work: print each ablation row's greedy decode / verify / NEXTN ms of a stored result")
     ap.add_argument("--merge-peers", nargs="*", default=None, metavar="NAME=FILE",
                     help="no GPU work: add peer results (bench/peers.py JSON) to the --json file and re-summarize")
     args = ap.parse_args()
     started = time.perf_counter()
+    if args.rows is not None:
+        print_rows(args.rows)
+        return
     if args.merge_peers is not None:
         with open(args.json) as f:
             result = json.load(f)

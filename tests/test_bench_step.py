@@ -1,7 +1,8 @@
 """bench/device_step.py's launches_pdl: the step benchmark launches with PDL exactly when the pdl pass runs, also
 when it comes in through `all` (the bug it replaced tested `"pdl" in passes`, so every `all` row ran without PDL);
 its `--variant` parser: the values it builds, and bad specs refused before any GPU work; and the table call's row
-plan under `--budget-s`: the rows the table needs first, the ablation's order kept, the A/B rows only on request."""
+plan under `--budget-s`: the rows the table needs first, the ablation's order kept, the A/B rows only on request; and
+`--rows`, the stored result's rows printed without a GPU."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import pytest  # noqa: E402
 
 from device_step import (AB_ROWS, ablation_sets, launches_pdl, parse_variant,  # noqa: E402
-                         row_cost_guess, split_by_budget)
+                         print_rows, row_cost_guess, split_by_budget)
 
 
 def test_pdl_through_all_and_by_name():
@@ -166,3 +167,19 @@ def test_sampling_copies_keys_requests_and_floors():
     assert ds.PLAIN["top_p"] == 1.0 and ds.SAMPLED["top_p"] < 1.0
     assert [ds.source_graph(g) for g in ("verify_plain", "draft_nucleus", "step_greedy", "extend")] == [
         "verify", "draft", "step", "extend"]
+
+
+def test_rows_prints_each_rows_greedy_times_and_the_parity(tmp_path, capsys):
+    """--rows: one line per ablation row (nan for a graph the row did not time), then the parity without its graphs."""
+    import json
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps({"ablation": [
+        {"name": "all", "step_greedy": {"ms": {"step_greedy": 1.25}},
+         "nextn_greedy": {"ms": {"verify_greedy": 2.5, "total": 3.75}}},
+        {"name": "all@x", "step_greedy": {"ms": {"step_greedy": 1.5}}}],
+        "greedy_parity": {"nextn_equals_plain": True, "graphs": ["step"]}}))
+    print_rows(str(path))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["all", "greedy", "decode", "1.2500", "verify", "2.5000", "NEXTN", "3.7500", "ms"]
+    assert out[1].split()[3] == "1.5000" and out[1].split()[5] == "nan"
+    assert out[2] == "parity {'nextn_equals_plain': True}"

@@ -212,13 +212,20 @@ def expert_programs(tiny_partitioned: Program, programs):
     """`all` + prefetch_weights with only the experts' hints (w13 and w2); `before` is `all` alone. Both without
     fuse_router_into_moe: its one-token layers have no router ids to hint from (they live inside the GEMMs)."""
     from lingc.passes.fuse_router_into_moe import FuseRouterIntoMoe
+    return _with_hints(tiny_partitioned, [(PW, "WEIGHTS", False), (PW, "EXPERTS", True), (PW, "EXPERT_W2", True)],
+                       both=[(FuseRouterIntoMoe, "in_all", False)])
+
+
+def _with_hints(program: Program, knobs, both=()):
+    """(`all`, `all` + prefetch_weights, its record) of `program`, each (owner, attribute, value) of `both` set for
+    the two compiles and each of `knobs` for the second only."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(FuseRouterIntoMoe, "in_all", False)
-        before = PassManager(["all"]).run(tiny_partitioned).program
-        mp.setattr(PW, "WEIGHTS", False)
-        mp.setattr(PW, "EXPERTS", True)
-        mp.setattr(PW, "EXPERT_W2", True)
-        result = PassManager(["all", "prefetch_weights"]).run(tiny_partitioned)
+        for owner, key, value in both:
+            mp.setattr(owner, key, value)
+        before = PassManager(["all"]).run(program).program
+        for owner, key, value in knobs:
+            mp.setattr(owner, key, value)
+        result = PassManager(["all", "prefetch_weights"]).run(program)
     record = next(r for r in result.records if r.name == "prefetch_weights")
     return before, result.program, record
 
@@ -281,18 +288,23 @@ def test_expert_hints_skip_prefill(tiny_program):
     assert count(result.program, "decode", "l2_prefetch_experts") == len(_ups(result.program.graphs["decode"])) > 0
 
 
-def test_expert_hints_lint_dce_json(expert_programs):
+def _lint_dce_json(after: Program, op: str) -> None:
+    """The IR lint passes; dead-code elimination keeps verify's result-less `op` hints; decode's JSON round trip keeps
+    every node, the hints among them."""
     from lingc.ir.lint import lint
 
-    _, after, _ = expert_programs
     lint(after)
     graph = after.copy().graphs["verify"]
-    n = len(calls(graph, "l2_prefetch_experts"))
+    n = len(calls(graph, op))
     graph.eliminate_dead_code()
-    assert len(calls(graph, "l2_prefetch_experts")) == n > 0
+    assert len(calls(graph, op)) == n > 0
     loaded = graph_from_json(graph_to_json(after.graphs["decode"]), "decode")
-    assert [(x.name, x.target, x.args) for x in loaded.nodes if x.target is OPS.l2_prefetch_experts] != []
-    assert [x.name for x in loaded.nodes] == [x.name for x in after.graphs["decode"].nodes]
+    assert [x for x in loaded.nodes if x.target is OPS[op]] != []
+    assert [(x.name, x.target) for x in loaded.nodes] == [(x.name, x.target) for x in after.graphs["decode"].nodes]
+
+
+def test_expert_hints_lint_dce_json(expert_programs):
+    _lint_dce_json(expert_programs[1], "l2_prefetch_experts")
 
 
 def test_tp_drops_the_expert_hints(expert_programs):
@@ -319,15 +331,8 @@ def test_expert_hints_lowered_as_side_launches(expert_programs):
 @pytest.fixture(scope="module")
 def cache_programs(tiny_partitioned: Program):
     """`all` + prefetch_weights with only the cache hints, at the scaled-down stream threshold; `before` is `all`."""
-    before = PassManager(["all"]).run(tiny_partitioned).program
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in SMALL.items():
-            mp.setattr(PW, key, value)
-        mp.setattr(PW, "WEIGHTS", False)
-        mp.setattr(PW, "MLA_CACHE", True)
-        result = PassManager(["all", "prefetch_weights"]).run(tiny_partitioned)
-    record = next(r for r in result.records if r.name == "prefetch_weights")
-    return before, result.program, record
+    knobs = [(PW, key, value) for key, value in SMALL.items()] + [(PW, "WEIGHTS", False), (PW, "MLA_CACHE", True)]
+    return _with_hints(tiny_partitioned, knobs)
 
 
 def test_cache_hints_off_by_default(programs):
@@ -382,17 +387,10 @@ def test_cache_hints_skip_prefill_and_anchor_skip(tiny_program, small, monkeypat
 def test_cache_hints_lint_dce_json_tp_and_lowering(cache_programs):
     """The IR lint passes, dead-code elimination keeps the result-less hint, JSON round-trips it, the tp pass keeps
     it (every rank holds the whole latent cache), and the triton backend lowers it as a side launch without PDL."""
-    from lingc.ir.lint import lint
     from lingc.runtime.executor import lower
 
     _, after, _ = cache_programs
-    lint(after)
-    graph = after.copy().graphs["verify"]
-    n = len(calls(graph, "l2_prefetch_pages"))
-    graph.eliminate_dead_code()
-    assert len(calls(graph, "l2_prefetch_pages")) == n > 0
-    loaded = graph_from_json(graph_to_json(after.graphs["decode"]), "decode")
-    assert [(x.name, x.target) for x in loaded.nodes] == [(x.name, x.target) for x in after.graphs["decode"].nodes]
+    _lint_dce_json(after, "l2_prefetch_pages")
     result = CompileResult(only(after, ("decode",)))
     run_tp_stage(result, 2)
     assert count(result.program, "decode", "l2_prefetch_pages") == count(after, "decode", "l2_prefetch_pages")
