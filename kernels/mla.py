@@ -759,13 +759,18 @@ def _mla_prep_kernel(q_ptr, c_ptr, k_ptr, w_ptr, kv_ptr, locs_ptr, pos_ptr, qout
                      stride_qb, stride_qt, stride_qh, stride_c, stride_k, stride_row,
                      stride_locs_b, stride_locs_t, stride_pos_b, stride_pos_t,
                      BLOCK_NH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                     MUL_RN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False):
+                     MUL_RN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False,
+                     ENTRY_TRIGGER: tl.constexpr = False):
     """Token m: q_rope[m] = rope(q_pe[m]); cache row cache_locs[m] = [rmsnorm(c_kv[m]) | rope(k_pe[m])].
 
     The norm is the rmsnorm kernel's: the same row code (_rmsnorm_row) on a row addressed as it addresses one
     (c_kv as [M, R], row = program id), the launcher gives it that kernel's BLOCK_N and num_warps and its fp fusion
     (on); the ropes run the rope kernel's code with every product an explicit round-to-nearest multiply (MUL_RN) so
-    that fusion cannot contract them (the rope kernel launches with fusion off)."""
+    that fusion cannot contract them (the rope kernel launches with fusion off). ENTRY_TRIGGER (PDL only): the next
+    launch, mla_attention's q_absorb, may start at this kernel's entry (the launcher's entry_trigger)."""
+    if PDL:
+        if ENTRY_TRIGGER:
+            pdl_launch_next()
     m = tl.program_id(0)
     row = m.to(tl.int64)
     b, t = m // T, m % T
@@ -1033,12 +1038,14 @@ def sigmoid_gate(x: torch.Tensor, gate_logits: torch.Tensor, *, pdl: bool = Fals
 
 def mla_prep(q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_norm_weight: torch.Tensor,
              kv_pages: torch.Tensor, cache_locs: torch.Tensor, positions: torch.Tensor, theta: float, eps: float, *,
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, entry_trigger: bool = False) -> torch.Tensor:
     """rope(q_pe) and the cache rows [rmsnorm(c_kv) | rope(k_pe)] in one launch, as torch.ops.lingc.mla_prep.
 
     q_pe [B, T, H, Rr], c_kv [B, T, R], k_pe [B, T, Rr] (views of the projections), kv_norm_weight [R], kv_pages
     [NP, PS, R + Rr] (written at cache_locs [B, T]), positions [B, T]. Returns q_rope [B, T, H, Rr] in q_pe's dtype.
-    pdl is dropped where unsupported.
+    pdl is dropped where unsupported. entry_trigger (a launch hint, PDL only): the next launch may start at this
+    kernel's entry (passes/pdl.py PREP_ENTRY_TRIGGER: mla_attention, whose q_absorb reads only kv_b before its wait and
+    whose split, launched at q_absorb's entry, reads only older cache rows, positions and page rows before its own).
     """
     _want(q_pe.dim() == 4 and q_pe.shape[3] % 2 == 0,
           f"mla_prep: q_pe must be [B, T, H, Rr] with Rr even, got {list(q_pe.shape)}")
@@ -1067,7 +1074,8 @@ def mla_prep(q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_norm
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), c2.stride(0), k2.stride(0), kv_pages.stride(1),
         cache_locs.stride(0), cache_locs.stride(1), positions.stride(0), positions.stride(1),
         BLOCK_NH=_pow2(H), BLOCK_HALF=_pow2(Rr // 2), BLOCK_R=block_r,
-        MUL_RN=q_pe.is_cuda and not _interpreting(), PDL=pdl, LATE_TRIGGER=late_trigger("mla_prep", pdl, B * T),
+        MUL_RN=q_pe.is_cuda and not _interpreting(), PDL=pdl,
+        LATE_TRIGGER=late_trigger("mla_prep", pdl, B * T, entry_trigger), ENTRY_TRIGGER=pdl and entry_trigger,
         num_warps=_norm_warps(block_r), **launch)
     return q_rope
 

@@ -27,6 +27,8 @@ Entry triggers (`mark_entry_triggers`, after the rest): a norm or MLA attention 
 reads only weights before its wait gets the launch hint entry_trigger (it triggers at its entry, so the linear's
 weight read overlaps the kernel before the norm) and the linear launched_early (kernels/linear_tma.py); row limits
 from the H200 A/Bs (ENTRY_TRIGGER_MAX_ROWS, ENTRY_TRIGGER_ROWS; ENTRY_TRIGGER_SMALL_ROWS for small weights, off).
+PREP_ENTRY_TRIGGER (off, an A/B knob): mla_prep before mla_attention triggers at its entry too, so q_absorb and,
+at q_absorb's entry, the split launch one kernel sooner and the split's early cache copies overlap mla_prep as well.
 Scheduling only: numerics unchanged.
 
 Before:  L1_attention_q_conv1d_kda_conv, L1_attention_k_proj_linear, L1_attention_k_conv1d_kda_conv, ...
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from lingc.knobs import env_flag
 from lingc.ops import OPS
 from lingc.program import Program
 from lingc.passes.base import Pass
@@ -186,6 +189,17 @@ ENTRY_TRIGGER_ROWS: dict[str, int] = {"gated_rmsnorm": 16, "mla_attention": 16}
 # 2.1248 / 2.1267 ms (step-ab-h200-20261205.json, --variant 'small:lingc.passes.pdl.ENTRY_TRIGGER_SMALL_ROWS=16')
 ENTRY_TRIGGER_SMALL_ROWS = 0
 ENTRY_TRIGGER_SMALL_WEIGHT_BYTES = 8 << 20
+# mla_prep -> mla_attention (PREP_ENTRY_TRIGGER, LINGC_PDL_PREP_ENTRY=1; off): mla_prep triggers at its entry. What
+# runs early then: q_absorb's pre-wait part (kv_b, a weight) and, since q_absorb triggers at its entry
+# (kernels/mla.py QA_ENTRY), the split's (positions and page rows, written at the step's head, and cache rows older
+# than this step's first position; never the row mla_prep writes, which the split copies after its wait). Every
+# kernel still waits before its exit, so the split's wait (q_absorb complete) still implies mla_prep's completion;
+# what the extra entry trigger gives up is only "the launch two back has completed" at the split's pre-wait code, and
+# nothing the split reads there comes from mla_prep. Up to PREP_ENTRY_MAX_ROWS tokens (decode, verify, the draft)
+PREP_ENTRY_TRIGGER = env_flag("LINGC_PDL_PREP_ENTRY", False)
+PREP_ENTRY_MAX_ROWS = 16
+# the ops that may carry the entry_trigger hint (runtime/executor.py LAUNCH_HINTS lists the same)
+ENTRY_TRIGGER_HINT_OPS = ENTRY_TRIGGER_OPS + ("mla_prep",)
 
 
 def _rows(node: fx.Node) -> int | None:
@@ -236,6 +250,15 @@ def mark_entry_triggers(graph: fx.Graph) -> list[str]:
                 node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
                 if nxt.target is OPS.linear:     # its launcher may then take the Gluon path at more rows
                     nxt.meta["lingc.launch"] = {**nxt.meta.get("lingc.launch", {}), "launched_early": True}
+                marked.append(node.name)
+    if PREP_ENTRY_TRIGGER:
+        for node in calls(graph, "mla_prep"):
+            nxt = _next_launch(node)
+            q_pe = node.args[0].meta.get("lingc.tensor") if isinstance(node.args[0], fx.Node) else None
+            tokens = int(q_pe.shape[0]) * int(q_pe.shape[1]) if q_pe is not None and len(q_pe.shape) == 4 else None
+            if nxt is not None and nxt.target is OPS.mla_attention and "lingc.pdl" in node.meta \
+                    and "lingc.pdl" in nxt.meta and tokens is not None and 1 <= tokens <= PREP_ENTRY_MAX_ROWS:
+                node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
                 marked.append(node.name)
     return marked
 

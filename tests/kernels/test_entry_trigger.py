@@ -11,7 +11,7 @@ import torch
 
 from kernel_support import poisoned_empty  # tests/kernels is on sys.path
 from lingc.kernels import kda, mla, moe, rmsnorm
-from lingc.passes.pdl import ENTRY_TRIGGER_OPS
+from lingc.passes.pdl import ENTRY_TRIGGER_HINT_OPS
 from lingc.runtime.executor import LAUNCH_HINTS
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -21,8 +21,8 @@ EPS = 1e-6
 def test_every_entry_trigger_op_takes_the_hint():
     launchers = {"rmsnorm": rmsnorm.rmsnorm, "add_rmsnorm": rmsnorm.add_rmsnorm, "gated_rmsnorm": kda.gated_rmsnorm,
                  "combine_add_rmsnorm": moe.combine_add_rmsnorm, "mla_attention": mla.mla_attention,
-                 "embedding_rmsnorm": rmsnorm.embedding_rmsnorm}
-    assert set(ENTRY_TRIGGER_OPS) == set(launchers)
+                 "embedding_rmsnorm": rmsnorm.embedding_rmsnorm, "mla_prep": mla.mla_prep}
+    assert set(ENTRY_TRIGGER_HINT_OPS) == set(launchers)
     for op, fn in launchers.items():
         assert LAUNCH_HINTS[op] == {"entry_trigger": bool}, op
         assert inspect.signature(fn).parameters["entry_trigger"].default is False, op

@@ -130,3 +130,33 @@ def test_lingc_graphs_mark_the_kda_norm_and_mla(tiny_partitioned: Program, monke
     monkeypatch.setattr(pdl_pass, "ENTRY_TRIGGER", False)
     _, off = Pdl().run(tiny_partitioned)
     assert off.details["entry_trigger"] == []
+
+
+def test_prep_entry_trigger_marks_mla_prep_before_mla_attention(tiny_partitioned: Program, monkeypatch):
+    """PREP_ENTRY_TRIGGER (an A/B knob, off): after `all`, every mla_prep of up to PREP_ENTRY_MAX_ROWS tokens whose next
+    launch is its mla_attention carries entry_trigger (decode, verify, the draft), prefill's 32-token one does not, the
+    executor accepts the hint, and the Triton lowering passes it to the launcher; off, no mla_prep is marked."""
+    from lingc.passes.matchers import calls
+    from lingc.passes.manager import PassManager
+    from lingc.runtime.executor import lower
+
+    off = PassManager(["all"]).run(tiny_partitioned).program
+    assert not any(n.meta.get("lingc.launch", {}).get("entry_trigger")
+                   for g in off.graphs.values() for n in calls(g, "mla_prep"))
+    monkeypatch.setattr(pdl_pass, "PREP_ENTRY_TRIGGER", True)
+    result = PassManager(["all"]).run(tiny_partitioned)
+    marked = {m for m in next(r for r in result.records if r.name == "pdl").details["entry_trigger"]}
+    seen = set()
+    for gname, graph in result.program.graphs.items():
+        for node in calls(graph, "mla_prep"):
+            tokens = int(node.args[0].meta["lingc.tensor"].shape[1])
+            hinted = node.meta.get("lingc.launch", {}).get("entry_trigger", False)
+            assert hinted == (tokens <= pdl_pass.PREP_ENTRY_MAX_ROWS), (gname, node.name)
+            if hinted:
+                assert pdl_pass._next_launch(node).target is OPS.mla_attention
+                assert launch_hints(node) == {"entry_trigger": True} and f"{gname}:{node.name}" in marked
+                seen.add(gname)
+    assert seen >= {"decode", "verify", "draft", "step"} and "prefill" not in seen
+    low = lower(result.program, "verify", backend="triton", pdl=True)
+    preps = [x for x in low.launches if x.label == "triton:mla_prep"]
+    assert preps and all(x.kwargs.get("entry_trigger") is True for x in preps)
