@@ -889,7 +889,7 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
                    split_rows: int | None = None, block_n: int | None = None, split_warps: int | None = None,
                    split_stages: int | None = None, combine_block_s: int | None = None,
                    combine_block_r: int | None = None, entry_trigger: bool = False,
-                   combine_absorb: bool | None = None) -> torch.Tensor:
+                   combine_absorb: bool | None = None, late_q: bool = False) -> torch.Tensor:
     """`mla_attention` with the split tunables exposed (tests use small splits; the bench sweeps them). A tunable
     left None is the module's value at call time (bench/device_step.py --variant overrides those)."""
     split_rows = SPLIT_ROWS if split_rows is None else split_rows
@@ -925,8 +925,8 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
     qa_tile = QA_TILE_M if QA_TILE else 0
     _q_absorb_kernel[(H, triton.cdiv(R, QA_BLOCK_R), triton.cdiv(M, qa_tile) if qa_tile else M)](
         q_nope, kv_b, q_lat, M, T, q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), kv_b.stride(0),
-        H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl, EARLY=QA_EARLY,
-        ENTRY=QA_ENTRY, TILE_M=qa_tile, IEEE=fp32 or _interpreting(),
+        H=H, N=N, R=R, HEAD_ROWS=head_rows, BLOCK_NOPE=_pow2(N), BLOCK_R=QA_BLOCK_R, PDL=pdl,
+        EARLY=QA_EARLY and not late_q, ENTRY=QA_ENTRY, TILE_M=qa_tile, IEEE=fp32 or _interpreting(),
         num_warps=GEMV_WARPS, **launch)
     gluon = gluon and mla_gluon.launch(
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, B, T, S, capacity, scale * LOG2E, pdl)
@@ -968,17 +968,20 @@ def _mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.T
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, kv_b_weight: torch.Tensor,
                   page_rows: torch.Tensor, positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
-                  *, pdl: bool = False, entry_trigger: bool = False) -> torch.Tensor:
+                  *, pdl: bool = False, entry_trigger: bool = False, late_q: bool = False) -> torch.Tensor:
     """Weight-absorbed split-KV decode attention, as torch.ops.lingc.mla_attention: [B, T, H, Vd] in q's dtype.
 
     q_nope [B, T, H, N], q_rope [B, T, H, Rr] (rotated), kv_pages [NP, PS, R + Rr], kv_b_weight
     [H * (N + Vd), R], page_rows [B, MP] int, positions [B, T] int (query t sees rows j <= positions[b, t];
     positions must be < MP * PS). gate [B, T, H] (fuse_mla): the output times sigmoid(gate) as sigmoid_gate
     computes it, in v_absorb's epilogue. pdl is dropped where unsupported. entry_trigger (a launch hint, PDL only):
-    the last kernel, v_absorb, lets the next launch start at its entry (kernels/pdl.py).
+    the last kernel, v_absorb, lets the next launch start at its entry (kernels/pdl.py). late_q (a launch hint):
+    q_absorb loads q_nope after its PDL wait, never before it (QA_EARLY off for this launch): the pdl pass sets it
+    where the launch before triggers at its entry (passes/pdl.py PREP_ENTRY_TRIGGER), since q_nope's writer, two
+    launches back, may then still run when q_absorb's pre-wait code does.
     """
     return _mla_attention(q_nope, q_rope, kv_pages, kv_b_weight, page_rows, positions, scale, gate, pdl=pdl,
-                          entry_trigger=entry_trigger)
+                          entry_trigger=entry_trigger, late_q=late_q)
 
 
 def mla_cache_write(kv_pages: torch.Tensor, latent: torch.Tensor, cache_locs: torch.Tensor, *,

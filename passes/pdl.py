@@ -195,7 +195,10 @@ ENTRY_TRIGGER_SMALL_WEIGHT_BYTES = 8 << 20
 # than this step's first position; never the row mla_prep writes, which the split copies after its wait). Every
 # kernel still waits before its exit, so the split's wait (q_absorb complete) still implies mla_prep's completion;
 # what the extra entry trigger gives up is only "the launch two back has completed" at the split's pre-wait code, and
-# nothing the split reads there comes from mla_prep. Up to PREP_ENTRY_MAX_ROWS tokens (decode, verify, the draft)
+# nothing the split reads there comes from mla_prep. q_absorb's pre-wait code, though, runs EARLY by default: it loads
+# q_nope, which the q_b projection two launches back writes, relying on mla_prep's trigger following mla_prep's wait;
+# so the pass gives that mla_attention the launch hint late_q (q_absorb loads q after its wait). Up to
+# PREP_ENTRY_MAX_ROWS tokens (decode, verify, the draft)
 PREP_ENTRY_TRIGGER = env_flag("LINGC_PDL_PREP_ENTRY", False)
 PREP_ENTRY_MAX_ROWS = 16
 # the ops that may carry the entry_trigger hint (runtime/executor.py LAUNCH_HINTS lists the same)
@@ -259,6 +262,7 @@ def mark_entry_triggers(graph: fx.Graph) -> list[str]:
             if nxt is not None and nxt.target is OPS.mla_attention and "lingc.pdl" in node.meta \
                     and "lingc.pdl" in nxt.meta and tokens is not None and 1 <= tokens <= PREP_ENTRY_MAX_ROWS:
                 node.meta["lingc.launch"] = {**node.meta.get("lingc.launch", {}), "entry_trigger": True}
+                nxt.meta["lingc.launch"] = {**nxt.meta.get("lingc.launch", {}), "late_q": True}
                 marked.append(node.name)
     return marked
 

@@ -75,11 +75,13 @@ class Lowered:
 # sees and which never change what the op computes (docs/ir.md). Only these keys and value types are accepted: an
 # artifact names data, never arbitrary launcher arguments.
 LAUNCH_HINTS = {"moe_up_act": {"shared_last": bool}, "moe_up_act_pairs": {"shared_last": bool},
-                # the pdl pass's entry triggers: passes/pdl.py ENTRY_TRIGGER_HINT_OPS (tests/kernels/test_entry_trigger.py
-                # keeps the two lists equal; the runtime does not import passes)
+                # the pdl pass's entry triggers: passes/pdl.py ENTRY_TRIGGER_HINT_OPS
+                # (tests/kernels/test_entry_trigger.py keeps the two lists equal; the runtime does not import passes)
                 **{op: {"entry_trigger": bool} for op in ("rmsnorm", "add_rmsnorm", "gated_rmsnorm",
                                                           "combine_add_rmsnorm", "mla_attention",
                                                           "embedding_rmsnorm", "mla_prep")},
+                # after an entry-triggering mla_prep (passes/pdl.py PREP_ENTRY_TRIGGER): q_absorb reads q after its wait
+                "mla_attention": {"entry_trigger": bool, "late_q": bool},
                 "linear": {"launched_early": bool}}
 
 

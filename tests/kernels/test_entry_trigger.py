@@ -24,7 +24,8 @@ def test_every_entry_trigger_op_takes_the_hint():
                  "embedding_rmsnorm": rmsnorm.embedding_rmsnorm, "mla_prep": mla.mla_prep}
     assert set(ENTRY_TRIGGER_HINT_OPS) == set(launchers)
     for op, fn in launchers.items():
-        assert LAUNCH_HINTS[op] == {"entry_trigger": bool}, op
+        assert LAUNCH_HINTS[op] == ({"entry_trigger": bool, "late_q": bool} if op == "mla_attention"
+                                    else {"entry_trigger": bool}), op
         assert inspect.signature(fn).parameters["entry_trigger"].default is False, op
 
 
@@ -49,3 +50,30 @@ def test_norms_give_the_same_bits_with_the_hint():
         for a, b in zip(rmsnorm.embedding_rmsnorm(ids, e, w, EPS, entry_trigger=True),
                         rmsnorm.embedding_rmsnorm(ids, e, w, EPS)):
             assert torch.equal(a, b)
+
+
+def test_late_q_turns_q_absorbs_early_path_off(monkeypatch):
+    """mla_attention's late_q hint (set by the pdl pass after an entry-triggering mla_prep) launches q_absorb with
+    EARLY off, whatever QA_EARLY says; without it EARLY follows QA_EARLY."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["EARLY"])
+                raise Stop
+            return launch
+
+    monkeypatch.setattr(mla, "_q_absorb_kernel", Recorder())
+    monkeypatch.setattr(mla, "QA_EARLY", True)
+    g = torch.Generator().manual_seed(0)
+    q_nope, q_rope = torch.randn(1, 1, 2, 8, generator=g), torch.randn(1, 1, 2, 4, generator=g)
+    pages, kv_b = torch.randn(2, 4, 20, generator=g), torch.randn(2 * (8 + 8), 16, generator=g)
+    rows, pos = torch.tensor([[0, 1]]), torch.tensor([[5]])
+    for late in (False, True):
+        with pytest.raises(Stop):
+            mla.mla_attention(q_nope, q_rope, pages, kv_b, rows, pos, 0.1, late_q=late)
+    assert seen == [True, False]

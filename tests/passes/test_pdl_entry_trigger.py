@@ -135,7 +135,8 @@ def test_lingc_graphs_mark_the_kda_norm_and_mla(tiny_partitioned: Program, monke
 def test_prep_entry_trigger_marks_mla_prep_before_mla_attention(tiny_partitioned: Program, monkeypatch):
     """PREP_ENTRY_TRIGGER (an A/B knob, off): after `all`, every mla_prep of up to PREP_ENTRY_MAX_ROWS tokens whose next
     launch is its mla_attention carries entry_trigger (decode, verify, the draft), prefill's 32-token one does not, the
-    executor accepts the hint, and the Triton lowering passes it to the launcher; off, no mla_prep is marked."""
+    executor accepts the hint, and the Triton lowering passes it to the launcher, with late_q on that mla_attention
+    (q_absorb then loads q after its wait: q_nope's writer may still run); off, nothing is marked."""
     from lingc.passes.matchers import calls
     from lingc.passes.manager import PassManager
     from lingc.runtime.executor import lower
@@ -143,6 +144,8 @@ def test_prep_entry_trigger_marks_mla_prep_before_mla_attention(tiny_partitioned
     off = PassManager(["all"]).run(tiny_partitioned).program
     assert not any(n.meta.get("lingc.launch", {}).get("entry_trigger")
                    for g in off.graphs.values() for n in calls(g, "mla_prep"))
+    assert not any(n.meta.get("lingc.launch", {}).get("late_q") for g in off.graphs.values()
+                   for n in calls(g, "mla_attention"))
     monkeypatch.setattr(pdl_pass, "PREP_ENTRY_TRIGGER", True)
     result = PassManager(["all"]).run(tiny_partitioned)
     marked = {m for m in next(r for r in result.records if r.name == "pdl").details["entry_trigger"]}
@@ -152,11 +155,14 @@ def test_prep_entry_trigger_marks_mla_prep_before_mla_attention(tiny_partitioned
             tokens = int(node.args[0].meta["lingc.tensor"].shape[1])
             hinted = node.meta.get("lingc.launch", {}).get("entry_trigger", False)
             assert hinted == (tokens <= pdl_pass.PREP_ENTRY_MAX_ROWS), (gname, node.name)
-            if hinted:
-                assert pdl_pass._next_launch(node).target is OPS.mla_attention
+            if hinted:   # and its mla_attention's q_absorb loads q after its wait: q_nope's writer may still run
+                attention = pdl_pass._next_launch(node)
+                assert attention.target is OPS.mla_attention and launch_hints(attention)["late_q"] is True
                 assert launch_hints(node) == {"entry_trigger": True} and f"{gname}:{node.name}" in marked
                 seen.add(gname)
     assert seen >= {"decode", "verify", "draft", "step"} and "prefill" not in seen
     low = lower(result.program, "verify", backend="triton", pdl=True)
     preps = [x for x in low.launches if x.label == "triton:mla_prep"]
     assert preps and all(x.kwargs.get("entry_trigger") is True for x in preps)
+    attention = [x for x in low.launches if x.label == "triton:mla_attention"]
+    assert len(attention) == len(preps) and all(x.kwargs.get("late_q") is True for x in attention)
