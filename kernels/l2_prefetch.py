@@ -122,6 +122,21 @@ def l2_prefetch(weight: torch.Tensor, start: int = 0, nbytes: int = -1, *, pdl: 
 
 
 @triton.jit
+def _item_piece(base_ptr, rec, ok, item_offset, off, item_bytes, CHUNK: tl.constexpr, EVICT_LAST: tl.constexpr,
+                RECORD: tl.constexpr):
+    """One piece a thread of the item-wise kernels (an expert, a cache page): bytes [off, min(off + CHUNK, item_bytes))
+    of the item at byte item_offset from base_ptr, nothing where not ok; RECORD: its (offset, size) stored at rec
+    (int64 pairs) instead of prefetched."""
+    size = tl.where(ok, tl.minimum(item_bytes - off, CHUNK), 0).to(tl.int32)
+    rel = tl.where(ok, item_offset + off, 0)
+    if RECORD:
+        tl.store(rec, rel)
+        tl.store(rec + 1, size.to(tl.int64))
+    else:
+        _bulk_prefetch(base_ptr + rel, size, EVICT_LAST)
+
+
+@triton.jit
 def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, rec_ptr, NP, E, expert_bytes, nbytes, CHUNK: tl.constexpr,
                                 PIECES: tl.constexpr, THREADS: tl.constexpr, ITERS: tl.constexpr,
                                 EVICT_LAST: tl.constexpr = False, DEDUPE: tl.constexpr = False,
@@ -145,14 +160,7 @@ def _l2_prefetch_experts_kernel(w_ptr, ids_ptr, rec_ptr, NP, E, expert_bytes, nb
         if DEDUPE:
             seen = (all_ids[None, :] == e[:, None]) & (every[None, :] < j[:, None])          # [THREADS, NP_POW2]
             ok = ok & (tl.sum(seen.to(tl.int32), axis=1) == 0)
-        size = tl.where(ok, tl.minimum(nbytes - off, CHUNK), 0).to(tl.int32)
-        rel = tl.where(ok, e * expert_bytes + off, 0)
-        if RECORD:
-            slot = i * 2                        # i: this step's piece index, one record a thread a step
-            tl.store(rec_ptr + slot, rel)
-            tl.store(rec_ptr + slot + 1, size.to(tl.int64))
-        else:
-            _bulk_prefetch(w_ptr + rel, size, EVICT_LAST)
+        _item_piece(w_ptr, rec_ptr + i * 2, ok, e * expert_bytes, off, nbytes, CHUNK, EVICT_LAST, RECORD)
 
 
 def expert_pieces(pairs: int, nbytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> tuple[int, int]:
@@ -211,14 +219,8 @@ def _l2_prefetch_pages_kernel(pages_ptr, rows_ptr, pos_ptr, rec_ptr, T, MP, PS, 
         page = tl.load(rows_ptr + b * stride_rb + j, mask=live, other=-1).to(tl.int64)
         ok = live & (page >= 0) & (page < NUM_PAGES)
         off = (i % PIECES) * CHUNK
-        size = tl.where(ok, tl.minimum(page_bytes - off, CHUNK), 0).to(tl.int32)
-        rel = tl.where(ok, page * stride_page + off, 0)
-        if RECORD:
-            slot = (b * ITERS * tl.num_programs(0) * THREADS + i) * 2
-            tl.store(rec_ptr + slot, rel)
-            tl.store(rec_ptr + slot + 1, size.to(tl.int64))
-        else:
-            _bulk_prefetch(pages_ptr + rel, size, EVICT_LAST)
+        slot = (b * ITERS * tl.num_programs(0) * THREADS + i) * 2
+        _item_piece(pages_ptr, rec_ptr + slot, ok, page * stride_page, off, page_bytes, CHUNK, EVICT_LAST, RECORD)
 
 
 def page_pieces(pages: int, page_bytes: int, programs: int = PROGRAMS, threads: int = THREADS) -> tuple[int, int]:
