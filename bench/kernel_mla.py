@@ -23,6 +23,7 @@ launches they replace (mla_prep; mla_attention with its gate; ok = bit-exact) cl
     python3 bench/kernel_mla.py --combine-absorb [--json ...]   # COMBINE_ABSORB on and off (kernels/mla.py)
     python3 bench/kernel_mla.py --qa-tile [--json ...]          # QA_TILE (q_absorb's tile form) on and off
     python3 bench/kernel_mla.py --va-tile [--json ...]          # VA_TILE (v_absorb's tile form) on and off
+    python3 bench/kernel_mla.py --swap [--json ...]             # the swapped Gluon split (mla_gluon SWAP) on and off
 """
 
 from __future__ import annotations
@@ -363,20 +364,22 @@ def gluon_rows() -> list[dict]:
     return rows
 
 
-def flag_rows(flag: str, on_name: str, off_name: str) -> list[dict]:
-    """mla_attention with the boolean kernels/mla.py flag `flag` on and off, 1 and 6 queries at context 8192: the
-    attention row's checks (reference tolerance, row invariance, PDL on == off, determinism) and time for each, and
-    the on row's largest difference from the off row's output (`max_diff_<off_name>`)."""
-    import lingc.kernels.mla as K
+def flag_rows(flag: str, on_name: str, off_name: str, module: str = "lingc.kernels.mla") -> list[dict]:
+    """mla_attention with the boolean flag `flag` of `module` (kernels/mla.py by default) on and off, 1 and 6 queries
+    at context 8192: the attention row's checks (reference tolerance, row invariance, PDL on == off, determinism) and
+    time for each, and the on row's largest difference from the off row's output (`max_diff_<off_name>`)."""
+    import importlib
 
-    saved = getattr(K, flag)
+    K = importlib.import_module("lingc.kernels.mla")
+    F = importlib.import_module(module)
+    saved = getattr(F, flag)
     rows = []
     try:
         for T, ctx in CASES[:2]:
             c = _case(T, ctx, 1, seed=13 + T)
             outs = {}
             for name, on in ((on_name, True), (off_name, False)):
-                setattr(K, flag, on)
+                setattr(F, flag, on)
                 r = _attention_rows(T, ctx, sweep=[])[0]
                 outs[name] = K.mla_attention(c["q_nope"], c["q_rope"], c["kv"][0], c["w"][0], c["page_rows"],
                                              c["positions"], SCALE)
@@ -388,7 +391,7 @@ def flag_rows(flag: str, on_name: str, off_name: str) -> list[dict]:
                                                                    - outs[off_name].float()).abs().max().item()
             del c
     finally:
-        setattr(K, flag, saved)
+        setattr(F, flag, saved)
     return rows
 
 
@@ -405,8 +408,13 @@ if __name__ == "__main__":
                     help="only mla_attention with q_absorb's tile form (QA_TILE) on and off (checks, time, bits)")
     ap.add_argument("--va-tile", action="store_true",
                     help="only mla_attention with v_absorb's tile form (VA_TILE) on and off (checks, time, bits)")
+    ap.add_argument("--swap", action="store_true",
+                    help="only mla_attention with the swapped Gluon split (kernels/mla_gluon.py SWAP) on and off")
     args = ap.parse_args()
-    if args.combine_absorb:
+    if args.swap:
+        import lingc  # noqa: F401  (registers the reference ops)
+        all_rows = flag_rows("SWAP", "gluon-swap", "gluon", module="lingc.kernels.mla_gluon")
+    elif args.combine_absorb:
         import lingc  # noqa: F401  (registers the reference ops)
         all_rows = flag_rows("COMBINE_ABSORB", "combine-absorb", "two-launches")
     elif args.qa_tile or args.va_tile:

@@ -94,6 +94,23 @@ SMEM_LIMIT = 220 * 1024  # of the H200's 227 KB a block may take
 # 1 query level (10.2 against 9.9-10.1); stored in the accumulator's layout bf16 was slower (16.3 us at 6 queries).
 # LINGC_MLA_PARTIAL_BF16=0 keeps fp32 partials (the Triton split's)
 PARTIAL_BF16 = env_flag("LINGC_MLA_PARTIAL_BF16", True)
+# SWAP (LINGC_MLA_GLUON_SWAP=1; off until measured): _mla_split_swap_kernel, the split with its MMAs' operands swapped.
+# The default kernel's tile puts (query, head) pairs on the wgmma's M = 64, so a decode step computes 48 dead rows of
+# 64 in both MMA chains (~2.4 of its 3.1 us of MMA). Swapped, a query's S^T = K Q^T [128 rows, 16 heads] and each
+# O^T chunk = V^T P^T [128 latent, 16 heads] are m64n16k16 chains (two warpgroups stacked on M, N = the heads), the
+# softmax reduces over M (across the warpgroups), and P^T goes over the query tile's dead rows as the B operand.
+# QPP = SWAP_QPP_MAX queries a program at most, fewer where the step has fewer (swap_queries): every query runs its
+# own instructions, the same whatever QPP is or which slot it fills, so decode (QPP 1) and verify (QPP 4) give a
+# query the same bits by construction (row invariance). A numerics change against the default kernel (other MMA
+# shapes: other fp32 summation inside the tensor core); same partials layout, so the combine is unchanged.
+SWAP = env_flag("LINGC_MLA_GLUON_SWAP", False)
+SWAP_QPP_MAX = 4
+
+
+def swap_queries(T: int) -> int:
+    """Queries a program of the swapped split takes at T queries a request: the power of two covering T, at most
+    SWAP_QPP_MAX (the query tile and P then fit beside the cache rows)."""
+    return min(SWAP_QPP_MAX, triton.next_power_of_2(max(T, 1)))
 
 
 def smem_bytes(r: int, rr: int) -> int:
@@ -281,15 +298,137 @@ if HAVE_GLUON:
             gl.store(part_ml_ptr + prow * 2 + 1, l_k, mask=keep)
 
 
+    @gluon.jit
+    def _mla_split_swap_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
+                               T, S, CAP, qk_scale,
+                               stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
+                               stride_pos_b, stride_pos_t,
+                               UNIT: gl.constexpr, PS: gl.constexpr, H: gl.constexpr, R: gl.constexpr,
+                               RR: gl.constexpr, SPLIT_N: gl.constexpr, CW: gl.constexpr, QPP: gl.constexpr,
+                               PDL: gl.constexpr, NW: gl.constexpr):
+        """The split with the operands swapped (SWAP, module docstring): per query, S^T = K Q^T [SPLIT_N, H] and
+        O^T = V^T P^T [R, H] as wgmma tiles whose M is the cache rows / latent columns (two warpgroups stacked on M)
+        and whose N is the query's H heads, so a decode step computes no dead rows. The same (m, l, O) partials as
+        _mla_split_gluon_kernel in the same layout; QPP queries a program, each with its own instructions."""
+        BM: gl.constexpr = QPP * H                 # query tile rows: (query, head) pairs
+        RC: gl.constexpr = R // CW                 # latent chunks
+        dt: gl.constexpr = kv_ptr.dtype.element_ty
+        tile = gl.program_id(0)
+        s = gl.program_id(1)
+        tiles_t = (T + QPP - 1) // QPP
+        b = tile // tiles_t
+        t0 = (tile % tiles_t) * QPP
+        pos_b = pos_ptr + b.to(gl.int64) * stride_pos_b
+        last = _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP)
+        start = s * SPLIT_N
+        end = gl.minimum(gl.minimum(start + SPLIT_N, last + 1), CAP)
+        if start < end:
+            LW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])    # [*, CW]: 16 B a thread
+            LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [*, RR]
+            # S^T [SPLIT_N, H] and each O^T chunk [CW, H]: the warpgroups stacked on M, N = the H heads
+            t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                          instr_shape=[16, H, 16])
+            kv_lat = ()
+            q_lat = ()
+            for c in gl.static_range(RC):
+                kv_lat = kv_lat + (gl.allocate_shared_memory(
+                    dt, [SPLIT_N, CW], gl.NVMMASharedLayout.get_default_for([SPLIT_N, CW], dt)),)
+                q_lat = q_lat + (gl.allocate_shared_memory(
+                    dt, [BM, CW], gl.NVMMASharedLayout.get_default_for([BM, CW], dt)),)
+            kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR],
+                                                gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
+            q_rope = gl.allocate_shared_memory(dt, [BM, RR], gl.NVMMASharedLayout.get_default_for([BM, RR], dt))
+            cols = gl.arange(0, CW, layout=gl.SliceLayout(0, LW))
+            cols_r = gl.arange(0, RR, layout=gl.SliceLayout(0, LR))
+            pos_new = gl.load(pos_b, cache_modifier=".cg").to(gl.int32)
+            _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
+                        pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, True)
+            async_copy.commit_group()
+            if PDL:
+                gluon_gdc_wait()
+            _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
+                        pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, False)
+            qr = gl.arange(0, BM, layout=gl.SliceLayout(1, LW))
+            live_q = t0 + qr // H < T
+            qrow = ((b * T + gl.minimum(t0 + qr // H, T - 1)) * H + qr % H).to(gl.int64) * R
+            for c in gl.static_range(RC):
+                async_copy.async_copy_global_to_shared(q_lat[c], qlat_ptr + qrow[:, None] + (c * CW + cols)[None, :],
+                                                       mask=live_q[:, None])
+            qr2 = gl.arange(0, BM, layout=gl.SliceLayout(1, LR))
+            rrow = (b.to(gl.int64) * stride_rb + gl.minimum(t0 + qr2 // H, T - 1) * stride_rt
+                    + (qr2 % H) * stride_rh)
+            async_copy.async_copy_global_to_shared(q_rope, qrope_ptr + rrow[:, None] + cols_r[None, :],
+                                                   mask=(t0 + qr2 // H < T)[:, None])
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            if PDL:
+                gluon_gdc_launch_dependents()      # after the last read of the previous kernel's output
+            # S^T of each query: one chain in the columns' order (latent 0 .. R-1, then the rope part)
+            st = ()
+            for j in gl.static_range(QPP):
+                acc = gl.zeros([SPLIT_N, H], gl.float32, t_l)
+                for c in gl.static_range(RC):
+                    acc = warpgroup_mma(kv_lat[c], q_lat[c].slice(j * H, H).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(kv_rope, q_rope.slice(j * H, H).permute((1, 0)), acc, is_async=True)
+                st = st + (acc,)
+            st = warpgroup_mma_wait(0, deps=st)
+            if QPP == 1:
+                st = (st,)
+            n_s = start + gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, t_l))
+            hs = gl.arange(0, H, layout=gl.SliceLayout(0, t_l))
+            gl.thread_barrier()                    # every warpgroup's MMAs have read the query tile
+            ms = ()
+            ls = ()
+            for j in gl.static_range(QPP):
+                tj = gl.minimum(t0 + j, T - 1)
+                end_j = gl.minimum(gl.minimum(start + SPLIT_N, gl.load(pos_b + tj * stride_pos_t,
+                                                                       cache_modifier=".cg").to(gl.int32) + 1), CAP)
+                x = gl.where((n_s < end_j)[:, None], st[j] * qk_scale, float("-inf"))
+                m_j = gl.max(x, axis=0)
+                m_j = gl.where(m_j == float("-inf"), 0.0, m_j)   # a query that sees none of the split: not stored
+                p = gl.exp2(x - m_j[None, :])
+                ls = ls + (gl.sum(p, axis=0),)
+                ms = ms + (m_j,)
+                q_lat[0].slice(j * H, H).store(gl.permute(p.to(dt), (1, 0)))     # P [H, SPLIT_N] over dead Q
+            fence_async_shared()
+            gl.thread_barrier()
+            # O^T = V^T P^T: every query's chunks issued, then one wait
+            o = ()
+            for j in gl.static_range(QPP):
+                for c in gl.static_range(RC):
+                    o = o + (warpgroup_mma(kv_lat[c].permute((1, 0)), q_lat[0].slice(j * H, H).permute((1, 0)),
+                                           gl.zeros([CW, H], gl.float32, t_l), is_async=True),)
+            o = warpgroup_mma_wait(0, deps=o)
+            # stores: O^T [CW, H] a chunk, the latent columns contiguous (4 a thread, a warp 128 of one head)
+            LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NW], [0, 1])               # [CW, H]
+            po = part_o_ptr.dtype.element_ty
+            ocol = gl.arange(0, CW, layout=gl.SliceLayout(1, LO))
+            oh = gl.arange(0, H, layout=gl.SliceLayout(0, LO))
+            for j in gl.static_range(QPP):
+                tj = gl.minimum(t0 + j, T - 1)
+                end_j = gl.minimum(gl.minimum(start + SPLIT_N, gl.load(pos_b + tj * stride_pos_t,
+                                                                       cache_modifier=".cg").to(gl.int32) + 1), CAP)
+                keep_j = (t0 + j < T) & (end_j > start)
+                prow_o = ((b * T + tj) * S + s).to(gl.int64) * H + oh                  # [H] partial rows
+                for c in gl.static_range(RC):
+                    gl.store(part_o_ptr + prow_o[None, :] * R + (c * CW + ocol)[:, None],
+                             gl.convert_layout(o[j * RC + c].to(po), LO), mask=keep_j)
+                prow = ((b * T + tj) * S + s).to(gl.int64) * H + hs
+                gl.store(part_ml_ptr + prow * 2, ms[j], mask=keep_j)
+                gl.store(part_ml_ptr + prow * 2 + 1, ls[j], mask=keep_j)
+
+
 def launch(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_pages: torch.Tensor, page_rows: torch.Tensor,
            positions: torch.Tensor, part_o: torch.Tensor, part_ml: torch.Tensor, B: int, T: int, S: int,
            capacity: int, qk_scale: float, pdl: bool) -> bool:
     """kernels/mla.py's split on this path (the caller checked `eligible`; q_lat [M, H, R] and the partials are that
     module's buffers). False, with one warning, where the kernel does not compile: the caller runs the Triton split."""
     H, R = q_lat.shape[1], q_lat.shape[2]
-    qpp = TILE_ROWS // H
+    kernel, qpp = (_mla_split_swap_kernel, swap_queries(T)) if SWAP else (_mla_split_gluon_kernel, TILE_ROWS // H)
     grid = (B * triton.cdiv(T, qpp), S)
-    return guarded(lambda: _mla_split_gluon_kernel[grid](
+    return guarded(lambda: kernel[grid](
         q_lat, q_rope, kv_pages, page_rows, positions, part_o, part_ml, T, S, capacity, qk_scale,
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), kv_pages.stride(0), kv_pages.stride(1),
         page_rows.stride(0), positions.stride(0), positions.stride(1),

@@ -102,8 +102,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import lingc.kernels.mla_gluon as MG
-fn = MG._mla_split_gluon_kernel
-const = dict(UNIT=MG.UNIT, PS=16, H=16, R=512, RR=64, SPLIT_N=MG.SPLIT, CW=MG.CHUNK, QPP=MG.TILE_ROWS // 16, PDL=True,
+fn = getattr(MG, sys.argv[1])
+const = dict(UNIT=MG.UNIT, PS=16, H=16, R=512, RR=64, SPLIT_N=MG.SPLIT, CW=MG.CHUNK, QPP=int(sys.argv[2]), PDL=True,
              NW=MG.WARPS)
 sig = {}
 for n in fn.arg_names:
@@ -122,15 +122,20 @@ sys.stdout.write(str(k.metadata.shared) + "\\n" + k.asm["ptx"])
 """
 
 
-@pytest.mark.skipif(not MG.HAVE_GLUON, reason="this Triton has no Gluon")
-def test_sm90_code() -> None:
+def _compile_sm90(kernel: str, qpp: int) -> tuple[int, list[str]]:
+    """(shared memory bytes, PTX lines without predicates and comments) of a split kernel compiled for sm_90."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=Path(__file__).resolve().parent)
+    proc = subprocess.run([sys.executable, "-c", _PROBE, kernel, str(qpp)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=Path(__file__).resolve().parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shared, _, ptx = proc.stdout.partition("\n")
-    assert int(shared) <= MG.SMEM_LIMIT + 2048, shared                   # one CTA an SM fits
-    lines = [re.sub(r"^@!?%p\d+\s+", "", line.split("//")[0].strip()) for line in ptx.splitlines()]
+    return int(shared), [re.sub(r"^@!?%p\d+\s+", "", line.split("//")[0].strip()) for line in ptx.splitlines()]
+
+
+@pytest.mark.skipif(not MG.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_sm90_code() -> None:
+    shared, lines = _compile_sm90("_mla_split_gluon_kernel", MG.TILE_ROWS // 16)
+    assert shared <= MG.SMEM_LIMIT + 2048, shared                         # one CTA an SM fits
     find = lambda prefix: [i for i, line in enumerate(lines) if line.startswith(prefix)]  # noqa: E731
     waits, triggers = find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents")
     copies = find("cp.async.cg.shared.global")
@@ -143,3 +148,32 @@ def test_sm90_code() -> None:
     assert len(before) == rows_copies and len(after) == rows_copies + q_copies, (len(before), len(after))
     assert len(find("wgmma.mma_async")) == (512 // 16 + 64 // 16) + 4 * (128 // 16)
     assert not find("ld.local") and not find("st.local")                  # nothing spills
+
+
+@pytest.mark.skipif(not MG.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("qpp", [1, 4])
+def test_sm90_code_swapped(qpp: int) -> None:
+    """The swapped split (SWAP): the default kernel's copies and PDL placement, and a query's own m64n16k16 chains,
+    (512 + 64) / 16 steps for S^T and 4 chunks x 128 / 16 for O^T, QPP times over; one CTA an SM; no spills."""
+    shared, lines = _compile_sm90("_mla_split_swap_kernel", qpp)
+    assert shared <= MG.SMEM_LIMIT + 2048, shared
+    find = lambda prefix: [i for i, line in enumerate(lines) if line.startswith(prefix)]  # noqa: E731
+    waits, triggers = find("griddepcontrol.wait"), find("griddepcontrol.launch_dependents")
+    assert len(waits) == 1 and len(triggers) == 1 and waits[0] < triggers[0], (waits, triggers)
+    copies = find("cp.async.cg.shared.global")
+    before = [i for i in copies if i < waits[0]]
+    after = [i for i in copies if waits[0] < i < triggers[0]]
+    # the query tile: each latent chunk and the rope part at least one 16 B copy a thread
+    rows_copies = 128 * 576 * 2 // 16 // 256
+    q_copies = 4 * -(-16 * qpp * 128 * 2 // 16 // 256) + -(-16 * qpp * 64 * 2 // 16 // 256)
+    assert len(before) == rows_copies and len(after) == rows_copies + q_copies, (len(before), len(after))
+    mmas = [lines[i] for i in find("wgmma.mma_async")]
+    assert len(mmas) == qpp * ((512 + 64) // 16 + 4 * (128 // 16)), len(mmas)
+    assert all(".m64n16k16." in m for m in mmas), set(mmas)
+    assert all(i > triggers[0] for i in find("wgmma.mma_async"))
+    assert not find("ld.local") and not find("st.local")
+
+
+def test_swap_queries() -> None:
+    """The swapped split's queries a program: the power of two covering T, at most SWAP_QPP_MAX."""
+    assert [MG.swap_queries(t) for t in (1, 2, 3, 4, 6, 16)] == [1, 2, 4, 4, 4, 4]
