@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (one GPU; ~8 minutes on a cold machine): the swapped Gluon MLA split (kernels/mla_gluon.py SWAP,
+# One device call (one GPU; ~7 minutes on a cold machine): the swapped Gluon MLA split (kernels/mla_gluon.py SWAP,
 # LINGC_MLA_GLUON_SWAP=1) checked and timed alone, then A/B in the step beside the pdl pass's PREP_ENTRY_TRIGGER
 # (passes/pdl.py, built in the twenty-eighth session and not yet timed):
 # 1. bench/kernel_mla.py --swap (OUT_DIR/kernels-swap.json): mla_attention with the swapped split and with the
@@ -7,7 +7,7 @@
 #    alone as a one-query call), PDL on == off, determinism, time, and the largest difference between the two
 # 2. bench/device_step.py --only all with LINGC_MLA_GLUON_SWAP=1 (OUT_DIR/ab.json), so the greedy parity (NEXTN ==
 #    plain decoding, PDL on == off, greedy copies == general graphs) runs with the swapped split; rows all (swap) /
-#    @noswap / @swap2 / @noswap2 / @prep (swap and the entry trigger) / @prep_noswap
+#    @noswap / @swap2 / @noswap2 / @prep (swap and the entry trigger)
 #
 #   LINGC_COMMIT=<hash> bash bench/device_swap_ab.sh OUT_DIR
 #
@@ -22,5 +22,5 @@ timeout 150 python3 bench/kernel_mla.py --swap --json "$OUT/kernels-swap.json" 2
 echo "== step A/B"
 LINGC_MLA_GLUON_SWAP=1 timeout 420 python3 bench/device_step.py --only all --variant "noswap:$S=False" \
   --variant "swap2:$S=True" --variant "noswap2:$S=False" --variant "prep:$S=True;$P=True" \
-  --variant "prep_noswap:$S=False;$P=True" --json "$OUT/ab.json" 2>&1 | grep -v Warning | tail -3
+  --json "$OUT/ab.json" 2>&1 | grep -v Warning | tail -3
 python3 bench/device_step.py --rows "$OUT/ab.json"
