@@ -20,7 +20,7 @@ source bench/device_site.sh
 S=lingc.kernels.mla_gluon.SWAP
 P=lingc.passes.pdl.PREP_ENTRY_TRIGGER
 echo "== the swapped split alone"
-timeout 150 python3 bench/kernel_mla.py --swap --json "$OUT/kernels-swap.json" 2>&1 | grep -v Warning | tail -4
+timeout 120 python3 bench/kernel_mla.py --swap --json "$OUT/kernels-swap.json" 2>&1 | grep -v Warning | tail -4
 echo "== step A/B"
 EXTRA=(--variant "prep:$S=True;$P=True")
 [ "${2:-}" = lean ] && EXTRA=(--no-parity)
