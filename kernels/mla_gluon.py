@@ -47,6 +47,14 @@ parts compiled out; probe-mla-split-h200-20261204.json): ~3.5 us of cache-row co
 chains (a T = 1 call computes 48 dead rows of the 64), then the partial stores (1.8 / 4.3 us at 1 / 6 queries with
 fp32 partials), on top of ~3 us of launch and position / page-table round trips.
 
+The swapped form (SWAP, off; `_mla_split_swap_kernel`): a decode step fills one query slot of the 64-row tile, so 48
+of the tile's 64 MMA rows are dead in both chains. Swapped, each query's S^T = K Q^T [128 cache rows, 16 heads] and
+O^T = V^T P^T [128 latent columns, 16 heads] a chunk run as m64n16k16 chains with the two warpgroups stacked on M; the
+softmax reduces over M (across the warpgroups), P goes over the query tile's first chunk as the B operand, and the
+partials keep the default kernel's layout. A program takes up to 4 queries (one at decode), each with its own chains,
+so a query's bits do not depend on T. Built and compiled offline for sm_90 (tests/kernels/test_mla_gluon.py); not yet
+run on a GPU (bench/device_swap_ab.sh).
+
 Where it runs (`eligible`): CUDA sm_90 (wgmma is Hopper's), Gluon importable, LINGC_MLA_GLUON not 0, a bf16 cache
 and H = 16 (the code takes any 2-byte dtype and any H dividing 64, but only Ling-3.0-tiny's bf16 and 16 heads have
 run on the GPU), R a multiple of 128 and Rr = 64 with the rows and the tile fitting shared memory, SPLIT_ROWS = 128,
