@@ -32,10 +32,10 @@ from lingc.ops import OPS as ops
 from lingc.presets import preset
 
 
-def measure(layers: int, prompt: int, new: int, seed: int = 0) -> dict[str, dict]:
+def measure(layers: int, prompt: int, new: int, seed: int = 0, config_name: str = "ling-3.0-tiny") -> dict[str, dict]:
     """{MoE module name: {"hit": mean fraction of the router's picks predicted, "hit_decode": the same over the
-    decode steps only, "positions": how many}}."""
-    config = preset("ling-3.0-tiny", num_hidden_layers=layers)
+    decode steps only, "positions": how many}} on the random checkpoint of preset `config_name`."""
+    config = preset(config_name, num_hidden_layers=layers)
     model = random_model(config, seed=seed)
     names = {id(m): n for n, m in model.named_modules()}
     hits: dict[int, list[float]] = {}
@@ -74,10 +74,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=48, help="prompt tokens")
     ap.add_argument("--new", type=int, default=6, help="new tokens (decode steps)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preset", default="ling-3.0-tiny", help="the config (lingc/presets.py)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     start = time.time()
-    rows = measure(args.layers, args.prompt, args.new, args.seed)
+    rows = measure(args.layers, args.prompt, args.new, args.seed, args.preset)
     for name, row in rows.items():
         print(f"{name:24s} hit {row['hit']:.3f}  decode {row['hit_decode']:.3f}  ({row['positions']} positions)")
     if args.json:
