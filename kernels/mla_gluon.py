@@ -186,6 +186,79 @@ if HAVE_GLUON:
                                                        mask=valid_r[:, None])
 
     @gluon.jit
+    def _split_program(pos_ptr, T, CAP, stride_pos_b, stride_pos_t, QPP: gl.constexpr, SPLIT_N: gl.constexpr):
+        """A split program's request b, its first query t0, the request's positions pos_b and its cache rows start ..
+        end - 1 (empty past the tile's last visible row). The positions are written at the step's start (many launches
+        back): safe before the wait."""
+        tile = gl.program_id(0)
+        s = gl.program_id(1)
+        tiles_t = (T + QPP - 1) // QPP
+        b = tile // tiles_t
+        t0 = (tile % tiles_t) * QPP
+        pos_b = pos_ptr + b.to(gl.int64) * stride_pos_b
+        last = _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP)
+        start = s * SPLIT_N
+        end = gl.minimum(gl.minimum(start + SPLIT_N, last + 1), CAP)
+        return b, t0, s, pos_b, start, end
+
+    @gluon.jit
+    def _split_smem(dt: gl.constexpr, BM: gl.constexpr, SPLIT_N: gl.constexpr, CW: gl.constexpr, RR: gl.constexpr,
+                    RC: gl.constexpr):
+        """A split program's shared memory: the cache rows' RC latent chunks and rope part, the query tile's; one
+        allocation a chunk (no barrier between the copies into them)."""
+        kv_lat = ()
+        q_lat = ()
+        for c in gl.static_range(RC):
+            kv_lat = kv_lat + (gl.allocate_shared_memory(
+                dt, [SPLIT_N, CW], gl.NVMMASharedLayout.get_default_for([SPLIT_N, CW], dt)),)
+            q_lat = q_lat + (gl.allocate_shared_memory(
+                dt, [BM, CW], gl.NVMMASharedLayout.get_default_for([BM, CW], dt)),)
+        kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR], gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
+        q_rope = gl.allocate_shared_memory(dt, [BM, RR], gl.NVMMASharedLayout.get_default_for([BM, RR], dt))
+        return kv_lat, q_lat, kv_rope, q_rope
+
+    @gluon.jit
+    def _copy_old_units(kv_lat, kv_rope, kv_ptr, pages_ptr, pos_b, b, stride_pages_b, stride_page, stride_row, start,
+                        end, R: gl.constexpr, RC: gl.constexpr, CW: gl.constexpr, RR: gl.constexpr,
+                        UNIT: gl.constexpr, SPLIT_N: gl.constexpr, PS: gl.constexpr, LW: gl.constexpr,
+                        LR: gl.constexpr):
+        """Before the wait (module docstring): the split's cache rows that earlier steps wrote (rows past `end` land as
+        zeros), UNIT rows a copy, as one commit group; a unit holding a row of this step's tokens (position >= the
+        request's first query's, pos_new) is left for _copy_units after the wait, when mla_prep's write of it is
+        complete. Returns (cols, cols_r, pos_new) for that call."""
+        cols = gl.arange(0, CW, layout=gl.SliceLayout(0, LW))
+        cols_r = gl.arange(0, RR, layout=gl.SliceLayout(0, LR))
+        pos_new = gl.load(pos_b, cache_modifier=".cg").to(gl.int32)
+        _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
+                    pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, True)
+        async_copy.commit_group()
+        return cols, cols_r, pos_new
+
+    @gluon.jit
+    def _copy_query_tile(q_lat, q_rope, qlat_ptr, qrope_ptr, b, t0, T, stride_rb, stride_rt, stride_rh, cols, cols_r,
+                         H: gl.constexpr, R: gl.constexpr, RC: gl.constexpr, CW: gl.constexpr, BM: gl.constexpr,
+                         LW: gl.constexpr, LR: gl.constexpr, PDL: gl.constexpr):
+        """The query tile into shared memory (after the wait: q_absorb's output), every copy landed, then the PDL
+        trigger. Row r is query t0 + r // H, head r % H; rows past the chain's end load nothing (their results are
+        not stored, and a row's or query's MMA results do not depend on the others)."""
+        qr = gl.arange(0, BM, layout=gl.SliceLayout(1, LW))
+        live_q = t0 + qr // H < T
+        qrow = ((b * T + gl.minimum(t0 + qr // H, T - 1)) * H + qr % H).to(gl.int64) * R
+        for c in gl.static_range(RC):
+            async_copy.async_copy_global_to_shared(q_lat[c], qlat_ptr + qrow[:, None] + (c * CW + cols)[None, :],
+                                                   mask=live_q[:, None])
+        qr2 = gl.arange(0, BM, layout=gl.SliceLayout(1, LR))
+        rrow = (b.to(gl.int64) * stride_rb + gl.minimum(t0 + qr2 // H, T - 1) * stride_rt + (qr2 % H) * stride_rh)
+        async_copy.async_copy_global_to_shared(q_rope, qrope_ptr + rrow[:, None] + cols_r[None, :],
+                                               mask=(t0 + qr2 // H < T)[:, None])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        if PDL:
+            gluon_gdc_launch_dependents()      # after the last read of the previous kernel's output
+
+    @gluon.jit
     def _mla_split_gluon_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                                 T, S, CAP, qk_scale,
                                 stride_rb, stride_rt, stride_rh, stride_page, stride_row, stride_pages_b,
@@ -200,41 +273,16 @@ if HAVE_GLUON:
         RC: gl.constexpr = R // CW                 # latent chunks
         WN: gl.constexpr = NW // 4                 # warpgroups, side by side on N
         dt: gl.constexpr = kv_ptr.dtype.element_ty
-        tile = gl.program_id(0)
-        s = gl.program_id(1)
-        tiles_t = (T + QPP - 1) // QPP
-        b = tile // tiles_t
-        t0 = (tile % tiles_t) * QPP
-        pos_b = pos_ptr + b.to(gl.int64) * stride_pos_b
-        # written at the step's start (many launches back): safe before the wait
-        last = _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP)
-        start = s * SPLIT_N
-        end = gl.minimum(gl.minimum(start + SPLIT_N, last + 1), CAP)
+        b, t0, s, pos_b, start, end = _split_program(pos_ptr, T, CAP, stride_pos_b, stride_pos_t, QPP, SPLIT_N)
         if start < end:
             LW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])    # [*, CW]: 16 B a thread
             LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [*, RR]
             a_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
                                                           instr_shape=[16, CW // WN, 16])   # S and O: [BM, CW]
-            # shared memory: one allocation a chunk (no barrier between the copies into them)
-            kv_lat = ()
-            q_lat = ()
-            for c in gl.static_range(RC):
-                kv_lat = kv_lat + (gl.allocate_shared_memory(
-                    dt, [SPLIT_N, CW], gl.NVMMASharedLayout.get_default_for([SPLIT_N, CW], dt)),)
-                q_lat = q_lat + (gl.allocate_shared_memory(
-                    dt, [BM, CW], gl.NVMMASharedLayout.get_default_for([BM, CW], dt)),)
-            kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR],
-                                                gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
-            q_rope = gl.allocate_shared_memory(dt, [BM, RR], gl.NVMMASharedLayout.get_default_for([BM, RR], dt))
-            # before the wait (module docstring): the split's cache rows that earlier steps wrote (rows past `end`
-            # land as zeros), UNIT rows a copy; a unit holding a row of this step's tokens (position >= the
-            # request's first query's) is copied after the wait, when mla_prep's write of it is complete
-            cols = gl.arange(0, CW, layout=gl.SliceLayout(0, LW))
-            cols_r = gl.arange(0, RR, layout=gl.SliceLayout(0, LR))
-            pos_new = gl.load(pos_b, cache_modifier=".cg").to(gl.int32)
-            _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
-                        pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, True)
-            async_copy.commit_group()
+            kv_lat, q_lat, kv_rope, q_rope = _split_smem(dt, BM, SPLIT_N, CW, RR, RC)
+            cols, cols_r, pos_new = _copy_old_units(kv_lat, kv_rope, kv_ptr, pages_ptr, pos_b, b, stride_pages_b,
+                                                    stride_page, stride_row, start, end, R, RC, CW, RR, UNIT, SPLIT_N,
+                                                    PS, LW, LR)
             sr = gl.arange(0, BM, layout=gl.SliceLayout(1, a_l))
             ts = gl.minimum(t0 + sr // H, T - 1)
             end_q = gl.minimum(gl.minimum(start + SPLIT_N, gl.load(pos_b + ts * stride_pos_t, cache_modifier=".cg")
@@ -244,25 +292,8 @@ if HAVE_GLUON:
                 gluon_gdc_wait()
             _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
                         pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, False)
-            # the query tile: row r is query t0 + r // H, head r % H; rows past the chain's end load nothing (their
-            # results are not stored, and a row's MMA results do not depend on the other rows)
-            qr = gl.arange(0, BM, layout=gl.SliceLayout(1, LW))
-            live_q = t0 + qr // H < T
-            qrow = ((b * T + gl.minimum(t0 + qr // H, T - 1)) * H + qr % H).to(gl.int64) * R
-            for c in gl.static_range(RC):
-                async_copy.async_copy_global_to_shared(q_lat[c], qlat_ptr + qrow[:, None] + (c * CW + cols)[None, :],
-                                                       mask=live_q[:, None])
-            qr2 = gl.arange(0, BM, layout=gl.SliceLayout(1, LR))
-            rrow = (b.to(gl.int64) * stride_rb + gl.minimum(t0 + qr2 // H, T - 1) * stride_rt
-                    + (qr2 % H) * stride_rh)
-            async_copy.async_copy_global_to_shared(q_rope, qrope_ptr + rrow[:, None] + cols_r[None, :],
-                                                   mask=(t0 + qr2 // H < T)[:, None])
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()
-            if PDL:
-                gluon_gdc_launch_dependents()      # after the last read of the previous kernel's output
+            _copy_query_tile(q_lat, q_rope, qlat_ptr, qrope_ptr, b, t0, T, stride_rb, stride_rt, stride_rh, cols, cols_r,
+                             H, R, RC, CW, BM, LW, LR, PDL)
             # S = Q K^T [BM, SPLIT_N]: one chain in the columns' order (latent 0 .. R-1, then the rope part)
             s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
                                                           instr_shape=[16, SPLIT_N // WN, 16])
@@ -321,58 +352,23 @@ if HAVE_GLUON:
         BM: gl.constexpr = QPP * H                 # query tile rows: (query, head) pairs
         RC: gl.constexpr = R // CW                 # latent chunks
         dt: gl.constexpr = kv_ptr.dtype.element_ty
-        tile = gl.program_id(0)
-        s = gl.program_id(1)
-        tiles_t = (T + QPP - 1) // QPP
-        b = tile // tiles_t
-        t0 = (tile % tiles_t) * QPP
-        pos_b = pos_ptr + b.to(gl.int64) * stride_pos_b
-        last = _tile_last_pos(pos_b, stride_pos_t, t0, T, QPP)
-        start = s * SPLIT_N
-        end = gl.minimum(gl.minimum(start + SPLIT_N, last + 1), CAP)
+        b, t0, s, pos_b, start, end = _split_program(pos_ptr, T, CAP, stride_pos_b, stride_pos_t, QPP, SPLIT_N)
         if start < end:
             LW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])    # [*, CW]: 16 B a thread
             LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [*, RR]
             # S^T [SPLIT_N, H] and each O^T chunk [CW, H]: the warpgroups stacked on M, N = the H heads
             t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                           instr_shape=[16, H, 16])
-            kv_lat = ()
-            q_lat = ()
-            for c in gl.static_range(RC):
-                kv_lat = kv_lat + (gl.allocate_shared_memory(
-                    dt, [SPLIT_N, CW], gl.NVMMASharedLayout.get_default_for([SPLIT_N, CW], dt)),)
-                q_lat = q_lat + (gl.allocate_shared_memory(
-                    dt, [BM, CW], gl.NVMMASharedLayout.get_default_for([BM, CW], dt)),)
-            kv_rope = gl.allocate_shared_memory(dt, [SPLIT_N, RR],
-                                                gl.NVMMASharedLayout.get_default_for([SPLIT_N, RR], dt))
-            q_rope = gl.allocate_shared_memory(dt, [BM, RR], gl.NVMMASharedLayout.get_default_for([BM, RR], dt))
-            cols = gl.arange(0, CW, layout=gl.SliceLayout(0, LW))
-            cols_r = gl.arange(0, RR, layout=gl.SliceLayout(0, LR))
-            pos_new = gl.load(pos_b, cache_modifier=".cg").to(gl.int32)
-            _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
-                        pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, True)
-            async_copy.commit_group()
+            kv_lat, q_lat, kv_rope, q_rope = _split_smem(dt, BM, SPLIT_N, CW, RR, RC)
+            cols, cols_r, pos_new = _copy_old_units(kv_lat, kv_rope, kv_ptr, pages_ptr, pos_b, b, stride_pages_b,
+                                                    stride_page, stride_row, start, end, R, RC, CW, RR, UNIT, SPLIT_N,
+                                                    PS, LW, LR)
             if PDL:
                 gluon_gdc_wait()
             _copy_units(kv_lat, kv_rope, kv_ptr, pages_ptr, b, stride_pages_b, stride_page, stride_row, start, end,
                         pos_new, cols, cols_r, R, RC, CW, UNIT, SPLIT_N, PS, LW, LR, False)
-            qr = gl.arange(0, BM, layout=gl.SliceLayout(1, LW))
-            live_q = t0 + qr // H < T
-            qrow = ((b * T + gl.minimum(t0 + qr // H, T - 1)) * H + qr % H).to(gl.int64) * R
-            for c in gl.static_range(RC):
-                async_copy.async_copy_global_to_shared(q_lat[c], qlat_ptr + qrow[:, None] + (c * CW + cols)[None, :],
-                                                       mask=live_q[:, None])
-            qr2 = gl.arange(0, BM, layout=gl.SliceLayout(1, LR))
-            rrow = (b.to(gl.int64) * stride_rb + gl.minimum(t0 + qr2 // H, T - 1) * stride_rt
-                    + (qr2 % H) * stride_rh)
-            async_copy.async_copy_global_to_shared(q_rope, qrope_ptr + rrow[:, None] + cols_r[None, :],
-                                                   mask=(t0 + qr2 // H < T)[:, None])
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()
-            if PDL:
-                gluon_gdc_launch_dependents()      # after the last read of the previous kernel's output
+            _copy_query_tile(q_lat, q_rope, qlat_ptr, qrope_ptr, b, t0, T, stride_rb, stride_rt, stride_rh, cols, cols_r,
+                             H, R, RC, CW, BM, LW, LR, PDL)
             # S^T of each query: one chain in the columns' order (latent 0 .. R-1, then the rope part)
             st = ()
             for j in gl.static_range(QPP):
