@@ -385,10 +385,12 @@ if HAVE_GLUON:
             gl.thread_barrier()                    # every warpgroup's MMAs have read the query tile
             ms = ()
             ls = ()
+            keeps = ()
             for j in gl.static_range(QPP):
                 tj = gl.minimum(t0 + j, T - 1)
                 end_j = gl.minimum(gl.minimum(start + SPLIT_N, gl.load(pos_b + tj * stride_pos_t,
                                                                        cache_modifier=".cg").to(gl.int32) + 1), CAP)
+                keeps = keeps + ((t0 + j < T) & (end_j > start),)               # whether its partial is stored
                 x = gl.where((n_s < end_j)[:, None], st[j] * qk_scale, float("-inf"))
                 m_j = gl.max(x, axis=0)
                 m_j = gl.where(m_j == float("-inf"), 0.0, m_j)   # a query that sees none of the split: not stored
@@ -412,9 +414,7 @@ if HAVE_GLUON:
             oh = gl.arange(0, H, layout=gl.SliceLayout(0, LO))
             for j in gl.static_range(QPP):
                 tj = gl.minimum(t0 + j, T - 1)
-                end_j = gl.minimum(gl.minimum(start + SPLIT_N, gl.load(pos_b + tj * stride_pos_t,
-                                                                       cache_modifier=".cg").to(gl.int32) + 1), CAP)
-                keep_j = (t0 + j < T) & (end_j > start)
+                keep_j = keeps[j]
                 prow_o = ((b * T + tj) * S + s).to(gl.int64) * H + oh                  # [H] partial rows
                 for c in gl.static_range(RC):
                     gl.store(part_o_ptr + prow_o[None, :] * R + (c * CW + ocol)[:, None],
