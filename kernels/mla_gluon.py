@@ -336,7 +336,6 @@ if HAVE_GLUON:
             gl.store(part_ml_ptr + prow * 2, m_k, mask=keep)
             gl.store(part_ml_ptr + prow * 2 + 1, l_k, mask=keep)
 
-
     @gluon.jit
     def _mla_split_swap_kernel(qlat_ptr, qrope_ptr, kv_ptr, pages_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                                T, S, CAP, qk_scale,
